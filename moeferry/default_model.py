@@ -1,0 +1,105 @@
+"""The built-in default model: a tiny Qwen3-MoE checkpoint with its own tokenizer, made
+deterministically on first use into a cache directory, so `moeferry serve` and `moeferry
+generate` run on a fresh machine with no download.
+
+Its weights are random (seeded): it exercises every part of the engine, it does not write
+sensible text.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "moeferry-tiny-moe"
+_VERSION = 1
+
+_CORPUS = """\
+moeferry serves mixture of experts language models larger than the memory of the graphics card.
+The experts live in pinned host memory; a cache of slots on the device holds the ones in use.
+Each decode step admits its experts, copies the missing ones, and runs a grouped product over the slots.
+The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
+Hello, world! How are you today? I am fine, thank you. What is the capital of France? Paris is.
+One two three four five six seven eight nine ten. Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000.
+user assistant system: you are a helpful assistant. Please answer the question briefly and clearly.
+"""
+
+_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def default_model_dir() -> str:
+    root = os.environ.get("MOEFERRY_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "moeferry")
+    return os.path.join(root, f"{DEFAULT_MODEL_NAME}-v{_VERSION}")
+
+
+def _build_tokenizer(out_dir: str):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=_SPECIAL, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token=None, unk_token=None)
+    fast.chat_template = _CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def _build_checkpoint(out_dir: str, tokenizer) -> None:
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=16,
+        num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=4096, tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+    )
+    torch.manual_seed(1234)
+    model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():  # larger weights than HF's init, so routing and sampling are not flat
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(out_dir)
+
+
+def ensure_default_model() -> str:
+    """Path of the default checkpoint, made on first use (atomically: a half-written one is never seen)."""
+    path = default_model_dir()
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    logger.info("making the built-in default model in %s (first use)", path)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=".building-")
+    tokenizer = _build_tokenizer(tmp)
+    _build_checkpoint(tmp, tokenizer)
+    with open(os.path.join(tmp, "moeferry_default.json"), "w") as f:
+        json.dump({"name": DEFAULT_MODEL_NAME, "version": _VERSION}, f)
+    try:
+        os.rename(tmp, path)
+    except OSError:  # another process finished first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def resolve_model_dir(model: str | None) -> str:
+    if model in (None, "", DEFAULT_MODEL_NAME):
+        return ensure_default_model()
+    return model

@@ -1,0 +1,138 @@
+"""Engine: the step loop that joins the scheduler, the model runner and the sampler.
+
+`add_request` queues a request; `step` runs one scheduler step (prefill chunks and one
+decode token for every running request) and returns the requests that produced output.
+Not thread-safe: one thread drives it (the server runs it in its own thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from moeferry.config import EngineConfig, ModelConfig, reset_moe_options_for_dense
+from moeferry.engine.runner import ModelRunner
+from moeferry.engine.sampler import sample
+from moeferry.sampling import SamplingParams
+from moeferry.scheduler.request import Request, Status
+from moeferry.scheduler.scheduler import Scheduler
+from moeferry.tokenizer.tokenizer import IncrementalDetokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOutput:
+    """What one request got in one step: new token ids, new text, and whether it finished."""
+
+    request: Request
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+
+
+class Engine:
+    """Invariant: every request handed to `add_request` ends finished (EOS, stop string,
+    max_tokens) or aborted, and its KV pages go back to the pool when it does."""
+
+    def __init__(self, ec: EngineConfig):
+        from moeferry.default_model import resolve_model_dir
+
+        model_dir = resolve_model_dir(ec.model)
+        ec = ec.replace(model=model_dir)
+        mc = ModelConfig.from_dir(model_dir, ec.hf_overrides)
+        if not mc.is_moe:
+            ec = reset_moe_options_for_dense(ec)
+        self.ec, self.mc = ec, mc
+        t0 = time.monotonic()
+        self.runner = ModelRunner(ec, mc)
+        logger.info("model %s (%s, %d layers, %d experts, top-%d) loaded in %.1fs: strategy %s, dtype %s, device %s",
+                    model_dir, mc.model_type, mc.num_layers, mc.num_experts, mc.top_k, time.monotonic() - t0,
+                    ec.moe_strategy, str(self.runner.dtype).replace("torch.", ""), self.runner.device)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.scheduler = Scheduler(self.runner.kv.pool, ec.page_size, ec.max_running_requests, ec.max_prefill_tokens,
+                                   self.runner.max_model_len)
+        self.eos_ids = set(mc.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_ids.add(int(self.tokenizer.eos_token_id))
+        self._detok: dict[int, IncrementalDetokenizer] = {}
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
+
+    # ---- requests --------------------------------------------------------------------------
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass token ids")
+        return list(self.tokenizer.encode(prompt))
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
+        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < self.mc.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.mc.vocab_size})")
+        req = Request(ids, params)
+        self.scheduler.add(req)
+        self._detok[req.rid] = IncrementalDetokenizer(self.tokenizer, ids)
+        self.counters["prompt_tokens"] += len(ids)
+        return req
+
+    def abort(self, req: Request) -> None:
+        if req.finished:
+            return
+        self._finish(req, "abort")
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.status, req.finish_reason = Status.FINISHED, reason
+        self.scheduler.free(req)
+        self._detok.pop(req.rid, None)
+        self.counters["requests_finished"] += 1
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- stepping --------------------------------------------------------------------------
+    def _append(self, req: Request, token: int) -> StepOutput:
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        req.output_ids.append(token)
+        req.num_computed = req.num_tokens - 1
+        self.counters["generation_tokens"] += 1
+        p = req.params
+        delta = self._detok[req.rid].push(token)
+        reason = None
+        if not p.ignore_eos and (token in self.eos_ids or token in p.stop_token_ids):
+            reason = "stop"
+        text = req.text + delta
+        for s in p.stop:
+            cut = text.find(s, max(0, len(req.text) - len(s)))
+            if cut >= 0:
+                text, reason = text[:cut], "stop"
+                break
+        delta, req.text = text[len(req.text):], text
+        if reason is None and (len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.runner.max_model_len):
+            reason = "length"
+        if reason is not None:
+            self._finish(req, reason)
+        return StepOutput(req, [token], delta, reason is not None)
+
+    def step(self) -> list[StepOutput]:
+        plan = self.scheduler.schedule()
+        outputs: list[StepOutput] = []
+        if plan.prefill:
+            logits = self.runner.run_prefill(plan.prefill)
+            done = []
+            for row, (req, n) in enumerate(plan.prefill):
+                req.num_computed += n
+                if req.num_computed == req.num_tokens:
+                    done.append((row, req))
+            if done:
+                rows = [r for r, _ in done]
+                reqs = [q for _, q in done]
+                tokens = sample(logits[rows], [q.params for q in reqs], [q.generator for q in reqs])
+                outputs += [self._append(q, t) for q, t in zip(reqs, tokens)]
+        if plan.decode:
+            logits = self.runner.run_decode(plan.decode)
+            tokens = sample(logits, [q.params for q in plan.decode], [q.generator for q in plan.decode])
+            outputs += [self._append(q, t) for q, t in zip(plan.decode, tokens)]
+        return outputs

@@ -1,0 +1,105 @@
+"""ModelRunner: builds the model and its KV cache, turns a StepPlan into ForwardBatches, runs
+them (decode through captured CUDA graphs on the GPU) and returns logits."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from moeferry.config import EngineConfig, ModelConfig
+from moeferry.engine.batch import ForwardBatch, PrefillSeq
+from moeferry.engine.cuda_graph import DecodeGraphs
+from moeferry.engine.loader import load_dummy, load_safetensors
+from moeferry.engine.planner import plan_memory
+from moeferry.kvcache.paged import PagedKVCache
+from moeferry.models.decoder import MoECausalLM
+from moeferry.moe.strategies import create_strategy
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Owns the model, the MoE strategy and the KV cache of one engine.
+
+    Invariants: the model's dense weights live on `device` in `dtype`; the routed experts live
+    where the strategy put them; padded decode rows write to the KV cache's scratch page.
+    """
+
+    def __init__(self, ec: EngineConfig, mc: ModelConfig):
+        self.ec, self.mc = ec, mc
+        self.device, self.dtype = ec.torch_device, ec.torch_dtype
+        self.max_model_len = ec.max_model_len or min(mc.max_position_embeddings, 8192)
+        torch.manual_seed(ec.seed)
+        self.strategy = create_strategy(ec.moe_strategy, ec, mc)
+        self.model = self._build_model()
+        self.strategy.finalize()
+        self.plan = plan_memory(ec, mc, self)
+        self.kv = PagedKVCache(mc.num_layers, self.plan.kv_pages, ec.page_size, mc.num_kv_heads, mc.head_dim,
+                               self.dtype, self.device)
+        self.scratch_page = self.kv.scratch_page
+        self.max_pages_per_req = -(-self.max_model_len // ec.page_size)
+        self.graphs = DecodeGraphs(self) if ec.use_cuda_graph else None
+
+    def _build_model(self) -> MoECausalLM:
+        with torch.device("cpu"):
+            model = MoECausalLM(self.mc, self.strategy, self.max_model_len)
+        model.to(device=self.device, dtype=self.dtype)
+        model.model.rotary.to(torch.float32)
+        if self.ec.load_format == "dummy":
+            load_dummy(model, self.ec.seed, self.device)
+        else:
+            load_safetensors(model, self.mc.path)
+        model.eval()
+        return model
+
+    # ---- batches -------------------------------------------------------------------------
+    def _t(self, values, dtype=torch.int64) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
+    def prefill_batch(self, chunks) -> ForwardBatch:
+        ids, pos, slots, logits_rows, seqs = [], [], [], [], []
+        for req, n in chunks:
+            start = req.num_computed
+            toks = req.tokens[start:start + n]
+            row0 = len(ids)
+            ids += toks
+            pos += range(start, start + n)
+            slots.append(self.kv.token_slots(req.pages, start, start + n))
+            seqs.append(PrefillSeq(row0, n, start, self.kv.token_slots(req.pages, 0, start + n).to(self.device)))
+            logits_rows.append(row0 + n - 1)
+        return ForwardBatch(False, self._t(ids), self._t(pos), torch.cat(slots).to(self.device),
+                            self._t(logits_rows), prefill_seqs=seqs)
+
+    def decode_inputs(self, reqs):
+        """Host-side decode inputs: token ids, positions, output slots, page table rows, lengths."""
+        ids = [r.tokens[-1] for r in reqs]
+        pos = [r.num_tokens - 1 for r in reqs]
+        ps = self.ec.page_size
+        slots = [r.pages[p // ps] * ps + p % ps for r, p in zip(reqs, pos)]
+        table = torch.full((len(reqs), self.max_pages_per_req), self.scratch_page, dtype=torch.int32)
+        for i, r in enumerate(reqs):
+            table[i, :len(r.pages)] = torch.tensor(r.pages, dtype=torch.int32)
+        lens = [r.num_tokens for r in reqs]
+        return ids, pos, slots, table, lens
+
+    def decode_batch(self, reqs) -> ForwardBatch:
+        ids, pos, slots, table, lens = self.decode_inputs(reqs)
+        n = len(reqs)
+        return ForwardBatch(True, self._t(ids), self._t(pos), self._t(slots), torch.arange(n, device=self.device),
+                            page_table=table.to(self.device), seq_lens=self._t(lens, torch.int32))
+
+    # ---- forward -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch, self.kv)
+
+    @torch.inference_mode()
+    def run_prefill(self, chunks) -> torch.Tensor:
+        return self.forward(self.prefill_batch(chunks))
+
+    @torch.inference_mode()
+    def run_decode(self, reqs) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.can_run(len(reqs)):
+            return self.graphs.run(reqs)
+        return self.forward(self.decode_batch(reqs))

@@ -1,0 +1,249 @@
+"""Expert slot cache admission, plain torch: the oracle for kernels/triton/admission.py.
+
+Both modules expose ``admit(state, layer, topk_ids, counters) -> slot_ids`` with the same
+contract; this one may sync with the host (it is the CPU path), the Triton one may not.
+
+Admission of one call (``now`` is the clock after its increment):
+
+1. ``D`` = sorted distinct expert ids among the routes. A route outside ``[0, E)`` (for
+   example ``-1`` padding) is ignored: not counted anywhere, and its slot id is ``-1``.
+2. Hits (``slot_of[layer, e] >= 0``) refresh their slot: ``last_used = now``; under LRFU
+   ``score = 1 + score * decay_pow(now - last_used)`` first (product, then sum, both
+   rounded to float32; no fused multiply-add).
+3. Candidates are the slots not refreshed by step 2 (``last_used != now``). Each is ranked
+   by an int64 key: ``0`` for a free slot (owner -1); otherwise ``last_used + 1`` (LRU), or
+   ``float32_bits(score * decay_pow(now - last_used)) + 1`` (LRFU; scores are >= 0 so their
+   bits order like the values). The i-th miss, in ascending expert id, takes the i-th
+   candidate in ascending ``(key, slot index)``. Its former owner's ``slot_of`` entry
+   becomes -1; ``owner_of``, ``slot_of``, ``last_used = now`` and ``score = 1`` are set.
+4. The copy plan holds the misses: ``plan_src[i]`` expert id, ``plan_dst[i]`` slot,
+   ``plan_count = #misses``; entries past the count are left as they were.
+5. ``slot_ids[r] = slot_of[layer, topk_ids[r]]`` after the update.
+6. Counters (optional): ``calls[layer] += 1``, ``distinct[layer] += |D|``,
+   ``misses[layer] += #misses``, ``freq[layer, e] += 1`` per valid route (when present).
+
+``decay_pow(dt)`` is exact in float32 and shared by every implementation: with
+``pow2[k] = decay ** (2 ** k)`` built by repeated float32 squaring (``pow2[0] = decay``),
+``decay_pow(dt)`` multiplies ``1.0`` by ``pow2[k]`` for every set bit ``k < pow_bits`` of
+``dt`` in ascending ``k``; if ``dt >> pow_bits`` is non-zero the result is ``pow_tail``
+(0.0, or 1.0 when decay is 1). ``pow_bits`` is the first k at which the squares stop
+changing (they reach 0.0, or stay 1.0).
+
+Invariant kept: ``slot_of`` and ``owner_of`` are inverse maps over resident experts; a slot
+used by a call (hit or freshly filled) is never evicted by that same call, because the
+cache has at least as many slots as a layer has experts (``S >= E >= |D|``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+POLICIES = ("lru", "lrfu")
+
+
+class AdmissionCounters(NamedTuple):
+    """One statistics bucket (decode or prefill): int64 device tensors, ``[L]`` and ``[L, E]``."""
+
+    calls: torch.Tensor
+    distinct: torch.Tensor
+    misses: torch.Tensor
+    freq: torch.Tensor | None  # route histogram; None where not collected (prefill)
+
+
+@dataclass(frozen=True)
+class DecayPowers:
+    """``decay ** (2 ** k)`` for k < bits, in float32, and the value past them (see module)."""
+
+    table: torch.Tensor  # float32 [max(bits, 1)]
+    bits: int
+    tail: float
+
+    @classmethod
+    def build(cls, decay: float, device) -> "DecayPowers":
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"lrfu_decay must be in (0, 1], got {decay}")
+        powers = [np.float32(decay)]
+        while powers[-1] != 0.0 and powers[-1] != 1.0 and len(powers) < 62:
+            powers.append(np.float32(powers[-1] * powers[-1]))
+        tail = float(powers[-1]) if powers[-1] in (0.0, 1.0) else 0.0
+        bits = len(powers) - 1 if powers[-1] in (0.0, 1.0) else len(powers)
+        table = torch.tensor([float(p) for p in powers], dtype=torch.float32, device=device)
+        return cls(table=table, bits=bits, tail=tail)
+
+
+@dataclass(frozen=True)
+class SlotState:
+    """Every tensor an admission reads or writes, allocated once (static for CUDA graphs).
+
+    Maps: ``slot_of[L, E]`` int32, ``owner_of[S]`` int32 (flat ``layer * E + e``),
+    ``last_used[S]`` int64, ``score[S]`` float32 (LRFU only, kept at 0 under LRU),
+    ``clock[1]`` int64. Plan: ``plan_src[P]``, ``plan_dst[P]`` int32, ``plan_count[1]`` int32
+    with ``P = min(E, max_routes)``. Output: ``slot_ids[max_routes]`` int32. Scratch for the
+    Triton kernel (the reference does not touch it): ``expert_mark[E]`` int64,
+    ``slot_key[S]`` int64, ``victim_key[P]`` int64, ``victim_slot[P]`` int32,
+    ``ordered_victims[P]`` int32.
+    """
+
+    slot_of: torch.Tensor
+    owner_of: torch.Tensor
+    last_used: torch.Tensor
+    score: torch.Tensor
+    clock: torch.Tensor
+    plan_src: torch.Tensor
+    plan_dst: torch.Tensor
+    plan_count: torch.Tensor
+    slot_ids: torch.Tensor
+    expert_mark: torch.Tensor
+    slot_key: torch.Tensor
+    victim_key: torch.Tensor
+    victim_slot: torch.Tensor
+    ordered_victims: torch.Tensor
+    decay: DecayPowers
+    policy: str
+    max_routes: int
+
+    @classmethod
+    def allocate(cls, num_layers: int, num_experts: int, num_slots: int, max_routes: int,
+                 device, policy: str = "lru", lrfu_decay: float = 0.5) -> "SlotState":
+        if policy not in POLICIES:
+            raise ValueError(f"cache policy must be one of {POLICIES}, got {policy!r}")
+        plan_size = min(num_experts, max_routes)
+
+        def buf(n, dtype, fill=0):
+            return torch.full(n, fill, dtype=dtype, device=device)
+
+        return cls(
+            slot_of=buf((num_layers, num_experts), torch.int32, -1),
+            owner_of=buf((num_slots,), torch.int32, -1),
+            last_used=buf((num_slots,), torch.int64, -1),
+            score=buf((num_slots,), torch.float32),
+            clock=buf((1,), torch.int64),
+            plan_src=buf((plan_size,), torch.int32),
+            plan_dst=buf((plan_size,), torch.int32),
+            plan_count=buf((1,), torch.int32),
+            slot_ids=buf((max_routes,), torch.int32, -1),
+            expert_mark=buf((num_experts,), torch.int64),
+            slot_key=buf((num_slots,), torch.int64),
+            victim_key=buf((plan_size,), torch.int64),
+            victim_slot=buf((plan_size,), torch.int32),
+            ordered_victims=buf((plan_size,), torch.int32),
+            decay=DecayPowers.build(lrfu_decay, device),
+            policy=policy,
+            max_routes=max_routes,
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return self.slot_of.shape[0]
+
+    @property
+    def num_experts(self) -> int:
+        return self.slot_of.shape[1]
+
+    @property
+    def num_slots(self) -> int:
+        return self.owner_of.shape[0]
+
+    def reset(self) -> None:
+        """Empty the cache in place (clock and plan included); nothing is reallocated."""
+        for t, v in ((self.slot_of, -1), (self.owner_of, -1), (self.last_used, -1),
+                     (self.score, 0), (self.clock, 0), (self.plan_count, 0),
+                     (self.expert_mark, 0)):
+            t.fill_(v)
+
+
+def check_call(state: SlotState, layer: int, topk_ids: torch.Tensor) -> int:
+    """Validate an admission's arguments (no device sync); returns the number of routes."""
+    if not 0 <= layer < state.num_layers:
+        raise ValueError(f"layer {layer} out of range [0, {state.num_layers})")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if topk_ids.device != state.slot_of.device:
+        raise ValueError(f"topk_ids on {topk_ids.device}, cache on {state.slot_of.device}")
+    num_routes = topk_ids.numel()
+    if num_routes > state.max_routes:
+        raise ValueError(f"{num_routes} routes exceed the cache's max_routes={state.max_routes}")
+    return num_routes
+
+
+def decay_pow(dt: torch.Tensor, decay: DecayPowers) -> torch.Tensor:
+    """float32 ``decay ** dt`` for int64 ``dt >= 0``, by the table (see module docstring)."""
+    result = torch.ones(dt.shape, dtype=torch.float32, device=dt.device)
+    for k in range(decay.bits):
+        bit_set = ((dt >> k) & 1) == 1
+        result = result * torch.where(bit_set, decay.table[k], torch.ones_like(result))
+    return torch.where((dt >> decay.bits) != 0, torch.full_like(result, decay.tail), result)
+
+
+def _slot_keys(state: SlotState, now: int) -> torch.Tensor:
+    """Victim ranking keys of all slots, before excluding this call's slots."""
+    if state.policy == "lrfu":
+        decayed = state.score * decay_pow(now - state.last_used, state.decay)
+        key = decayed.view(torch.int32).to(torch.int64) + 1
+    else:
+        key = state.last_used + 1
+    return torch.where(state.owner_of >= 0, key, torch.zeros_like(key))
+
+
+def _refresh_hits(state: SlotState, hit_slots: torch.Tensor, now: int) -> None:
+    if state.policy == "lrfu":
+        p = decay_pow(now - state.last_used[hit_slots], state.decay)
+        state.score[hit_slots] = (state.score[hit_slots] * p) + 1.0
+    state.last_used[hit_slots] = now
+
+
+def _choose_victims(state: SlotState, num_misses: int, now: int) -> torch.Tensor:
+    candidates = torch.nonzero(state.last_used != now).flatten()
+    keys = _slot_keys(state, now)[candidates]
+    order = torch.sort(keys, stable=True).indices  # candidates ascend by slot: ties by index
+    return candidates[order[:num_misses]]
+
+
+def _install(state: SlotState, layer: int, misses: torch.Tensor, victims: torch.Tensor,
+             now: int) -> None:
+    old_owner = state.owner_of[victims].long()
+    state.slot_of.view(-1)[old_owner[old_owner >= 0]] = -1
+    state.owner_of[victims] = (layer * state.num_experts + misses).to(torch.int32)
+    state.slot_of[layer, misses] = victims.to(torch.int32)
+    state.last_used[victims] = now
+    state.score[victims] = 1.0
+
+
+def admit(state: SlotState, layer: int, topk_ids: torch.Tensor,
+          counters: AdmissionCounters | None = None) -> torch.Tensor:
+    """Admit one call's routes; returns ``slot_ids`` shaped like ``topk_ids`` (int32 view of
+    ``state.slot_ids``). See the module docstring for the exact semantics."""
+    num_routes = check_call(state, layer, topk_ids)
+    state.clock.add_(1)
+    now = int(state.clock.item())
+    ids = topk_ids.reshape(-1).long()
+    valid = (ids >= 0) & (ids < state.num_experts)
+    distinct = torch.unique(ids[valid])  # sorted
+    slots = state.slot_of[layer, distinct].long()
+    _refresh_hits(state, slots[slots >= 0], now)
+    misses = distinct[slots < 0]
+    num_misses = misses.numel()
+    if num_misses:
+        victims = _choose_victims(state, num_misses, now)
+        _install(state, layer, misses, victims, now)
+        state.plan_src[:num_misses] = misses.to(torch.int32)
+        state.plan_dst[:num_misses] = victims.to(torch.int32)
+    state.plan_count.fill_(num_misses)
+    out = state.slot_ids[:num_routes]
+    safe_ids = torch.where(valid, ids, torch.zeros_like(ids))
+    out.copy_(torch.where(valid, state.slot_of[layer, safe_ids], torch.full_like(out, -1)))
+    if counters is not None:
+        _count(counters, layer, ids[valid], distinct.numel(), num_misses)
+    return out.view(topk_ids.shape)
+
+
+def _count(counters: AdmissionCounters, layer: int, valid_ids: torch.Tensor,
+           num_distinct: int, num_misses: int) -> None:
+    counters.calls[layer] += 1
+    counters.distinct[layer] += num_distinct
+    counters.misses[layer] += num_misses
+    if counters.freq is not None:
+        counters.freq[layer].index_add_(0, valid_ids, torch.ones_like(valid_ids))

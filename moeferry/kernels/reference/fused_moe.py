@@ -1,0 +1,71 @@
+"""Grouped MoE expert GEMM in plain torch: the oracle for the Triton kernel and the CPU path.
+
+    hidden        [T, H] float dtype; read only.
+    w13           [S, 2I, H] rows [0:I] gate, [I:2I] up (a fused gate+up bank); read only.
+    w2            [S, H, I]; read only.
+    topk_weights  [T, K] float32; topk_ids [T, K] int, each in [0, S).
+    out           [T, H] dtype of hidden (written whole; may be given, must not alias inputs).
+
+out[t] = sum over k = 0..K-1 of topk_weights[t, k] * down(silu(gate(x)) * up(x)) with
+x = hidden[t] and the expert topk_ids[t, k]. Routes are grouped by id: each distinct id's
+rows are computed with one matmul per bank, in float32, then the K route results of a
+token are summed in order k = 0..K-1 and cast once. A group's rows and their order depend
+on the routes only, not on which index an expert sits at, so the same routes over a
+layer's bank and over a slot pool holding the same rows give bit-identical output.
+"""
+import torch
+import torch.nn.functional as F
+
+__all__ = ["fused_moe"]
+
+
+def _route_groups(flat_ids: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+    """Routes sorted by id (stable: ascending within a group), the distinct ids, and the
+    group sizes. Reads the group sizes back to the host: this is the CPU path."""
+    order = torch.argsort(flat_ids, stable=True)
+    distinct, counts = torch.unique_consecutive(flat_ids[order], return_counts=True)
+    return order, distinct.tolist(), counts.tolist()
+
+
+def _expert_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) for rows x [n, H] float32 of one expert, in float32."""
+    gate_up = F.linear(x, w13.float())
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w2.float())
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    num_routed_experts: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference fused MoE; num_routed_experts is accepted for the dispatcher's signature
+    and unused (the reference has no tiles to size)."""
+    num_tokens, hidden_size = hidden.shape
+    top_k = topk_ids.shape[1]
+    if out is None:
+        out = torch.empty_like(hidden)
+    if num_tokens == 0:
+        return out
+    flat_ids = topk_ids.reshape(-1)
+    route_weights = topk_weights.reshape(-1, 1).float()
+    route_out = torch.empty(num_tokens * top_k, hidden_size, dtype=torch.float32,
+                            device=hidden.device)
+    order, distinct, counts = _route_groups(flat_ids)
+    start = 0
+    for expert, count in zip(distinct, counts):
+        routes = order[start:start + count]
+        start += count
+        x = hidden[routes // top_k].float()
+        route_out[routes] = _expert_rows(x, w13[expert], w2[expert]) * route_weights[routes]
+    per_token = route_out.view(num_tokens, top_k, hidden_size)
+    total = per_token[:, 0].clone()
+    for k in range(1, top_k):  # fixed order k = 0..K-1
+        total += per_token[:, k]
+    out.copy_(total)
+    return out

@@ -1,0 +1,284 @@
+"""Expert slot cache admission as ONE Triton program per call: no host sync, fixed launch.
+
+``admit(state, layer, topk_ids, counters) -> slot_ids`` has the signature and the exact
+results (maps, plan, slot ids, counters, bit for bit) of ``kernels/reference/admission.py``,
+whose module docstring defines the semantics and the LRFU arithmetic.
+
+Contract
+- ``topk_ids``: int32/int64, any shape, ``N <= state.max_routes`` elements (contiguous);
+  ids outside ``[0, E)`` are ignored and get slot -1.
+- Reads and writes ``state``'s maps (``slot_of[L, E]`` i32, ``owner_of[S]`` i32,
+  ``last_used[S]`` i64, ``score[S]`` f32, ``clock[1]`` i64), writes the plan
+  (``plan_src/plan_dst[:count]`` i32, ``plan_count[1]`` i32), ``slot_ids[:N]`` i32 and the
+  scratch buffers; adds to ``counters`` when given. The clock is read and incremented on
+  the device, so the launch shape never depends on device data: CUDA-graph capturable.
+- Aliasing: ``topk_ids`` may not alias any state buffer; every state buffer is distinct.
+  The returned tensor is a view of ``state.slot_ids``, overwritten by the next call.
+- Invariant: ``slot_of``/``owner_of`` stay inverse maps; a slot used by this call (hit or
+  filled) is never evicted by this call (``S >= E`` guarantees enough candidates).
+
+How (one program, phases separated by barriers, every loop over fixed-size chunks):
+A. mark each routed expert with the clock (``expert_mark[e] = now``): a mark array over the
+   layer's E experts dedups any width with no [K, K] block; the decode histogram is an
+   atomic add per route.
+B. walk the E experts in order: marked & resident -> hit (refresh), marked & absent -> miss,
+   listed in ascending id by a prefix sum into ``plan_src``.
+C. (only when there are misses) rank every candidate slot by an int64 key, find the key
+   ``T`` of the M-th smallest by a binary search of counts over the slots, take the slots
+   below ``T`` plus the first slots (by index) equal to ``T``, order those M victims by
+   counting comparisons in 64 x 64 tiles, and install the misses into them.
+D. ``slot_ids`` = ``slot_of[layer, ids]``; counters.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moeferry.kernels.reference.admission import AdmissionCounters, SlotState, check_call
+
+_KEY_NONE = tl.constexpr(9223372036854775807)  # int64 max: "not a candidate"
+_NUM_WARPS = 8
+_VICTIM_TILE = 64
+
+
+@triton.jit
+def _decay_pow(dt, decay_ptr, POW_BITS: tl.constexpr, POW_TAIL: tl.constexpr):
+    result = tl.full(dt.shape, 1.0, tl.float32)
+    for k in tl.static_range(POW_BITS):
+        factor = tl.load(decay_ptr + k)
+        result = result * tl.where(((dt >> k) & 1) == 1, factor, 1.0)
+    return tl.where((dt >> POW_BITS) != 0, POW_TAIL, result)
+
+
+@triton.jit
+def _mark_routes(topk_ptr, num_routes, num_experts, layer_base, now, mark_ptr, freq_ptr,
+                 COUNT_FREQ: tl.constexpr, BLOCK_R: tl.constexpr):
+    for start in range(0, num_routes, BLOCK_R):
+        r = start + tl.arange(0, BLOCK_R)
+        in_range = r < num_routes
+        e = tl.load(topk_ptr + r, mask=in_range, other=-1).to(tl.int64)
+        valid = in_range & (e >= 0) & (e < num_experts)
+        tl.store(mark_ptr + e, tl.full([BLOCK_R], 0, tl.int64) + now, mask=valid)
+        if COUNT_FREQ:
+            tl.atomic_add(freq_ptr + layer_base + e, tl.full([BLOCK_R], 1, tl.int64),
+                          mask=valid, sem="relaxed")
+
+
+@triton.jit
+def _refresh_hits_list_misses(num_experts, layer_base, now, mark_ptr, slot_of_ptr,
+                              last_used_ptr, score_ptr, plan_src_ptr, decay_ptr,
+                              LRFU: tl.constexpr, POW_BITS: tl.constexpr,
+                              POW_TAIL: tl.constexpr, BLOCK_E: tl.constexpr):
+    num_distinct = tl.sum(tl.zeros([BLOCK_E], tl.int32), 0)
+    num_misses = tl.sum(tl.zeros([BLOCK_E], tl.int32), 0)
+    for start in range(0, num_experts, BLOCK_E):
+        e = start + tl.arange(0, BLOCK_E)
+        seen = (e < num_experts) & (tl.load(mark_ptr + e, mask=e < num_experts, other=0) == now)
+        slot = tl.load(slot_of_ptr + layer_base + e, mask=seen, other=-1).to(tl.int64)
+        hit = seen & (slot >= 0)
+        miss = (seen & (slot < 0)).to(tl.int32)
+        if LRFU:
+            last = tl.load(last_used_ptr + slot, mask=hit, other=0)
+            old = tl.load(score_ptr + slot, mask=hit, other=0.0)
+            decayed = old * _decay_pow(now - last, decay_ptr, POW_BITS, POW_TAIL)
+            tl.store(score_ptr + slot, decayed + 1.0, mask=hit)
+        tl.store(last_used_ptr + slot, tl.full([BLOCK_E], 0, tl.int64) + now, mask=hit)
+        position = num_misses + tl.cumsum(miss, 0) - 1
+        tl.store(plan_src_ptr + position, e.to(tl.int32), mask=miss == 1)
+        num_misses += tl.sum(miss, 0)
+        num_distinct += tl.sum(seen.to(tl.int32), 0)
+    return num_distinct, num_misses
+
+
+@triton.jit
+def _write_slot_keys(num_slots, now, owner_of_ptr, last_used_ptr, score_ptr, key_ptr,
+                     decay_ptr, LRFU: tl.constexpr, POW_BITS: tl.constexpr,
+                     POW_TAIL: tl.constexpr, BLOCK_S: tl.constexpr):
+    """key[s] for candidates, _KEY_NONE for this call's slots; returns (min, max) key."""
+    lo = tl.max(tl.full([BLOCK_S], _KEY_NONE, tl.int64), 0)
+    hi = tl.max(tl.full([BLOCK_S], -1, tl.int64), 0)
+    for start in range(0, num_slots, BLOCK_S):
+        s = start + tl.arange(0, BLOCK_S)
+        in_range = s < num_slots
+        last = tl.load(last_used_ptr + s, mask=in_range, other=0)
+        candidate = in_range & (last != now)
+        owner = tl.load(owner_of_ptr + s, mask=candidate, other=-1)
+        if LRFU:
+            score = tl.load(score_ptr + s, mask=candidate, other=0.0)
+            decayed = score * _decay_pow(now - last, decay_ptr, POW_BITS, POW_TAIL)
+            key = decayed.to(tl.int32, bitcast=True).to(tl.int64) + 1
+        else:
+            key = last + 1
+        key = tl.where(owner >= 0, key, 0)
+        key = tl.where(candidate, key, _KEY_NONE)
+        tl.store(key_ptr + s, key, mask=in_range)
+        lo = tl.minimum(lo, tl.min(key, 0))
+        hi = tl.maximum(hi, tl.max(tl.where(candidate, key, -1), 0))
+    return lo, hi
+
+
+@triton.jit
+def _count_keys_at_most(key_ptr, num_slots, bound, BLOCK_S: tl.constexpr):
+    count = tl.sum(tl.zeros([BLOCK_S], tl.int32), 0)
+    for start in range(0, num_slots, BLOCK_S):
+        s = start + tl.arange(0, BLOCK_S)
+        key = tl.load(key_ptr + s, mask=s < num_slots, other=_KEY_NONE)
+        count += tl.sum((key <= bound).to(tl.int32), 0)
+    return count
+
+
+@triton.jit
+def _threshold_key(key_ptr, num_slots, lo, hi, num_misses, BLOCK_S: tl.constexpr):
+    """Smallest key T with #{key <= T} >= num_misses (T in [lo, hi])."""
+    while lo < hi:
+        mid = lo + ((hi - lo) >> 1)
+        enough = _count_keys_at_most(key_ptr, num_slots, mid, BLOCK_S) >= num_misses
+        hi = tl.where(enough, mid, hi)
+        lo = tl.where(enough, lo, mid + 1)
+    return lo
+
+
+@triton.jit
+def _collect_victims(key_ptr, num_slots, threshold, num_from_ties, vkey_ptr, vslot_ptr,
+                     BLOCK_S: tl.constexpr):
+    """Victims in slot order: keys below T, then the first ``num_from_ties`` equal to T."""
+    num_ties = tl.sum(tl.zeros([BLOCK_S], tl.int32), 0)
+    num_taken = tl.sum(tl.zeros([BLOCK_S], tl.int32), 0)
+    for start in range(0, num_slots, BLOCK_S):
+        s = start + tl.arange(0, BLOCK_S)
+        key = tl.load(key_ptr + s, mask=s < num_slots, other=_KEY_NONE)
+        tie = (key == threshold).to(tl.int32)
+        tie_rank = num_ties + tl.cumsum(tie, 0) - 1
+        take = ((key < threshold) | ((tie == 1) & (tie_rank < num_from_ties))).to(tl.int32)
+        position = num_taken + tl.cumsum(take, 0) - 1
+        tl.store(vkey_ptr + position, key, mask=take == 1)
+        tl.store(vslot_ptr + position, s.to(tl.int32), mask=take == 1)
+        num_ties += tl.sum(tie, 0)
+        num_taken += tl.sum(take, 0)
+
+
+@triton.jit
+def _order_victims(num_victims, vkey_ptr, vslot_ptr, ordered_ptr, TILE: tl.constexpr):
+    """ordered[rank] = victim, rank = #victims before it in (key, slot) order."""
+    for j0 in range(0, num_victims, TILE):
+        j = j0 + tl.arange(0, TILE)
+        key_j = tl.load(vkey_ptr + j, mask=j < num_victims, other=_KEY_NONE)
+        rank = tl.zeros([TILE], tl.int32)
+        for k0 in range(0, num_victims, TILE):
+            k = k0 + tl.arange(0, TILE)
+            key_k = tl.load(vkey_ptr + k, mask=k < num_victims, other=_KEY_NONE)
+            before = (key_k[None, :] < key_j[:, None]) | (
+                (key_k[None, :] == key_j[:, None]) & (k[None, :] < j[:, None]))
+            before = before & (k[None, :] < num_victims)
+            rank += tl.sum(before.to(tl.int32), 1)
+        slot = tl.load(vslot_ptr + j, mask=j < num_victims, other=0)
+        tl.store(ordered_ptr + rank, slot, mask=j < num_victims)
+
+
+@triton.jit
+def _install_misses(num_misses, layer_base, now, plan_src_ptr, plan_dst_ptr, ordered_ptr,
+                    slot_of_ptr, owner_of_ptr, last_used_ptr, score_ptr,
+                    TILE: tl.constexpr):
+    # An evicted owner is never one of this call's experts (those are hits, whose slots are
+    # not candidates), so clearing old entries and writing new ones cannot collide.
+    for i0 in range(0, num_misses, TILE):
+        i = i0 + tl.arange(0, TILE)
+        todo = i < num_misses
+        e = tl.load(plan_src_ptr + i, mask=todo, other=0).to(tl.int64)
+        slot = tl.load(ordered_ptr + i, mask=todo, other=0)
+        old = tl.load(owner_of_ptr + slot, mask=todo, other=-1)
+        tl.store(slot_of_ptr + old, tl.full([TILE], -1, tl.int32), mask=todo & (old >= 0))
+        tl.store(owner_of_ptr + slot, (layer_base + e).to(tl.int32), mask=todo)
+        tl.store(slot_of_ptr + layer_base + e, slot, mask=todo)
+        tl.store(last_used_ptr + slot, tl.full([TILE], 0, tl.int64) + now, mask=todo)
+        tl.store(score_ptr + slot, tl.full([TILE], 1.0, tl.float32), mask=todo)
+        tl.store(plan_dst_ptr + i, slot, mask=todo)
+
+
+@triton.jit
+def _write_slot_ids(topk_ptr, num_routes, num_experts, layer_base, slot_of_ptr, out_ptr,
+                    BLOCK_R: tl.constexpr):
+    for start in range(0, num_routes, BLOCK_R):
+        r = start + tl.arange(0, BLOCK_R)
+        in_range = r < num_routes
+        e = tl.load(topk_ptr + r, mask=in_range, other=-1).to(tl.int64)
+        valid = in_range & (e >= 0) & (e < num_experts)
+        slot = tl.load(slot_of_ptr + layer_base + e, mask=valid, other=-1)
+        tl.store(out_ptr + r, slot, mask=in_range)
+
+
+@triton.jit
+def _admit_kernel(
+    topk_ptr, num_routes, layer, num_experts, num_slots,
+    slot_of_ptr, owner_of_ptr, last_used_ptr, score_ptr, clock_ptr,
+    plan_src_ptr, plan_dst_ptr, plan_count_ptr, out_ptr,
+    mark_ptr, key_ptr, vkey_ptr, vslot_ptr, ordered_ptr, decay_ptr,
+    calls_ptr, distinct_ptr, misses_ptr, freq_ptr,
+    LRFU: tl.constexpr, POW_BITS: tl.constexpr, POW_TAIL: tl.constexpr,
+    COUNT_STATS: tl.constexpr, COUNT_FREQ: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    now = tl.load(clock_ptr) + 1
+    tl.store(clock_ptr, now)
+    layer_base = layer.to(tl.int64) * num_experts
+    _mark_routes(topk_ptr, num_routes, num_experts, layer_base, now, mark_ptr, freq_ptr,
+                 COUNT_FREQ, BLOCK_R)
+    tl.debug_barrier()
+    num_distinct, num_misses = _refresh_hits_list_misses(
+        num_experts, layer_base, now, mark_ptr, slot_of_ptr, last_used_ptr, score_ptr,
+        plan_src_ptr, decay_ptr, LRFU, POW_BITS, POW_TAIL, BLOCK_E)
+    tl.debug_barrier()
+    if num_misses > 0:
+        lo, hi = _write_slot_keys(num_slots, now, owner_of_ptr, last_used_ptr, score_ptr,
+                                  key_ptr, decay_ptr, LRFU, POW_BITS, POW_TAIL, BLOCK_S)
+        tl.debug_barrier()
+        threshold = _threshold_key(key_ptr, num_slots, lo, hi, num_misses, BLOCK_S)
+        num_below = _count_keys_at_most(key_ptr, num_slots, threshold - 1, BLOCK_S)
+        _collect_victims(key_ptr, num_slots, threshold, num_misses - num_below,
+                         vkey_ptr, vslot_ptr, BLOCK_S)
+        tl.debug_barrier()
+        _order_victims(num_misses, vkey_ptr, vslot_ptr, ordered_ptr, TILE)
+        tl.debug_barrier()
+        _install_misses(num_misses, layer_base, now, plan_src_ptr, plan_dst_ptr, ordered_ptr,
+                        slot_of_ptr, owner_of_ptr, last_used_ptr, score_ptr, TILE)
+        tl.debug_barrier()
+    tl.store(plan_count_ptr, num_misses)
+    _write_slot_ids(topk_ptr, num_routes, num_experts, layer_base, slot_of_ptr, out_ptr,
+                    BLOCK_R)
+    if COUNT_STATS:
+        tl.store(calls_ptr + layer, tl.load(calls_ptr + layer) + 1)
+        tl.store(distinct_ptr + layer, tl.load(distinct_ptr + layer) + num_distinct)
+        tl.store(misses_ptr + layer, tl.load(misses_ptr + layer) + num_misses)
+
+
+def _block(n: int, low: int, high: int) -> int:
+    return max(low, min(high, triton.next_power_of_2(max(n, 1))))
+
+
+def admit(state: SlotState, layer: int, topk_ids: torch.Tensor,
+          counters: AdmissionCounters | None = None) -> torch.Tensor:
+    """One launch, grid (1,): admit ``topk_ids`` into layer ``layer`` (see module contract)."""
+    num_routes = check_call(state, layer, topk_ids)
+    ids = topk_ids.reshape(-1)
+    if not ids.is_contiguous():
+        raise ValueError("topk_ids must be contiguous")
+    count_stats = counters is not None
+    count_freq = count_stats and counters.freq is not None
+    stats = counters if count_stats else (state.clock,) * 3 + (None,)
+    freq = counters.freq if count_freq else state.clock
+    _admit_kernel[(1,)](
+        ids, num_routes, layer, state.num_experts, state.num_slots,
+        state.slot_of, state.owner_of, state.last_used, state.score, state.clock,
+        state.plan_src, state.plan_dst, state.plan_count, state.slot_ids,
+        state.expert_mark, state.slot_key, state.victim_key, state.victim_slot,
+        state.ordered_victims, state.decay.table,
+        stats[0], stats[1], stats[2], freq,
+        LRFU=state.policy == "lrfu", POW_BITS=state.decay.bits, POW_TAIL=state.decay.tail,
+        COUNT_STATS=count_stats, COUNT_FREQ=count_freq,
+        BLOCK_R=_block(num_routes, 16, 1024), BLOCK_E=_block(state.num_experts, 16, 1024),
+        BLOCK_S=_block(state.num_slots, 16, 4096), TILE=_VICTIM_TILE,
+        num_warps=_NUM_WARPS, enable_fp_fusion=False,
+    )
+    return state.slot_ids[:num_routes].view(topk_ids.shape)

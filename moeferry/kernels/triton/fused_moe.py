@@ -1,0 +1,306 @@
+"""Grouped MoE expert GEMM (fused MoE) in Triton, after vLLM's fused_moe: two GEMMs over
+blocks of routes that each belong to one expert, then a fixed-order sum over top-k.
+
+Contract (the oracle is moeferry.kernels.reference.fused_moe):
+    hidden        [T, H] bf16|fp16|fp32; read only.
+    w13           [S, 2I, H] dtype of hidden, rows [0:I] gate, [I:2I] up; read only.
+    w2            [S, H, I] dtype of hidden; read only.
+                  Either bank may be host-resident (pinned CPU memory while hidden is on
+                  CUDA): the kernels read it in place over PCIe (UVA), never copying it.
+    topk_weights  [T, K] float32; topk_ids [T, K] int32|int64, each in [0, S).
+    out           [T, H] dtype of hidden, written whole; must not alias any input.
+    num_routed_experts: the routed layer's expert count E (S may be a slot pool shared by
+                  many layers, S >> E).
+
+Kernels and the buffers they write (N = T * K routes, route r = t * K + k):
+    1. moe_align_block_size (sorted path only): routes grouped into blocks of BLOCK_M rows,
+       each block one expert's, so each routed expert's weights are read once per step.
+    2. _moe_gemm_kernel, GATED: act[r] = silu(x w13[e, :I]^T) * (x w13[e, I:]^T),
+       [N, I] dtype of hidden, fp32 accumulation.
+    3. _moe_gemm_kernel, weighted: route_out[r] = topk_weights[r] * act[r] w2[e]^T, [N, H].
+    4. _sum_topk_kernel: out[t] = sum over k = 0..K-1 of route_out[t * K + k], in fp32.
+No atomics anywhere in the arithmetic, so output is reproducible run to run.
+
+Invariants:
+    - Tiles (FusedMoEConfig) come from (T, K, H, I, num_routed_experts, dtype), never from
+      S: the same routes give bit-identical output over a layer's bank [E, ...] and over a
+      slot pool [S, ...] holding the same expert rows at other indices (each output row is
+      computed by the same tile code with the same reduction order).
+    - Grids come from shapes only and nothing is read back to the host: CUDA-graph
+      capturable. No autotuning at run time.
+    - block_assignment "naive" gives each route its own block (1 valid row of BLOCK_M): no
+      alignment, but an expert shared by several tokens is read once per token. It is
+      allowed only when T * K * 4 <= num_routed_experts.
+"""
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from moeferry.kernels.triton.moe_align import moe_align_block_size
+
+__all__ = [
+    "FusedMoEConfig",
+    "choose_block_assignment",
+    "fused_moe",
+    "is_host_resident",
+    "naive_allowed",
+    "select_config",
+]
+
+BLOCK_ASSIGNMENTS = ("auto", "sorted", "naive")
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass(frozen=True)
+class FusedMoEConfig:
+    """Tile sizes and launch parameters for both GEMMs of one fused_moe call."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+def _pow2_at_most(limit: int, size: int, floor: int = 16) -> int:
+    """The largest power of two <= limit that is not much wider than size (>= floor)."""
+    return max(floor, min(limit, triton.next_power_of_2(size)))
+
+
+def select_config(num_tokens: int, top_k: int, hidden_size: int, intermediate_size: int,
+                  num_routed_experts: int, dtype: torch.dtype) -> FusedMoEConfig:
+    """Heuristic tiles from the routed layer's shape; deliberately blind to the bank size S.
+
+    BLOCK_M follows the tokens each expert gets (T * K / E): 16 for small-batch decode,
+    where a block is mostly one or two rows, up to 64 for prefill."""
+    tokens_per_expert = num_tokens * top_k / max(1, num_routed_experts)
+    if tokens_per_expert <= 16:
+        block_m, block_n, block_k, num_warps, num_stages = 16, 64, 128, 4, 4
+    elif tokens_per_expert <= 64:
+        block_m, block_n, block_k, num_warps, num_stages = 32, 64, 128, 4, 3
+    else:
+        block_m, block_n, block_k, num_warps, num_stages = 64, 128, 64, 8, 3
+    if dtype == torch.float32:  # twice the bytes per element: halve the K tile
+        block_k = 32
+    narrowest = min(hidden_size, intermediate_size)
+    return FusedMoEConfig(
+        block_m=block_m,
+        block_n=_pow2_at_most(block_n, narrowest),
+        block_k=_pow2_at_most(block_k, narrowest),
+        group_m=1 if block_m == 16 else 8,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+
+
+def is_host_resident(t: torch.Tensor) -> bool:
+    """True when t lives in pinned host memory: with hidden states on CUDA the kernels
+    then read it in place over PCIe (unified virtual addressing)."""
+    return t.device.type == "cpu" and t.is_pinned()
+
+
+def naive_allowed(num_tokens: int, top_k: int, num_routed_experts: int) -> bool:
+    """The naive assignment pays off only while routes are sparse over the experts."""
+    return num_tokens * top_k * 4 <= num_routed_experts
+
+
+def choose_block_assignment(num_tokens: int, top_k: int, num_routed_experts: int,
+                            w13: torch.Tensor, w2: torch.Tensor) -> str:
+    """"naive" for small batches over device weights, else "sorted".
+
+    Host-resident weights (either bank: a budget may leave one on each side) always take
+    the sorted path, where each routed expert crosses PCIe once per step."""
+    host_resident = is_host_resident(w13) or is_host_resident(w2)
+    if not host_resident and naive_allowed(num_tokens, top_k, num_routed_experts):
+        return "naive"
+    return "sorted"
+
+
+@triton.jit
+def _block_rows(pid_m, sorted_route_ptr, block_expert_ptr, num_post_padded_ptr, ids_ptr,
+                num_routes, NAIVE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(routes [BLOCK_M], expert) of block pid_m; expert -1 means no work for it."""
+    lanes = tl.arange(0, BLOCK_M)
+    if NAIVE:
+        routes = tl.where(lanes == 0, pid_m, num_routes)
+        expert = tl.load(ids_ptr + pid_m).to(tl.int32)
+    else:
+        num_post_padded = tl.load(num_post_padded_ptr)
+        routes = tl.load(sorted_route_ptr + pid_m * BLOCK_M + lanes)
+        expert = tl.load(block_expert_ptr + pid_m)
+        expert = tl.where(pid_m * BLOCK_M < num_post_padded, expert, -1)
+    return routes, expert
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b in fp32; IEEE: exact fp32 products (fp32 inputs, and every input under
+    the interpreter, whose bf16 tl.dot is wrong in Triton 3.9)."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, route_weight_ptr,
+    sorted_route_ptr, block_expert_ptr, num_post_padded_ptr, ids_ptr,
+    num_routes, n_out, k_in, num_m_blocks,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    A_ROWS_PER_ROUTE_DIV: tl.constexpr,  # a row = route // this (K for hidden, 1 for act)
+    GATED: tl.constexpr,  # b rows [0:n_out] gate, [n_out:2 n_out] up; c = silu(gate) * up
+    WEIGHTED: tl.constexpr,  # c *= route_weight[route]
+    NAIVE: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """c[route, n] for one [BLOCK_M, BLOCK_N] tile of routes that all belong to one expert."""
+    pid = tl.program_id(0)
+    num_n_blocks = tl.cdiv(n_out, BLOCK_N)
+    blocks_per_group = GROUP_M * num_n_blocks
+    first_m = (pid // blocks_per_group) * GROUP_M
+    group_rows = min(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % blocks_per_group) % group_rows
+    pid_n = (pid % blocks_per_group) // group_rows
+
+    routes, expert = _block_rows(pid_m, sorted_route_ptr, block_expert_ptr, num_post_padded_ptr,
+                                 ids_ptr, num_routes, NAIVE, BLOCK_M)
+    if expert < 0:
+        return
+    row_valid = routes < num_routes
+    a_rows = tl.where(row_valid, routes // A_ROWS_PER_ROUTE_DIV, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_valid = offs_n < n_out
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + expert.to(tl.int64) * stride_be + offs_n[None, :] * stride_bn \
+        + offs_k[:, None] * stride_bk
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k_in, BLOCK_K):
+        k_valid = offs_k < k_in - k0
+        a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
+        acc = _dot(a, b, acc, IEEE)
+        if GATED:
+            b_up = tl.load(b_ptrs + n_out * stride_bn, mask=k_valid[:, None] & col_valid[None, :],
+                           other=0.0)
+            acc_up = _dot(a, b_up, acc_up, IEEE)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if WEIGHTED:
+        acc *= tl.load(route_weight_ptr + routes, mask=row_valid, other=0.0)[:, None]
+    c_ptrs = c_ptr + routes.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_valid[:, None] & col_valid[None, :])
+
+
+@triton.jit
+def _sum_topk_kernel(route_out_ptr, out_ptr, hidden_size, stride_rm, stride_om,
+                     TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum over k = 0..TOP_K-1 of route_out[t * TOP_K + k], accumulated in fp32."""
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    valid = offs < hidden_size
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        row = route_out_ptr + (token * TOP_K + k) * stride_rm
+        acc += tl.load(row + offs, mask=valid, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+def _route_blocks(topk_ids: torch.Tensor, num_weight_rows: int, assignment: str, block_m: int):
+    """(sorted_route_ids, block_expert, num_post_padded, num_m_blocks) for the GEMM grid.
+
+    The naive path has no alignment: block b is route b; the kernel reads topk_ids."""
+    num_routes = topk_ids.numel()
+    if assignment == "naive":
+        return topk_ids, topk_ids, topk_ids, num_routes
+    # Looked up as a module global at call time, so a test can observe the call.
+    sorted_route_ids, block_expert, num_post_padded = moe_align_block_size(
+        topk_ids, block_m, num_weight_rows)
+    return sorted_route_ids, block_expert, num_post_padded, block_expert.numel()
+
+
+def _launch_gemm(a, b, c, route_weights, blocks, topk_ids, *, gated, weighted, a_div, naive,
+                 config):
+    sorted_route_ids, block_expert, num_post_padded, num_m_blocks = blocks
+    n_out = c.shape[1]
+    k_in = a.shape[1]
+    grid = (num_m_blocks * triton.cdiv(n_out, config.block_n),)
+    _moe_gemm_kernel[grid](
+        a, b, c, route_weights, sorted_route_ids, block_expert, num_post_padded, topk_ids,
+        topk_ids.numel(), n_out, k_in, num_m_blocks,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
+        A_ROWS_PER_ROUTE_DIV=a_div, GATED=gated, WEIGHTED=weighted, NAIVE=naive,
+        IEEE=a.dtype == torch.float32 or _INTERPRETED,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+def _check_shapes(hidden, w13, w2, topk_weights, topk_ids):
+    num_tokens, hidden_size = hidden.shape
+    intermediate_size = w2.shape[2]
+    if w13.shape[1:] != (2 * intermediate_size, hidden_size) or w2.shape[1] != hidden_size:
+        raise ValueError(f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not match hidden "
+                         f"{tuple(hidden.shape)}: want w13 [S, 2I, H], w2 [S, H, I]")
+    if w13.shape[0] != w2.shape[0]:
+        raise ValueError("w13 and w2 must have the same number of rows S")
+    if w13.dtype != hidden.dtype or w2.dtype != hidden.dtype:
+        raise ValueError(f"weights {w13.dtype}/{w2.dtype} must be in hidden's {hidden.dtype}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != num_tokens:
+        raise ValueError("topk_ids and topk_weights must both be [T, K]")
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    num_routed_experts: int,
+    block_assignment: str = "auto",
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton fused MoE; see the module docstring for the contract."""
+    _check_shapes(hidden, w13, w2, topk_weights, topk_ids)
+    if block_assignment not in BLOCK_ASSIGNMENTS:
+        raise ValueError(f"block_assignment {block_assignment!r} not in {BLOCK_ASSIGNMENTS}")
+    num_tokens, hidden_size = hidden.shape
+    top_k = topk_ids.shape[1]
+    intermediate_size = w2.shape[2]
+    if out is None:
+        out = torch.empty_like(hidden)
+    if num_tokens == 0:
+        return out
+    if block_assignment == "auto":
+        block_assignment = choose_block_assignment(num_tokens, top_k, num_routed_experts, w13, w2)
+    elif block_assignment == "naive" and not naive_allowed(num_tokens, top_k, num_routed_experts):
+        raise ValueError(f"naive block assignment needs T*K*4 <= num_routed_experts, got "
+                         f"{num_tokens}*{top_k}*4 > {num_routed_experts}")
+
+    config = select_config(num_tokens, top_k, hidden_size, intermediate_size,
+                           num_routed_experts, hidden.dtype)
+    flat_ids = topk_ids.reshape(-1).contiguous()
+    route_weights = topk_weights.reshape(-1).contiguous().float()
+    naive = block_assignment == "naive"
+    blocks = _route_blocks(flat_ids, w13.shape[0], block_assignment, config.block_m)
+    act = torch.empty(flat_ids.numel(), intermediate_size, dtype=hidden.dtype, device=hidden.device)
+    route_out = torch.empty(flat_ids.numel(), hidden_size, dtype=hidden.dtype,
+                            device=hidden.device)
+    _launch_gemm(hidden, w13, act, route_weights, blocks, flat_ids, gated=True, weighted=False,
+                 a_div=top_k, naive=naive, config=config)
+    _launch_gemm(act, w2, route_out, route_weights, blocks, flat_ids, gated=False, weighted=True,
+                 a_div=1, naive=naive, config=config)
+    block_h = min(1024, triton.next_power_of_2(hidden_size))
+    _sum_topk_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
+        route_out, out, hidden_size, route_out.stride(0), out.stride(0),
+        TOP_K=top_k, BLOCK_H=block_h)
+    return out

@@ -1,0 +1,148 @@
+"""moe_align_block_size in Triton: routes grouped by expert, each group padded to whole blocks.
+
+Contract (same as moeferry.kernels.reference.moe_align, which is the oracle):
+    topk_ids          [T, K] int32|int64, each id in [0, num_experts); read only.
+    sorted_route_ids  [P] int32 (written): route r = t * K + k, grouped by ascending expert,
+                      ascending r within a group, each group padded to a multiple of
+                      block_size with the sentinel T * K; the tail past the last group too.
+    block_expert      [P // block_size] int32 (written): expert of block b, -1 past the end.
+    num_routes_post_padded [1] int32 (written): sum of the padded group sizes.
+    P = padded_route_capacity(T * K, num_experts, block_size).
+
+No limit on num_experts (ids may be slot ids of a cache of 32,768 slots or more): nothing is
+counted in one block of threads. Every grid and buffer size follows from (T, K, num_experts,
+block_size) alone and nothing is read back to the host, so a call is CUDA-graph capturable.
+The result is deterministic: counts use integer atomics (order-free), positions do not.
+
+How, for N = T * K routes cut into chunks of ROUTE_CHUNK routes (C chunks):
+    1. _count_chunk_kernel    (routes)  chunk_counts[c, e] = routes of expert e in chunk c
+    2. _chunk_prefix_kernel   (experts) chunk_counts[c, e] -> routes of e in chunks < c;
+                                        expert_counts[e] = routes of e
+    3. _expert_start_kernel   (experts) expert_start[e] = padded sizes of experts < e
+    4. _place_routes_kernel   (routes)  position of r = expert_start[e] + chunk prefix
+                                        + routes of e earlier in r's chunk (pairwise within
+                                        the chunk, so O(N * ROUTE_CHUNK) comparisons)
+Scratch is C * num_experts int32 (8 MiB at 65,536 routes over 32,768 slots); the O(E)
+passes run over many programs, BLOCK_E experts each.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from moeferry.kernels.reference.moe_align import padded_route_capacity
+
+__all__ = ["moe_align_block_size", "padded_route_capacity"]
+
+ROUTE_BLOCK = 128
+ROUTE_CHUNK = 1024  # a multiple of ROUTE_BLOCK: one route block never spans two chunks
+EXPERT_BLOCK = 1024
+
+
+@triton.jit
+def _count_chunk_kernel(ids_ptr, chunk_counts_ptr, num_routes, num_experts,
+                        ROUTE_CHUNK: tl.constexpr, BLOCK_R: tl.constexpr):
+    first = tl.program_id(0) * BLOCK_R
+    routes = first + tl.arange(0, BLOCK_R)
+    valid = routes < num_routes
+    experts = tl.load(ids_ptr + routes, mask=valid, other=0).to(tl.int64)
+    chunk = first // ROUTE_CHUNK
+    tl.atomic_add(chunk_counts_ptr + chunk * num_experts + experts, 1, mask=valid)
+
+
+@triton.jit
+def _chunk_prefix_kernel(chunk_counts_ptr, expert_counts_ptr, num_experts, num_chunks,
+                         BLOCK_E: tl.constexpr):
+    experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    valid = experts < num_experts
+    running = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for chunk in range(0, num_chunks):
+        ptrs = chunk_counts_ptr + chunk * num_experts + experts
+        count = tl.load(ptrs, mask=valid, other=0)
+        tl.store(ptrs, running, mask=valid)
+        running += count
+    tl.store(expert_counts_ptr + experts, running, mask=valid)
+
+
+@triton.jit
+def _padded(counts, block_size):
+    return (counts + block_size - 1) // block_size * block_size
+
+
+@triton.jit
+def _expert_start_kernel(expert_counts_ptr, expert_start_ptr, num_post_padded_ptr,
+                         num_experts, block_size, BLOCK_E: tl.constexpr):
+    pid = tl.program_id(0)
+    lanes = tl.arange(0, BLOCK_E)
+    base = tl.sum(tl.zeros([BLOCK_E], dtype=tl.int32), axis=0)
+    for earlier in range(0, pid):  # each program re-sums the blocks before it: no chaining
+        counts = tl.load(expert_counts_ptr + earlier * BLOCK_E + lanes)
+        base += tl.sum(_padded(counts, block_size), axis=0)
+    experts = pid * BLOCK_E + lanes
+    valid = experts < num_experts
+    padded = _padded(tl.load(expert_counts_ptr + experts, mask=valid, other=0), block_size)
+    inclusive = tl.cumsum(padded, axis=0)
+    tl.store(expert_start_ptr + experts, base + inclusive - padded, mask=valid)
+    if pid == tl.num_programs(0) - 1:
+        tl.store(num_post_padded_ptr, base + tl.sum(padded, axis=0))
+
+
+@triton.jit
+def _place_routes_kernel(ids_ptr, chunk_counts_ptr, expert_start_ptr, sorted_route_ptr,
+                         block_expert_ptr, num_routes, num_experts, block_size,
+                         ROUTE_CHUNK: tl.constexpr, BLOCK_R: tl.constexpr):
+    first = tl.program_id(0) * BLOCK_R
+    routes = first + tl.arange(0, BLOCK_R)
+    valid = routes < num_routes
+    experts = tl.load(ids_ptr + routes, mask=valid, other=-1).to(tl.int32)
+    chunk = first // ROUTE_CHUNK
+    rank = tl.zeros([BLOCK_R], dtype=tl.int32)
+    for other_first in range(chunk * ROUTE_CHUNK, first + BLOCK_R, BLOCK_R):
+        others = other_first + tl.arange(0, BLOCK_R)
+        other_experts = tl.load(ids_ptr + others, mask=others < num_routes, other=-1)
+        same = (experts[:, None] == other_experts.to(tl.int32)[None, :]) & \
+            (others[None, :] < routes[:, None])
+        rank += tl.sum(same.to(tl.int32), axis=1)
+    safe_experts = tl.where(valid, experts, 0).to(tl.int64)
+    earlier_chunks = tl.load(chunk_counts_ptr + chunk * num_experts + safe_experts, mask=valid, other=0)
+    start = tl.load(expert_start_ptr + safe_experts, mask=valid, other=0)
+    position = start + earlier_chunks + rank
+    tl.store(sorted_route_ptr + position, routes.to(tl.int32), mask=valid)
+    # Every block of a group holds at least one route (padding < block_size sits at the
+    # end), so the routes alone name every block's expert; equal writes to one block agree.
+    tl.store(block_expert_ptr + position // block_size, experts, mask=valid)
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor, block_size: int, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton moe_align_block_size; see the module docstring for the contract."""
+    device = topk_ids.device
+    flat_ids = topk_ids.reshape(-1)
+    if not flat_ids.is_contiguous():
+        flat_ids = flat_ids.contiguous()
+    num_routes = flat_ids.numel()
+    capacity = padded_route_capacity(num_routes, num_experts, block_size)
+    sorted_route_ids = torch.full((capacity,), num_routes, dtype=torch.int32, device=device)
+    block_expert = torch.full((capacity // block_size,), -1, dtype=torch.int32, device=device)
+    num_post_padded = torch.zeros(1, dtype=torch.int32, device=device)
+    if num_routes == 0:
+        return sorted_route_ids, block_expert, num_post_padded
+
+    num_chunks = triton.cdiv(num_routes, ROUTE_CHUNK)
+    chunk_counts = torch.zeros((num_chunks, num_experts), dtype=torch.int32, device=device)
+    expert_blocks = triton.cdiv(num_experts, EXPERT_BLOCK)
+    # Padded to whole expert blocks so _expert_start_kernel reads earlier blocks unmasked.
+    expert_counts = torch.zeros(expert_blocks * EXPERT_BLOCK, dtype=torch.int32, device=device)
+    expert_start = torch.empty(num_experts, dtype=torch.int32, device=device)
+
+    route_grid = (triton.cdiv(num_routes, ROUTE_BLOCK),)
+    _count_chunk_kernel[route_grid](flat_ids, chunk_counts, num_routes, num_experts,
+                                    ROUTE_CHUNK=ROUTE_CHUNK, BLOCK_R=ROUTE_BLOCK)
+    _chunk_prefix_kernel[(expert_blocks,)](chunk_counts, expert_counts, num_experts,
+                                           num_chunks, BLOCK_E=EXPERT_BLOCK)
+    _expert_start_kernel[(expert_blocks,)](expert_counts, expert_start, num_post_padded,
+                                           num_experts, block_size, BLOCK_E=EXPERT_BLOCK)
+    _place_routes_kernel[route_grid](flat_ids, chunk_counts, expert_start, sorted_route_ids,
+                                     block_expert, num_routes, num_experts, block_size,
+                                     ROUTE_CHUNK=ROUTE_CHUNK, BLOCK_R=ROUTE_BLOCK)
+    return sorted_route_ids, block_expert, num_post_padded

@@ -1,0 +1,61 @@
+"""The MoE block: router (scores, top-k, normalisation), optional shared expert, and the
+routed experts computed by the engine's MoE strategy."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts in float32, top-k, optional renormalisation of the k weights.
+    Weights are rounded through the logits' dtype as the reference models do."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype).float(), ids.to(torch.int32)
+
+
+class MoEBlock(nn.Module):
+    """Routes each token to top_k of the layer's experts and sums their outputs, weighted.
+
+    The routed experts' weights are not parameters of this module: they live in the banks
+    the strategy allocated (GPU memory, pinned host memory, a slot cache), so every strategy
+    runs behind the same forward.
+    """
+
+    def __init__(self, mc, layer_id: int, strategy, renormalize: bool, shared_expert: bool):
+        super().__init__()
+        h, e = mc.hidden_size, mc.num_experts
+        self.layer_id, self.top_k, self.renormalize = layer_id, mc.top_k, renormalize
+        self.gate = nn.Linear(h, e, bias=False)
+        self.strategy = strategy
+        self.banks = strategy.allocate_banks(layer_id, e, h, mc.moe_intermediate_size)
+        if shared_expert:
+            self.shared_expert = DenseMLP(h, mc.hf.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(h, 1, bias=False)
+        else:
+            self.shared_expert = None
+        self.is_decode = False  # set by the model per forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = softmax_topk(self.gate(x), self.top_k, self.renormalize)
+        out = self.strategy.forward(self.layer_id, x, weights, ids, self.is_decode)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

@@ -1,0 +1,48 @@
+"""Offline API: `LLM(model_dir, **engine_options).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moeferry.config import EngineConfig
+from moeferry.sampling import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    """One prompt's result: the generated token ids, their text and why generation stopped."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+class LLM:
+    """Loads a model once; `generate` runs a list of prompts through continuous batching.
+
+    Engine options are the CLI flags as keyword arguments (moe_strategy="gpu",
+    load_format="dummy", dtype="float32", ...); an unknown one is refused.
+    """
+
+    def __init__(self, model: str | None = None, **engine_options):
+        from moeferry.engine.engine import Engine
+
+        self.engine = Engine(EngineConfig.from_kwargs(model=model, **engine_options))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 on_output=None) -> list[RequestOutput]:
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        if single:
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        reqs = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while any(not r.finished for r in reqs):
+            for out in self.engine.step():
+                if on_output is not None:
+                    on_output(out)
+        return [RequestOutput(r.prompt_ids, list(r.output_ids), r.text, r.finish_reason) for r in reqs]

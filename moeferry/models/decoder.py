@@ -1,0 +1,95 @@
+"""The decoder shared by every MoE family: embedding, N x (attention, MLP or MoE), norm, LM head.
+
+Module names follow the HF checkpoints (model.layers.N.self_attn.q_proj, ...), so the loader
+maps most tensors by name; only the stacked expert banks need a mapping (expert_tensor_target).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from moeferry.engine.batch import ForwardBatch
+from moeferry.layers.attention import Attention
+from moeferry.layers.moe import DenseMLP, MoEBlock
+from moeferry.layers.norm import RMSNorm
+from moeferry.layers.rotary import RotaryEmbedding
+from moeferry.models.registry import FamilySpec, get_family
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, mc, spec: FamilySpec, layer_id: int, strategy, rotary: RotaryEmbedding):
+        super().__init__()
+        eps = getattr(mc.hf, "rms_norm_eps", 1e-6)
+        self.input_layernorm = RMSNorm(mc.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(mc.hidden_size, eps)
+        self.self_attn = Attention(mc, layer_id, spec.qk_norm, spec.qkv_bias(mc.hf), rotary)
+        if mc.is_moe_layer(layer_id):
+            mlp = MoEBlock(mc, layer_id, strategy, spec.renormalize(mc.hf), spec.shared_expert)
+        else:
+            mlp = DenseMLP(mc.hidden_size, mc.hf.intermediate_size)
+        self.mlp_name = spec.moe_prefix if mc.is_moe_layer(layer_id) else "mlp"
+        self.add_module(self.mlp_name, mlp)
+
+    @property
+    def mlp_module(self) -> nn.Module:
+        return getattr(self, self.mlp_name)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, kv)
+        return x + self.mlp_module(self.post_attention_layernorm(x))
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, mc, spec, strategy, max_positions: int):
+        super().__init__()
+        rotary = RotaryEmbedding(mc.hf, mc.head_dim, max_positions)
+        self.embed_tokens = nn.Embedding(mc.vocab_size, mc.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(mc, spec, i, strategy, rotary) for i in range(mc.num_layers))
+        self.norm = RMSNorm(mc.hidden_size, getattr(mc.hf, "rms_norm_eps", 1e-6))
+        self.rotary = rotary
+
+
+class MoECausalLM(nn.Module):
+    """A causal LM of one registered family. forward(batch, kv) -> logits [len(logits_rows), V] (float32)."""
+
+    def __init__(self, mc, strategy, max_positions: int):
+        super().__init__()
+        self.spec = get_family(mc.model_type)
+        self.config = mc
+        self.model = DecoderBody(mc, self.spec, strategy, max_positions)
+        self.tie_word_embeddings = bool(getattr(mc.hf, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(mc.hidden_size, mc.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self._expert_pattern = re.compile(
+            rf"model\.layers\.(\d+)\.{re.escape(self.spec.moe_prefix)}\.experts\.(?:(\d+)\.)?([A-Za-z0-9_]+?)(?:\.weight)?$"
+        )
+
+    def forward(self, batch: ForwardBatch, kv) -> torch.Tensor:
+        for layer in self.model.layers:
+            layer.mlp_module.is_decode = batch.is_decode
+        x = self.model.embed_tokens(batch.input_ids)
+        for layer in self.model.layers:
+            x = layer(x, batch, kv)
+        x = self.model.norm(x[batch.logits_rows])
+        return self.lm_head(x).float()
+
+    def expert_tensor_target(self, name: str):
+        """Map a checkpoint tensor name onto an expert bank: (layer_id, expert or None, kind) where
+        kind is gate/up/down (one expert) or gate_up/down (all experts stacked); None if not an expert."""
+        m = self._expert_pattern.match(name)
+        if m is None:
+            return None
+        layer_id, expert, leaf = int(m.group(1)), m.group(2), m.group(3)
+        gate, up, down = self.spec.expert_names
+        if expert is not None:
+            kind = {gate: "gate", up: "up", down: "down"}.get(leaf)
+            return None if kind is None else (layer_id, int(expert), kind)
+        kind = {"gate_up_proj": "gate_up", "down_proj": "down"}.get(leaf)
+        return None if kind is None else (layer_id, None, kind)
+
+    def moe_block(self, layer_id: int) -> MoEBlock:
+        return self.model.layers[layer_id].mlp_module

@@ -1,0 +1,41 @@
+"""Model families: each registers a FamilySpec saying only what differs from the shared
+decoder (models/decoder.py). `family_names()` lists the supported HF model_types."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+_FAMILY_MODULES = {
+    "qwen3_moe": "moeferry.models.qwen3_moe",
+    "mixtral": "moeferry.models.mixtral",
+    "olmoe": "moeferry.models.olmoe",
+    "qwen2_moe": "moeferry.models.qwen2_moe",
+}
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """What one family changes in the shared decoder.
+
+    qk_norm: None | "head" | "full"; qkv_bias(hf) and renormalize(hf) read the config;
+    moe_prefix: the checkpoint's name of the MoE block ("mlp", "block_sparse_moe");
+    expert_names: checkpoint names of (gate, up, down) inside one expert.
+    """
+
+    model_type: str
+    qk_norm: str | None
+    qkv_bias: Callable[[object], bool]
+    renormalize: Callable[[object], bool]
+    shared_expert: bool = False
+    moe_prefix: str = "mlp"
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+
+def family_names() -> list[str]:
+    return list(_FAMILY_MODULES)
+
+
+def get_family(model_type: str) -> FamilySpec:
+    return importlib.import_module(_FAMILY_MODULES[model_type]).SPEC

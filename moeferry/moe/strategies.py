@@ -1,0 +1,102 @@
+"""MoE strategies: where a layer's routed experts live and how a step computes them.
+
+The MoE layer routes tokens and hands (hidden, topk_weights, topk_ids) to its strategy; the
+strategy owns the expert weights. A strategy registers under a name (the --moe-strategy
+choices come from `strategy_names()`); `create_strategy` builds it lazily by name.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+
+from moeferry.config import ConfigError
+
+# name -> "module:Class"; imported only when chosen.
+_REGISTRY: dict[str, str] = {
+    "gpu": "moeferry.moe.strategies:GpuStrategy",
+    "offload": "moeferry.moe.offload:OffloadStrategy",
+    "uva": "moeferry.moe.uva:UvaStrategy",
+}
+
+
+def strategy_names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def create_strategy(name: str, engine_config, model_config) -> "MoEStrategy":
+    if name not in _REGISTRY:
+        raise ConfigError(f"--moe-strategy {name!r} is unknown; choose one of: {', '.join(_REGISTRY)}")
+    module_name, cls_name = _REGISTRY[name].split(":")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    return cls(engine_config, model_config)
+
+
+@dataclass
+class ExpertBanks:
+    """One MoE layer's routed experts: w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+
+class MoEStrategy:
+    """Interface between the MoE layers and the place their experts live.
+
+    Life cycle: `allocate_banks` once per MoE layer (the loader then fills the banks),
+    `finalize` once after loading, then `forward` per layer per step. Every strategy gives
+    the output of `gpu` for the same inputs.
+    """
+
+    name = "base"
+
+    def __init__(self, engine_config, model_config):
+        self.engine_config = engine_config
+        self.model_config = model_config
+        self.device = engine_config.torch_device
+        self.dtype = engine_config.torch_dtype
+        self.banks: dict[int, ExpertBanks] = {}
+
+    def bank_device(self) -> torch.device:
+        return self.device
+
+    def allocate_banks(self, layer_id: int, num_experts: int, hidden: int, inter: int) -> ExpertBanks:
+        dev = self.bank_device()
+        pin = dev.type == "cpu" and self.device.type == "cuda"
+        w13 = torch.empty((num_experts, 2 * inter, hidden), dtype=self.dtype, device=dev, pin_memory=pin)
+        w2 = torch.empty((num_experts, hidden, inter), dtype=self.dtype, device=dev, pin_memory=pin)
+        self.banks[layer_id] = ExpertBanks(w13, w2)
+        return self.banks[layer_id]
+
+    def finalize(self) -> None:
+        """Called once after every bank is filled."""
+
+    def reserved_device_bytes(self) -> int:
+        """Device memory this strategy still means to take after the KV cache is planned."""
+        return 0
+
+    def forward(self, layer_id: int, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                is_decode: bool) -> torch.Tensor:
+        raise NotImplementedError
+
+    def stats(self) -> dict:
+        return {}
+
+
+class GpuStrategy(MoEStrategy):
+    """Every expert resident on the compute device; a grouped GEMM over the layer's own banks."""
+
+    name = "gpu"
+
+    def forward(self, layer_id, hidden, topk_weights, topk_ids, is_decode):
+        from moeferry.kernels import ops
+
+        banks = self.banks[layer_id]
+        return ops.fused_moe(hidden, banks.w13, banks.w2, topk_weights, topk_ids,
+                             num_routed_experts=banks.num_experts)

@@ -1,0 +1,65 @@
+"""Request: one generation, from prompt to finish, as the scheduler tracks it."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from moeferry.sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """Invariants: `num_computed` tokens of `tokens` have their KV in `pages`; while
+    more than one token is pending (or nothing was generated yet) the request is prefilling
+    its pending tokens in chunks; after that it decodes one token a step. A preempted request drops its pages and sets num_computed to 0: its prompt
+    and the tokens generated so far are recomputed when it runs again."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    rid: int = field(default_factory=lambda: next(_ids))
+    output_ids: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    text: str = ""
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self):
+        if not self.prompt_ids:
+            raise ValueError("the prompt is empty")
+        self.generator = torch.Generator()
+        seed = self.params.seed if self.params.seed is not None else torch.seed()
+        self.generator.manual_seed(seed)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_tokens - self.num_computed > 1 or not self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

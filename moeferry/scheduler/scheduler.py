@@ -1,0 +1,121 @@
+"""Continuous batching: FCFS admission, chunked prefill under a token budget, every running
+request decodes each step, preemption (recompute later) when KV pages run out."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from moeferry.kvcache.paged import PagePool
+from moeferry.scheduler.request import Request, Status
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepPlan:
+    """One step's work: prefill chunks (request, number of tokens) and decoding requests."""
+
+    prefill: list[tuple[Request, int]] = field(default_factory=list)
+    decode: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+class Scheduler:
+    """Owns the waiting queue and the running set, and the KV pages each request holds.
+
+    Invariants: a request is in exactly one of `waiting` (FCFS order, preempted requests at
+    the front) or `running`; a running request holds pages for every token it has computed;
+    at most `max_running` requests run at once; a step's prefill chunks total at most
+    `max_prefill_tokens`.
+    """
+
+    def __init__(self, pool: PagePool, page_size: int, max_running: int, max_prefill_tokens: int, max_model_len: int):
+        self.pool, self.page_size = pool, page_size
+        self.max_running, self.max_prefill_tokens, self.max_model_len = max_running, max_prefill_tokens, max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        limit = min(self.max_model_len, self.pool.num_pages * self.page_size)
+        if len(req.prompt_ids) + req.params.max_tokens > limit:
+            raise ValueError(
+                f"prompt of {len(req.prompt_ids)} tokens + max_tokens {req.params.max_tokens} exceeds the "
+                f"context limit of {limit} tokens")
+        self.waiting.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _pages_needed(self, req: Request, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.page_size) - len(req.pages))
+
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        need = self._pages_needed(req, num_tokens)
+        if need > self.pool.free_pages:
+            return False
+        req.pages.extend(self.pool.allocate(need))
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.pool.release(req.pages)
+        req.pages, req.num_computed = [], 0
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+        logger.info("preempted request %d (KV pages exhausted); it will be recomputed", req.rid)
+
+    def free(self, req: Request) -> None:
+        """Return a finished or aborted request's pages to the pool."""
+        self.pool.release(req.pages)
+        req.pages = []
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    def _plan_decode(self) -> list[Request]:
+        decoding = [r for r in self.running if not r.in_prefill]
+        for req in list(decoding):
+            while req in self.running and not self._grow(req, req.num_tokens):
+                victim = self.running[-1]  # the latest admitted goes first
+                self._preempt(victim)
+                if victim in decoding:
+                    decoding.remove(victim)
+        return [r for r in decoding if r in self.running]
+
+    def _plan_prefill(self) -> list[tuple[Request, int]]:
+        budget = self.max_prefill_tokens
+        chunks = []
+        for req in [r for r in self.running if r.in_prefill]:
+            if budget <= 0:
+                break
+            n = min(req.num_tokens - req.num_computed, budget)
+            if self._grow(req, req.num_computed + n):
+                chunks.append((req, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed, budget)
+            if not self._grow(req, req.num_computed + n):
+                if not self.running:
+                    raise RuntimeError(f"request {req.rid} does not fit in an empty KV cache")
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            chunks.append((req, n))
+            budget -= n
+        return chunks
+
+    def schedule(self) -> StepPlan:
+        decode = self._plan_decode()
+        return StepPlan(prefill=self._plan_prefill(), decode=decode)

@@ -1,0 +1,61 @@
+"""Tokenizer: the checkpoint's HF tokenizer and chat template, and an incremental detokenizer."""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(model_dir: str):
+    """The checkpoint's tokenizer (tokenizer.json / tokenizer_config.json), or None if it has none."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        logger.warning("no tokenizer in %s (%s): token ids only", model_dir, exc.__class__.__name__)
+        return None
+
+
+def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer: chat needs one")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template")
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(out, dict) or hasattr(out, "keys"):
+        out = out["input_ids"]
+    return list(out)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Invariant: `text` is the decoding of every id so far, except a trailing incomplete UTF-8
+    sequence (shown as U+FFFD by the tokenizer), which is held back until it completes.
+    Decodes only a window from `prefix_offset`, so each step costs O(window), not O(length).
+    """
+
+    def __init__(self, tokenizer, prompt_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-6:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def push(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return ""
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self.text += delta
+            return delta
+        return ""

@@ -1,0 +1,114 @@
+"""Each way a checkpoint can be wrong gives a message naming the file or tensor at fault."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from moeferry import LLM
+from moeferry.config import ConfigError
+from tests.tiny_checkpoints import family_configs, make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    name, config = family_configs()[0]
+    path = str(tmp_path_factory.mktemp("ckpt"))
+    make_checkpoint(config, path, shards=True)
+    return path
+
+
+def _copy(ckpt, tmp_path):
+    import shutil
+
+    dst = str(tmp_path / "m")
+    shutil.copytree(ckpt, dst)
+    return dst
+
+
+def test_sharded_checkpoint_loads(ckpt):
+    assert len([f for f in os.listdir(ckpt) if f.endswith(".safetensors")]) > 1
+    out = LLM(ckpt, dtype="float32", device="cpu").generate([1, 2, 3])[0]
+    assert len(out.token_ids) == 16
+
+
+def test_missing_shard(ckpt, tmp_path):
+    d = _copy(ckpt, tmp_path)
+    shard = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))[1]
+    os.remove(os.path.join(d, shard))
+    with pytest.raises(ConfigError, match=f"shard '{shard}'.*missing"):
+        LLM(d, device="cpu")
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json"):
+        LLM(str(tmp_path), device="cpu")
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        LLM(str(tmp_path / "nope"), device="cpu")
+
+
+def test_unknown_model_type(ckpt, tmp_path):
+    d = _copy(ckpt, tmp_path)
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    cfg["model_type"] = "llama4_text"
+    json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
+    with pytest.raises(ConfigError, match="model_type 'llama4_text' is not supported"):
+        LLM(d, device="cpu")
+
+
+def _edit_tensor(d, name, fn):
+    index = json.load(open(os.path.join(d, "model.safetensors.index.json")))
+    file = os.path.join(d, index["weight_map"][name])
+    tensors = load_file(file)
+    tensors[name] = fn(tensors[name])
+    save_file(tensors, file, metadata={"format": "pt"})
+    return os.path.basename(file)
+
+
+@pytest.mark.parametrize("name", ["model.layers.1.self_attn.q_proj.weight", "model.layers.0.mlp.experts.3.down_proj.weight"])
+def test_wrong_shape(ckpt, tmp_path, name):
+    d = _copy(ckpt, tmp_path)
+    shard = _edit_tensor(d, name, lambda t: t[:, :-1].contiguous())
+    with pytest.raises(ConfigError, match=rf"{shard}: tensor '{name}' has shape"):
+        LLM(d, device="cpu")
+
+
+def test_wrong_dtype(ckpt, tmp_path):
+    d = _copy(ckpt, tmp_path)
+    name = "model.norm.weight"
+    _edit_tensor(d, name, lambda t: t.to(torch.int32))
+    with pytest.raises(ConfigError, match=f"tensor '{name}' has dtype torch.int32"):
+        LLM(d, device="cpu")
+
+
+def test_missing_tensor(ckpt, tmp_path):
+    d = _copy(ckpt, tmp_path)
+    name = "model.layers.2.post_attention_layernorm.weight"
+    index = json.load(open(os.path.join(d, "model.safetensors.index.json")))
+    file = os.path.join(d, index["weight_map"][name])
+    tensors = load_file(file)
+    del tensors[name]
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="lacks 1 tensor.*post_attention_layernorm"):
+        LLM(d, device="cpu")
+
+
+def test_dummy_load_needs_only_a_config(ckpt, tmp_path):
+    d = str(tmp_path / "cfg")
+    os.makedirs(d)
+    import shutil
+
+    shutil.copy(os.path.join(ckpt, "config.json"), d)
+    llm = LLM(d, load_format="dummy", device="cpu", hf_overrides={"num_hidden_layers": 2})
+    assert llm.engine.mc.num_layers == 2
+    assert len(llm.generate([4, 5, 6])[0].token_ids) == 16
+
+
+def test_unknown_engine_option():
+    with pytest.raises(ConfigError, match="unknown engine option.*no_such_flag"):
+        LLM(None, no_such_flag=1)

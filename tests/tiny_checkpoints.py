@@ -1,0 +1,50 @@
+"""Tiny random checkpoints of every supported family, made with transformers' own model classes
+and saved with save_pretrained, so moeferry is checked against code nobody here wrote."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+COMMON = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=256, initializer_range=0.08, rms_norm_eps=1e-6, eos_token_id=None,
+              bos_token_id=None, pad_token_id=None)
+
+
+def family_configs():
+    """(name, config) pairs: each family, tied and untied heads, the family's own options."""
+    import transformers as T
+
+    return [
+        ("qwen3_moe", T.Qwen3MoeConfig(intermediate_size=48, moe_intermediate_size=16, head_dim=8, num_experts=8,
+                                       num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False,
+                                       **COMMON)),
+        ("qwen3_moe-tied-top4", T.Qwen3MoeConfig(intermediate_size=48, moe_intermediate_size=16, head_dim=8,
+                                                 num_experts=16, num_experts_per_tok=4, norm_topk_prob=False,
+                                                 tie_word_embeddings=True, **COMMON)),
+        ("mixtral", T.MixtralConfig(intermediate_size=16, num_local_experts=8, num_experts_per_tok=2,
+                                    tie_word_embeddings=False, **COMMON)),
+        ("mixtral-window", T.MixtralConfig(intermediate_size=16, num_local_experts=8, num_experts_per_tok=2,
+                                           sliding_window=5, tie_word_embeddings=True, **COMMON)),
+        ("olmoe", T.OlmoeConfig(intermediate_size=16, num_experts=12, num_experts_per_tok=3, tie_word_embeddings=False,
+                                **COMMON)),
+        ("qwen2_moe", T.Qwen2MoeConfig(intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                                       num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                                       tie_word_embeddings=False, **COMMON)),
+        ("qwen2_moe-dense-layer-tied", T.Qwen2MoeConfig(intermediate_size=48, moe_intermediate_size=16,
+                                                        shared_expert_intermediate_size=24, num_experts=8,
+                                                        num_experts_per_tok=4, norm_topk_prob=True, mlp_only_layers=[1],
+                                                        tie_word_embeddings=True, **COMMON)),
+    ]
+
+
+def make_checkpoint(config, out_dir: str, seed: int = 0, shards: bool = False):
+    """Save a random HF model of `config` to out_dir; returns the HF model (eval, float32)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, max_shard_size="20KB" if shards else "5GB")
+    return model
