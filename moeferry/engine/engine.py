@@ -57,7 +57,8 @@ class Engine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(int(self.tokenizer.eos_token_id))
         self._detok: dict[int, IncrementalDetokenizer] = {}
-        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0,
+                         "requests_aborted": 0, "prefill_tokens": 0, "decode_tokens": 0}
 
     # ---- requests --------------------------------------------------------------------------
     def encode(self, prompt: str) -> list[int]:
@@ -85,7 +86,25 @@ class Engine:
         req.status, req.finish_reason = Status.FINISHED, reason
         self.scheduler.free(req)
         self._detok.pop(req.rid, None)
-        self.counters["requests_finished"] += 1
+        self.counters["requests_aborted" if reason == "abort" else "requests_finished"] += 1
+
+    def stats(self, include_moe: bool = True) -> dict:
+        """A plain-Python snapshot: requests, token counters (cumulative), KV page use, and the
+        MoE strategy's own figures under "moe" (may sync the device: leave out on hot paths)."""
+        sched, pool = self.scheduler, self.scheduler.pool
+        used = pool.num_pages - pool.free_pages
+        out = {
+            "requests": {"running": len(sched.running), "waiting": len(sched.waiting),
+                         "finished": self.counters["requests_finished"], "aborted": self.counters["requests_aborted"],
+                         "preemptions": sched.num_preemptions},
+            "tokens": {k: self.counters[k] for k in ("prompt_tokens", "generation_tokens", "prefill_tokens",
+                                                      "decode_tokens")},
+            "kv": {"pages_used": used, "pages_total": pool.num_pages, "page_size": sched.page_size,
+                   "usage": used / pool.num_pages if pool.num_pages else 0.0},
+        }
+        if include_moe:
+            out["moe"] = self.runner.strategy.stats()
+        return out
 
     @property
     def has_work(self) -> bool:
@@ -121,6 +140,7 @@ class Engine:
         outputs: list[StepOutput] = []
         if plan.prefill:
             logits = self.runner.run_prefill(plan.prefill)
+            self.counters["prefill_tokens"] += sum(n for _, n in plan.prefill)
             done = []
             for row, (req, n) in enumerate(plan.prefill):
                 req.num_computed += n
@@ -133,6 +153,7 @@ class Engine:
                 outputs += [self._append(q, t) for q, t in zip(reqs, tokens)]
         if plan.decode:
             logits = self.runner.run_decode(plan.decode)
+            self.counters["decode_tokens"] += len(plan.decode)
             tokens = sample(logits, [q.params for q in plan.decode], [q.generator for q in plan.decode])
             outputs += [self._append(q, t) for q, t in zip(plan.decode, tokens)]
         return outputs

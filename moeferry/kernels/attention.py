@@ -1,8 +1,74 @@
-"""Attention dispatch: plain torch (kernels/reference/attention.py) for now on every device.
+"""Attention dispatch by device: fast paths for CUDA tensors, plain torch elsewhere.
 
-A Triton paged decode kernel is the serving issue's; it will slot in here by device.
+decode_attention: the Triton paged kernel (kernels/triton/attention.py) on CUDA, the
+reference (kernels/reference/attention.py, the oracle) otherwise; ``use_triton`` forces
+either (Triton on CPU tensors needs TRITON_INTERPRET=1, set before triton is imported).
+prefill_attention: torch's scaled_dot_product_attention on CUDA (flash / memory-efficient
+kernels), the reference otherwise; ``use_sdpa`` forces either.
+Triton is imported lazily so CPU-only callers never pay for it.
 """
+from __future__ import annotations
 
-from moeferry.kernels.reference.attention import decode_attention, prefill_attention
+import torch
+import torch.nn.functional as F
 
-__all__ = ["decode_attention", "prefill_attention"]
+from moeferry.kernels.reference import attention as reference
+
+__all__ = ["decode_attention", "prefill_attention", "sdpa_prefill_attention"]
+
+# enable_gqa arrived in torch 2.5 and only the flash kernel (fp16/bf16, no mask) honours it;
+# anywhere else it falls back to the math kernel, slower than repeating the kv heads.
+_SDPA_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                     seq_lens: torch.Tensor, page_size: int, scale: float, window: int | None = None, *,
+                     use_triton: bool | None = None) -> torch.Tensor:
+    """q [B, Hq, D]; caches [slots, Hkv, D]; page_table [B, P]; seq_lens [B] (new token included)
+    -> [B, Hq, D]. Fixed shapes and no host sync on either path: CUDA-graph capturable."""
+    if q.is_cuda if use_triton is None else use_triton:
+        from moeferry.kernels.triton import attention as impl
+    else:
+        impl = reference
+    return impl.decode_attention(q, k_cache, v_cache, page_table, seq_lens, page_size, scale, window)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float,
+                      window: int | None = None, *, use_sdpa: bool | None = None) -> torch.Tensor:
+    """q [Tq, Hq, D] at positions [q_start, q_start+Tq); k, v [Tk, Hkv, D] at [0, Tk). -> [Tq, Hq, D]."""
+    if q.is_cuda if use_sdpa is None else use_sdpa:
+        return sdpa_prefill_attention(q, k, v, q_start, scale, window)
+    return reference.prefill_attention(q, k, v, q_start, scale, window)
+
+
+def sdpa_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float,
+                           window: int | None = None) -> torch.Tensor:
+    """The reference's prefill through F.scaled_dot_product_attention.
+
+    A whole prompt (q_start 0, Tk == Tq, no window) is plain causal: is_causal lets SDPA pick
+    the flash kernel, which takes grouped kv heads as they are (fp16/bf16). A chunk after a prefix, or a
+    sliding window, needs an explicit [Tq, Tk] boolean mask (True = attend; every query sees
+    at least itself, so no row is empty); the memory-efficient kernel that takes a mask does
+    not group heads, so kv heads are repeated for it.
+    """
+    tq, hq, _ = q.shape
+    tk, hkv = k.shape[0], k.shape[1]
+    rep = hq // hkv
+    qh = q.transpose(0, 1)  # [Hq, Tq, D]
+    causal = q_start == 0 and tk == tq and not window
+    if causal and (rep == 1 or (_SDPA_GQA and q.dtype in _FLASH_DTYPES)):
+        kwargs = {"enable_gqa": True} if rep > 1 else {}
+        out = F.scaled_dot_product_attention(qh, k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+                                             scale=scale, **kwargs)
+        return out.transpose(0, 1)
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    mask = None
+    if not causal:
+        q_pos = torch.arange(q_start, q_start + tq, device=q.device)
+        k_pos = torch.arange(tk, device=q.device)
+        mask = reference._window_mask(q_pos, k_pos, window)
+    out = F.scaled_dot_product_attention(qh, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+                                         is_causal=causal, scale=scale)
+    return out.transpose(0, 1)

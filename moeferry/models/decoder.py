@@ -59,6 +59,7 @@ class MoECausalLM(nn.Module):
         super().__init__()
         self.spec = get_family(mc.model_type)
         self.config = mc
+        self.strategy = strategy
         self.model = DecoderBody(mc, self.spec, strategy, max_positions)
         self.tie_word_embeddings = bool(getattr(mc.hf, "tie_word_embeddings", False))
         self.lm_head = nn.Linear(mc.hidden_size, mc.vocab_size, bias=False)
@@ -71,6 +72,7 @@ class MoECausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv) -> torch.Tensor:
         for layer in self.model.layers:
             layer.mlp_module.is_decode = batch.is_decode
+        self.strategy.begin_forward(batch.is_decode, batch.num_rows)
         x = self.model.embed_tokens(batch.input_ids)
         for layer in self.model.layers:
             x = layer(x, batch, kv)

@@ -77,6 +77,9 @@ class MoEStrategy:
     def finalize(self) -> None:
         """Called once after every bank is filled."""
 
+    def begin_forward(self, is_decode: bool, num_tokens: int) -> None:
+        """Called at the start of every model forward, before the first layer."""
+
     def reserved_device_bytes(self) -> int:
         """Device memory this strategy still means to take after the KV cache is planned."""
         return 0

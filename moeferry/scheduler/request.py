@@ -20,12 +20,14 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     """Invariants: `num_computed` tokens of `tokens` have their KV in `pages`; while
     more than one token is pending (or nothing was generated yet) the request is prefilling
-    its pending tokens in chunks; after that it decodes one token a step. A preempted request drops its pages and sets num_computed to 0: its prompt
-    and the tokens generated so far are recomputed when it runs again."""
+    its pending tokens in chunks; after that it decodes one token a step. A preempted request
+    drops its pages and sets num_computed to 0: its prompt and the tokens generated so far are
+    recomputed when it runs again. Requests compare by identity (eq=False), so membership
+    tests in the scheduler's queues cost O(1) per element, not a comparison of token lists."""
 
     prompt_ids: list[int]
     params: SamplingParams

@@ -31,7 +31,9 @@ class Scheduler:
     Invariants: a request is in exactly one of `waiting` (FCFS order, preempted requests at
     the front) or `running`; a running request holds pages for every token it has computed;
     at most `max_running` requests run at once; a step's prefill chunks total at most
-    `max_prefill_tokens`.
+    `max_prefill_tokens`; admission is FCFS (no request overtakes the head of `waiting`).
+    Progress: a request that `add` accepted fits alone in the KV cache, and preemption takes
+    the latest-admitted request first, so the oldest running request always advances.
     """
 
     def __init__(self, pool: PagePool, page_size: int, max_running: int, max_prefill_tokens: int, max_model_len: int):
@@ -41,8 +43,13 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
 
+    @property
+    def context_limit(self) -> int:
+        """The most tokens (prompt + generated) one request may hold."""
+        return min(self.max_model_len, self.pool.num_pages * self.page_size)
+
     def add(self, req: Request) -> None:
-        limit = min(self.max_model_len, self.pool.num_pages * self.page_size)
+        limit = self.context_limit
         if len(req.prompt_ids) + req.params.max_tokens > limit:
             raise ValueError(
                 f"prompt of {len(req.prompt_ids)} tokens + max_tokens {req.params.max_tokens} exceeds the "
@@ -82,26 +89,51 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
 
+    def _grow_or_preempt(self, req: Request, num_tokens: int, protected: set[int], yield_self: bool) -> bool:
+        """Give `req` pages for `num_tokens` tokens, preempting the latest-admitted running
+        requests after it (never one whose rid is in `protected`) until they fit. With no
+        victim left, `req` itself is preempted if `yield_self`. True when the pages are there."""
+        while not self._grow(req, num_tokens):
+            later = self.running[self.running.index(req) + 1:]
+            victims = [r for r in later if r.rid not in protected]
+            if not victims:
+                if yield_self:
+                    self._preempt(req)
+                return False
+            self._preempt(victims[-1])
+        return True
+
     def _plan_decode(self) -> list[Request]:
         decoding = [r for r in self.running if not r.in_prefill]
-        for req in list(decoding):
-            while req in self.running and not self._grow(req, req.num_tokens):
-                victim = self.running[-1]  # the latest admitted goes first
-                self._preempt(victim)
-                if victim in decoding:
-                    decoding.remove(victim)
+        for req in decoding:
+            if req in self.running:
+                self._grow_or_preempt(req, req.num_tokens, protected=set(), yield_self=True)
         return [r for r in decoding if r in self.running]
 
-    def _plan_prefill(self) -> list[tuple[Request, int]]:
-        budget = self.max_prefill_tokens
-        chunks = []
+    def _plan_running_prefill(self, decode: list[Request], budget: int) -> tuple[list[tuple[Request, int]], bool]:
+        """Next chunks of requests already running their prefill, and whether one of them was
+        left without pages (then nobody new is admitted: it would only take pages from it).
+        A request short of pages may preempt later prefilling requests, never one planned to
+        decode this step; so when every running request is prefilling, the oldest advances."""
+        protected = {r.rid for r in decode}
+        chunks, starved = [], False
         for req in [r for r in self.running if r.in_prefill]:
             if budget <= 0:
                 break
+            if req not in self.running:  # preempted by an earlier request of this loop
+                continue
             n = min(req.num_tokens - req.num_computed, budget)
-            if self._grow(req, req.num_computed + n):
+            if self._grow_or_preempt(req, req.num_computed + n, protected, yield_self=False):
                 chunks.append((req, n))
                 budget -= n
+            else:
+                starved = True
+        return chunks, starved
+
+    def _admit_waiting(self, budget: int) -> list[tuple[Request, int]]:
+        """FCFS admission: the head of `waiting` joins while the budget, the running limit and
+        the free pages allow; a head that does not fit stops admission (no overtaking)."""
+        chunks = []
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             req = self.waiting[0]
             n = min(req.num_tokens - req.num_computed, budget)
@@ -117,5 +149,11 @@ class Scheduler:
         return chunks
 
     def schedule(self) -> StepPlan:
+        """Plan one step: decode first (every decoding request gets its token's page, later
+        admissions are preempted for it), then running prefills, then FCFS admission, the
+        prefill chunks sharing `max_prefill_tokens`."""
         decode = self._plan_decode()
-        return StepPlan(prefill=self._plan_prefill(), decode=decode)
+        prefill, starved = self._plan_running_prefill(decode, self.max_prefill_tokens)
+        if not starved:
+            prefill += self._admit_waiting(self.max_prefill_tokens - sum(n for _, n in prefill))
+        return StepPlan(prefill=prefill, decode=decode)

@@ -9,8 +9,14 @@ logger = logging.getLogger(__name__)
 
 def load_tokenizer(model_dir: str):
     """The checkpoint's tokenizer (tokenizer.json / tokenizer_config.json), or None if it has none."""
+    import os
+
     from transformers import AutoTokenizer
 
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any(os.path.isfile(os.path.join(model_dir, f)) for f in files):
+        logger.warning("no tokenizer files in %s: token ids only", model_dir)
+        return None
     try:
         return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError) as exc:

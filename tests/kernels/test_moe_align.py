@@ -97,7 +97,7 @@ def test_groups_spanning_several_route_chunks_stay_ascending(num_experts):
 def test_capacity_follows_routes_not_expert_count():
     assert padded_route_capacity(8, 32768, 16) == 8 * 16
     assert padded_route_capacity(8, 2, 16) == 48  # 8 routes + 2 groups' padding -> 3 blocks
-    assert padded_route_capacity(100, 4, 16) == 112
+    assert padded_route_capacity(100, 4, 16) == 160  # 100 + 4 * 15, whole blocks
 
 
 @pytest.mark.parametrize("impl", IMPLS)

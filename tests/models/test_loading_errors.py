@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moeferry import LLM
+from moeferry import LLM, SamplingParams
 from moeferry.config import ConfigError
 from tests.tiny_checkpoints import family_configs, make_checkpoint
 
@@ -30,7 +30,7 @@ def _copy(ckpt, tmp_path):
 
 def test_sharded_checkpoint_loads(ckpt):
     assert len([f for f in os.listdir(ckpt) if f.endswith(".safetensors")]) > 1
-    out = LLM(ckpt, dtype="float32", device="cpu").generate([1, 2, 3])[0]
+    out = LLM(ckpt, dtype="float32", device="cpu").generate([1, 2, 3], SamplingParams(ignore_eos=True))[0]
     assert len(out.token_ids) == 16
 
 
@@ -106,7 +106,7 @@ def test_dummy_load_needs_only_a_config(ckpt, tmp_path):
     shutil.copy(os.path.join(ckpt, "config.json"), d)
     llm = LLM(d, load_format="dummy", device="cpu", hf_overrides={"num_hidden_layers": 2})
     assert llm.engine.mc.num_layers == 2
-    assert len(llm.generate([4, 5, 6])[0].token_ids) == 16
+    assert len(llm.generate([4, 5, 6], SamplingParams(ignore_eos=True))[0].token_ids) == 16
 
 
 def test_unknown_engine_option():

@@ -208,7 +208,7 @@ def _write_slot_ids(topk_ptr, num_routes, num_experts, layer_base, slot_of_ptr, 
         tl.store(out_ptr + r, slot, mask=in_range)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_routes", "layer"])  # one compile serves every layer
 def _admit_kernel(
     topk_ptr, num_routes, layer, num_experts, num_slots,
     slot_of_ptr, owner_of_ptr, last_used_ptr, score_ptr, clock_ptr,

@@ -17,8 +17,10 @@ The result is deterministic: counts use integer atomics (order-free), positions 
 How, for N = T * K routes cut into chunks of ROUTE_CHUNK routes (C chunks):
     1. _count_chunk_kernel    (routes)  chunk_counts[c, e] = routes of expert e in chunk c
     2. _chunk_prefix_kernel   (experts) chunk_counts[c, e] -> routes of e in chunks < c;
-                                        expert_counts[e] = routes of e
+                                        expert_counts[e] = routes of e; padded total of
+                                        each BLOCK_E experts
     3. _expert_start_kernel   (experts) expert_start[e] = padded sizes of experts < e
+                                        (earlier blocks' totals + a scan in the block)
     4. _place_routes_kernel   (routes)  position of r = expert_start[e] + chunk prefix
                                         + routes of e earlier in r's chunk (pairwise within
                                         the chunk, so O(N * ROUTE_CHUNK) comparisons)
@@ -33,7 +35,7 @@ from moeferry.kernels.reference.moe_align import padded_route_capacity
 
 __all__ = ["moe_align_block_size", "padded_route_capacity"]
 
-ROUTE_BLOCK = 128
+ROUTE_BLOCK = 64  # routes per program; _place_routes_kernel compares [64, 64] tiles
 ROUTE_CHUNK = 1024  # a multiple of ROUTE_BLOCK: one route block never spans two chunks
 EXPERT_BLOCK = 1024
 
@@ -50,8 +52,13 @@ def _count_chunk_kernel(ids_ptr, chunk_counts_ptr, num_routes, num_experts,
 
 
 @triton.jit
-def _chunk_prefix_kernel(chunk_counts_ptr, expert_counts_ptr, num_experts, num_chunks,
-                         BLOCK_E: tl.constexpr):
+def _padded(counts, block_size):
+    return (counts + block_size - 1) // block_size * block_size
+
+
+@triton.jit
+def _chunk_prefix_kernel(chunk_counts_ptr, expert_counts_ptr, block_padded_ptr, num_experts,
+                         num_chunks, block_size, BLOCK_E: tl.constexpr):
     experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     valid = experts < num_experts
     running = tl.zeros([BLOCK_E], dtype=tl.int32)
@@ -61,23 +68,18 @@ def _chunk_prefix_kernel(chunk_counts_ptr, expert_counts_ptr, num_experts, num_c
         tl.store(ptrs, running, mask=valid)
         running += count
     tl.store(expert_counts_ptr + experts, running, mask=valid)
+    tl.store(block_padded_ptr + tl.program_id(0), tl.sum(_padded(running, block_size), axis=0))
 
 
 @triton.jit
-def _padded(counts, block_size):
-    return (counts + block_size - 1) // block_size * block_size
-
-
-@triton.jit
-def _expert_start_kernel(expert_counts_ptr, expert_start_ptr, num_post_padded_ptr,
-                         num_experts, block_size, BLOCK_E: tl.constexpr):
+def _expert_start_kernel(expert_counts_ptr, block_padded_ptr, expert_start_ptr,
+                         num_post_padded_ptr, num_experts, block_size,
+                         BLOCK_E: tl.constexpr, MAX_EXPERT_BLOCKS: tl.constexpr):
     pid = tl.program_id(0)
-    lanes = tl.arange(0, BLOCK_E)
-    base = tl.sum(tl.zeros([BLOCK_E], dtype=tl.int32), axis=0)
-    for earlier in range(0, pid):  # each program re-sums the blocks before it: no chaining
-        counts = tl.load(expert_counts_ptr + earlier * BLOCK_E + lanes)
-        base += tl.sum(_padded(counts, block_size), axis=0)
-    experts = pid * BLOCK_E + lanes
+    blocks = tl.arange(0, MAX_EXPERT_BLOCKS)
+    earlier = tl.load(block_padded_ptr + blocks, mask=blocks < pid, other=0)
+    base = tl.sum(earlier, axis=0)
+    experts = pid * BLOCK_E + tl.arange(0, BLOCK_E)
     valid = experts < num_experts
     padded = _padded(tl.load(expert_counts_ptr + experts, mask=valid, other=0), block_size)
     inclusive = tl.cumsum(padded, axis=0)
@@ -103,7 +105,8 @@ def _place_routes_kernel(ids_ptr, chunk_counts_ptr, expert_start_ptr, sorted_rou
             (others[None, :] < routes[:, None])
         rank += tl.sum(same.to(tl.int32), axis=1)
     safe_experts = tl.where(valid, experts, 0).to(tl.int64)
-    earlier_chunks = tl.load(chunk_counts_ptr + chunk * num_experts + safe_experts, mask=valid, other=0)
+    earlier_chunks = tl.load(chunk_counts_ptr + chunk * num_experts + safe_experts,
+                             mask=valid, other=0)
     start = tl.load(expert_start_ptr + safe_experts, mask=valid, other=0)
     position = start + earlier_chunks + rank
     tl.store(sorted_route_ptr + position, routes.to(tl.int32), mask=valid)
@@ -131,17 +134,21 @@ def moe_align_block_size(
     num_chunks = triton.cdiv(num_routes, ROUTE_CHUNK)
     chunk_counts = torch.zeros((num_chunks, num_experts), dtype=torch.int32, device=device)
     expert_blocks = triton.cdiv(num_experts, EXPERT_BLOCK)
-    # Padded to whole expert blocks so _expert_start_kernel reads earlier blocks unmasked.
-    expert_counts = torch.zeros(expert_blocks * EXPERT_BLOCK, dtype=torch.int32, device=device)
+    expert_counts = torch.empty(num_experts, dtype=torch.int32, device=device)
+    block_padded = torch.empty(expert_blocks, dtype=torch.int32, device=device)
     expert_start = torch.empty(num_experts, dtype=torch.int32, device=device)
 
     route_grid = (triton.cdiv(num_routes, ROUTE_BLOCK),)
     _count_chunk_kernel[route_grid](flat_ids, chunk_counts, num_routes, num_experts,
                                     ROUTE_CHUNK=ROUTE_CHUNK, BLOCK_R=ROUTE_BLOCK)
-    _chunk_prefix_kernel[(expert_blocks,)](chunk_counts, expert_counts, num_experts,
-                                           num_chunks, BLOCK_E=EXPERT_BLOCK)
-    _expert_start_kernel[(expert_blocks,)](expert_counts, expert_start, num_post_padded,
-                                           num_experts, block_size, BLOCK_E=EXPERT_BLOCK)
+    _chunk_prefix_kernel[(expert_blocks,)](chunk_counts, expert_counts, block_padded,
+                                           num_experts, num_chunks, block_size,
+                                           BLOCK_E=EXPERT_BLOCK)
+    _expert_start_kernel[(expert_blocks,)](expert_counts, block_padded, expert_start,
+                                           num_post_padded, num_experts, block_size,
+                                           BLOCK_E=EXPERT_BLOCK,
+                                           MAX_EXPERT_BLOCKS=max(2, triton.next_power_of_2(
+                                               expert_blocks)))
     _place_routes_kernel[route_grid](flat_ids, chunk_counts, expert_start, sorted_route_ids,
                                      block_expert, num_routes, num_experts, block_size,
                                      ROUTE_CHUNK=ROUTE_CHUNK, BLOCK_R=ROUTE_BLOCK)

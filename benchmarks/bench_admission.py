@@ -1,0 +1,141 @@
+"""Admission cost per call (SPEC section 6.1, after background/pr-wide-decode-admission.txt).
+
+Top-10 over 512 experts, a 2,100-slot cache, 48 MoE layers: one decode step's 48
+admissions (one per layer) are captured in one CUDA graph and replayed 40 times.
+Microseconds per admission at each width, all hits and with about 10% misses.
+
+Routes: each layer draws from a window of ``slots // layers`` (43) of its experts, so every
+layer's working set fits the cache together. "hits": the window is fixed and pre-admitted.
+"misses": the window slides by a tenth of its width at each replay, so each call meets
+new experts; the measured miss rate is printed. Each replay is preceded by a copy of that
+replay's routes into the graph's static input; the copies are timed alone and subtracted.
+The copies of the missed experts are not part of this figure (bench_copy.py measures them).
+
+GPU only: without CUDA it says so and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+
+import torch
+
+REQUESTS = (1, 4, 8, 12, 13, 16, 24, 32, 48, 128, 256, 410)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, nargs="+", default=list(REQUESTS))
+    p.add_argument("--layers", type=int, default=48)
+    p.add_argument("--experts", type=int, default=512)
+    p.add_argument("--slots", type=int, default=2100)
+    p.add_argument("--top-k", type=int, default=10)
+    p.add_argument("--replays", type=int, default=40)
+    p.add_argument("--policy", choices=("lru", "lrfu"), default="lru")
+    p.add_argument("--miss-share", type=float, default=0.1)
+    p.add_argument("--out", help="append the table to this file")
+    return p.parse_args(argv)
+
+
+def route_variants(args, requests, shift, count):
+    """Routes [count, layers, requests * top_k] int64, variant v drawing from each layer's
+    window slid by v * shift, and the layers' first windows [layers, window]."""
+    window = min(args.experts, args.slots // args.layers)
+    routes = torch.empty(count, args.layers, requests * args.top_k, dtype=torch.long)
+    first_windows = torch.empty(args.layers, window, dtype=torch.long)
+    for layer in range(args.layers):
+        perm = torch.randperm(args.experts)
+        first_windows[layer] = perm[:window]
+        for v in range(count):
+            members = perm[(v * shift + torch.arange(window)) % args.experts]
+            routes[v, layer] = members[torch.randint(window, (requests * args.top_k,))]
+    return routes.cuda(), first_windows.cuda()
+
+
+def elapsed_us(fn) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000.0
+
+
+def measure(args, requests: int, with_misses: bool) -> tuple[float, float]:
+    from moeferry.moe.slot_cache import SlotCache
+
+    width = requests * args.top_k
+    cache = SlotCache(args.layers, args.experts, args.slots, device="cuda", policy=args.policy,
+                      max_routes=max(width, 4096))
+    window = min(args.experts, args.slots // args.layers)
+    shift = max(1, round(args.miss_share * window)) if with_misses else 0
+    warm = 4
+    variants, first_windows = route_variants(args, requests, shift, warm + args.replays)
+    static = variants[0].clone()
+    for layer in range(args.layers):  # every window fits: all hits while windows stay put
+        cache.admit(layer, first_windows[layer])
+        cache.admit(layer, static[layer].view(requests, args.top_k))  # compiles this width
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in range(args.layers):
+            cache.admit(layer, static[layer].view(requests, args.top_k))
+    for v in range(1, warm):
+        static.copy_(variants[v])
+        graph.replay()
+    before = cache.stats.snapshot()["decode"]["total"]
+
+    def replays():
+        for v in range(warm, warm + args.replays):
+            static.copy_(variants[v])
+            graph.replay()
+
+    def copies_only():
+        for v in range(warm, warm + args.replays):
+            static.copy_(variants[v])
+
+    total = elapsed_us(replays)
+    after = cache.stats.snapshot()["decode"]["total"]
+    copies = elapsed_us(copies_only)
+    misses = after["misses"] - before["misses"]
+    distinct = after["distinct"] - before["distinct"]
+    return (total - copies) / (args.replays * args.layers), misses / max(distinct, 1)
+
+
+def table(args, rows) -> str:
+    gpu = torch.cuda.get_device_name()
+    lines = [f"### Admission, {gpu}, {datetime.date.today()}: top-{args.top_k} over "
+             f"{args.experts} experts, {args.slots} slots, {args.layers} admissions per graph, "
+             f"{args.replays} replays, policy {args.policy}", "",
+             "| requests | routes | all hits (us) | with misses (us) | miss rate |",
+             "|---:|---:|---:|---:|---:|"]
+    for requests, hits_us, miss_us, miss_rate in rows:
+        lines.append(f"| {requests} | {requests * args.top_k} | {hits_us:.2f} | {miss_us:.2f} "
+                     f"| {miss_rate:.1%} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_admission: needs a CUDA GPU; none found, nothing measured.")
+        return 0
+    torch.manual_seed(0)
+    rows = []
+    for requests in args.requests:
+        hits_us, _ = measure(args, requests, with_misses=False)
+        miss_us, miss_rate = measure(args, requests, with_misses=True)
+        rows.append((requests, hits_us, miss_us, miss_rate))
+        print(f"requests {requests}: {hits_us:.2f} us all hits, {miss_us:.2f} us with "
+              f"{miss_rate:.1%} misses", file=sys.stderr)
+    text = table(args, rows)
+    print(text)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write("\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Paged decode attention: the plain-torch reference vs the Triton kernel.
+
+Qwen3-30B-A3B attention shapes (32 q heads, 4 kv heads, head_dim 128, bf16, page size 16)
+at B = 1, 4, 16, 64 requests and contexts of 512, 2048 and 8192 tokens, every request at
+the full context, pages scattered at random over the cache as a serving engine leaves them.
+Each implementation is captured ``--iters`` times in one CUDA graph (as in the decode
+step, so launch overhead is the graph's) and the graph replayed; the time per call is the
+best of ``--repeats`` replays. Consecutive calls read different copies of the inputs (at
+least 256 MiB of KV between two reads of one copy), so small cases are not served from the
+50 MiB L2. Achieved bandwidth counts the K and V bytes one call must
+read (2 * B * context * 4 * 128 * 2 bytes) against the H200's 4.3 TB/s of HBM.
+
+GPU only: without CUDA it says so and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+
+import torch
+
+Q_HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 4, 128, 16
+BATCHES = (1, 4, 16, 64)
+CONTEXTS = (512, 2048, 8192)
+HBM_BYTES_PER_S = 4.3e12
+L2_FLUSH_BYTES = 256 << 20
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    p.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS))
+    p.add_argument("--iters", type=int, default=20, help="calls captured in one graph")
+    p.add_argument("--repeats", type=int, default=5, help="graph replays; the best is kept")
+    p.add_argument("--skip-reference", action="store_true")
+    p.add_argument("--out", help="append the table to this file")
+    return p.parse_args(argv)
+
+
+def decode_inputs(batch: int, context: int):
+    """q, k_cache, v_cache, page_table, seq_lens for `batch` requests of `context` tokens."""
+    pages_per_req = -(-context // PAGE_SIZE)
+    num_pages = batch * pages_per_req
+    slots = (num_pages + 1) * PAGE_SIZE
+    k = torch.randn(slots, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+    table = torch.randperm(num_pages, device="cuda").int().view(batch, pages_per_req)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, Q_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    return q, k, v, table, seq_lens
+
+
+def seconds_per_call(fn, iters: int, repeats: int) -> float:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # compile / warm the allocator outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3 / iters)
+    del graph
+    return best
+
+
+def measure(batch: int, context: int, args) -> dict:
+    from moeferry.kernels.reference import attention as reference
+    from moeferry.kernels.triton import attention as triton_attn
+
+    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 2
+    copies = min(args.iters, -(-L2_FLUSH_BYTES // kv_bytes))
+    calls = [(*decode_inputs(batch, context), PAGE_SIZE, HEAD_DIM ** -0.5) for _ in range(copies)]
+    row = {"kv_bytes": kv_bytes, "reference": None,
+           "splits": triton_attn.num_splits_for(batch, KV_HEADS, calls[0][3].shape[1] * PAGE_SIZE,
+                                                calls[0][0].device)}
+
+    def each_copy(fn):
+        turn = iter(range(10**9))
+        return lambda: fn(*calls[next(turn) % copies])
+
+    row["triton"] = seconds_per_call(each_copy(triton_attn.decode_attention), args.iters, args.repeats)
+    if not args.skip_reference:
+        row["reference"] = seconds_per_call(each_copy(reference.decode_attention), args.iters, args.repeats)
+    del calls
+    torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_attention: needs a CUDA GPU; none found, nothing measured.")
+        return 0
+    gpu = torch.cuda.get_device_name()
+    lines = [f"### Paged decode attention, Qwen3-30B-A3B shapes (32/4 heads, d 128, bf16, page 16), "
+             f"{gpu}, {datetime.date.today()}", "",
+             "| B | context | KV MiB | splits | reference µs | Triton µs | speed-up | Triton TB/s | % of 4.3 TB/s |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for batch in args.batches:
+        for context in args.contexts:
+            r = measure(batch, context, args)
+            ref = "-" if r["reference"] is None else f"{r['reference'] * 1e6:.1f}"
+            speedup = "-" if r["reference"] is None else f"{r['reference'] / r['triton']:.1f}x"
+            rate = r["kv_bytes"] / r["triton"]
+            lines.append(f"| {batch} | {context} | {r['kv_bytes'] / 2**20:.1f} | {r['splits']} | {ref} "
+                         f"| {r['triton'] * 1e6:.1f} | {speedup} | {rate / 1e12:.2f} "
+                         f"| {rate / HBM_BYTES_PER_S:.0%} |")
+            print(lines[-1], flush=True)
+    text = "\n".join(lines) + "\n"
+    print()
+    print(text)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write("\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Miss-copy bandwidth (SPEC section 6.2): the gather kernel reading pinned host memory vs
+the measured pinned host-to-device bandwidth of torch's copy_.
+
+Rows are Qwen3-30B-A3B expert banks: w13 [1536, 2048] bf16 (6 MiB) and w2 [2048, 768] bf16
+(3 MiB). For 8 to 64 misses the gather copies that many rows chosen at random from a
+64-expert host bank into random slots; the reference bandwidth is one copy_ of the same
+number of bytes. GPU only: without CUDA it says so and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+
+import torch
+
+BANKS = {"w13 6 MiB": (1536, 2048), "w2 3 MiB": (2048, 768)}
+MISSES = (8, 16, 32, 64)
+H2D_SIZES_MIB = (3, 6, 48, 192, 384)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--misses", type=int, nargs="+", default=list(MISSES))
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--out", help="append the tables to this file")
+    return p.parse_args(argv)
+
+
+def seconds_per_call(fn, iters: int) -> float:
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000.0 / iters
+
+
+def h2d_gbps(nbytes: int, iters: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    return nbytes / seconds_per_call(lambda: dst.copy_(src, non_blocking=True), iters) / 1e9
+
+
+def gather_gbps(row_shape, experts: int, misses: int, iters: int) -> float:
+    from moeferry.kernels.triton.gather_copy import gather_copy
+
+    host = torch.empty((experts, *row_shape), dtype=torch.bfloat16).pin_memory()
+    slots = torch.empty((max(experts, misses), *row_shape), dtype=torch.bfloat16, device="cuda")
+    plan_src = torch.randperm(experts)[:misses].int().cuda()
+    plan_dst = torch.randperm(slots.shape[0])[:misses].int().cuda()
+    count = torch.tensor([misses], dtype=torch.int32, device="cuda")
+    seconds = seconds_per_call(lambda: gather_copy([host], [slots], plan_src, plan_dst, count), iters)
+    return misses * host[0].numel() * host.element_size() / seconds / 1e9
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_copy: needs a CUDA GPU; none found, nothing measured.")
+        return 0
+    gpu = torch.cuda.get_device_name()
+    lines = [f"### Pinned H2D copy_, {gpu}, {datetime.date.today()}", "",
+             "| MiB | GB/s |", "|---:|---:|"]
+    for mib in H2D_SIZES_MIB:
+        lines.append(f"| {mib} | {h2d_gbps(mib << 20, args.iters):.1f} |")
+    lines += ["", f"### Miss gather from pinned memory, {gpu}, {datetime.date.today()}", "",
+              "| bank | misses | MiB | gather GB/s | copy_ GB/s (same bytes) | % of H2D |",
+              "|---|---:|---:|---:|---:|---:|"]
+    for name, shape in BANKS.items():
+        args.experts = max(args.experts, max(args.misses))
+        for misses in args.misses:
+            nbytes = misses * shape[0] * shape[1] * 2
+            gather = gather_gbps(shape, args.experts, misses, args.iters)
+            h2d = h2d_gbps(nbytes, args.iters)
+            lines.append(f"| {name} | {misses} | {nbytes >> 20} | {gather:.1f} | {h2d:.1f} "
+                         f"| {gather / h2d:.0%} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write("\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

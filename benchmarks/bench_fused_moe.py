@@ -1,0 +1,100 @@
+"""Fused MoE layer time at Qwen3-30B-A3B shapes (H=2048, I=768, E=128, top-8, bf16), GPU only.
+
+Each row times one MoE layer's grouped GEMM inside a CUDA graph (triton.testing's
+do_bench_cudagraph). The graph runs NUM_LAYERS distinct layer banks, each with its own routes,
+as a decode step does, so the weights of one layer are not still in L2 when it runs again;
+the time per layer is the graph's time / NUM_LAYERS. Achieved bandwidth counts each distinct
+expert a layer touches once (9 MiB in bf16), against the H200's ~4.3 TB/s HBM.
+
+    python benchmarks/bench_fused_moe.py [--out FILE] [--tokens 1 4 16 64 512]
+"""
+import argparse
+import datetime
+import sys
+
+import torch
+
+HIDDEN, INTERMEDIATE, NUM_EXPERTS, TOP_K = 2048, 768, 128, 8
+EXPERT_BYTES = 3 * HIDDEN * INTERMEDIATE * 2  # gate + up + down, bf16: 9 MiB
+HBM_BYTES_PER_S = 4.3e12
+NUM_LAYERS = 8
+
+
+def _make_layers(num_tokens: int, seed: int = 0) -> list[tuple]:
+    """NUM_LAYERS independent (hidden, w13, w2, weights, ids, out) on the GPU."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    layers = []
+    for _ in range(NUM_LAYERS):
+        w13 = torch.randn(NUM_EXPERTS, 2 * INTERMEDIATE, HIDDEN, device="cuda", generator=gen,
+                          dtype=torch.bfloat16) * HIDDEN ** -0.5
+        w2 = torch.randn(NUM_EXPERTS, HIDDEN, INTERMEDIATE, device="cuda", generator=gen,
+                         dtype=torch.bfloat16) * INTERMEDIATE ** -0.5
+        hidden = torch.randn(num_tokens, HIDDEN, device="cuda", generator=gen, dtype=torch.bfloat16)
+        logits = torch.randn(num_tokens, NUM_EXPERTS, device="cuda", generator=gen)
+        weights, ids = torch.softmax(logits, -1).topk(TOP_K, dim=-1)
+        layers.append((hidden, w13, w2, weights.contiguous(), ids.to(torch.int32).contiguous(),
+                       torch.empty_like(hidden)))
+    return layers
+
+
+def _time_per_layer_us(layers: list[tuple], assignment: str) -> float:
+    import triton.testing
+
+    from moeferry.kernels.ops import fused_moe
+
+    def step():
+        for hidden, w13, w2, weights, ids, out in layers:
+            fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=NUM_EXPERTS,
+                      block_assignment=assignment, out=out)
+
+    ms = triton.testing.do_bench_cudagraph(step, rep=200, return_mode="median")
+    return ms * 1e3 / len(layers)
+
+
+def _rows(token_counts: list[int]) -> list[str]:
+    from moeferry.kernels.triton.fused_moe import naive_allowed
+
+    rows = []
+    for num_tokens in token_counts:
+        layers = _make_layers(num_tokens)
+        distinct = sum(int(ids.unique().numel()) for *_, ids, _ in layers) / len(layers)
+        assignments = ["auto"] + (["sorted"] if naive_allowed(num_tokens, TOP_K, NUM_EXPERTS)
+                                  else [])
+        for assignment in assignments:
+            us = _time_per_layer_us(layers, assignment)
+            bytes_per_s = distinct * EXPERT_BYTES / (us * 1e-6)
+            shown = "naive (auto)" if assignment == "auto" and len(assignments) > 1 else assignment
+            rows.append(f"| {num_tokens} | {shown} | {distinct:.1f} | {us:.1f} | "
+                        f"{bytes_per_s / 1e12:.2f} | {100 * bytes_per_s / HBM_BYTES_PER_S:.0f}% |")
+        del layers
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 512])
+    parser.add_argument("--out", help="append the table to this file (e.g. benchmarks/RESULTS.md)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_fused_moe: needs a CUDA GPU; nothing measured.")
+        return 0
+    header = [
+        f"### fused_moe, Qwen3-30B-A3B layer (H={HIDDEN}, I={INTERMEDIATE}, E={NUM_EXPERTS}, "
+        f"top-{TOP_K}, bf16), {torch.cuda.get_device_name()}, "
+        f"{datetime.date.today().isoformat()}",
+        "",
+        "| tokens | blocks | distinct experts | us / layer | TB/s (distinct x 9 MiB) "
+        "| of 4.3 TB/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    table = "\n".join(header + _rows(args.tokens)) + "\n"
+    print(table)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write("\n" + table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

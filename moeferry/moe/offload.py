@@ -1,0 +1,184 @@
+"""The offload strategy: experts in (pinned) host memory, a device slot pool shared by every
+MoE layer, device-side admission, and a prefill that either streams each layer through a
+double buffer or demand-loads a short chunk's experts through the slot cache.
+
+Decode step of one MoE layer, all on the device and inside the decode CUDA graph:
+  admit(layer, topk_ids) -> slot ids + copy plan;  gather copy of the misses;
+  fused_moe over the slot pool at the slot ids (tiles sized by the layer's expert count).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from moeferry.config import ConfigError
+from moeferry.kernels import ops
+from moeferry.moe.slot_cache import SlotCache
+from moeferry.moe.strategies import ExpertBanks, MoEStrategy
+
+logger = logging.getLogger(__name__)
+
+
+def plan_num_slots(ec, mc, total_experts: int, expert_bytes: int, device: torch.device) -> int:
+    """Slots from --moe-cache-slots, else --moe-cache-gb, else the device memory left after
+    the KV reserve (capped at every expert: a bigger cache has nothing more to hold)."""
+    if ec.moe_cache_slots is not None:
+        return ec.moe_cache_slots
+    if ec.moe_cache_gb is not None:
+        return int(ec.moe_cache_gb * 2**30 // expert_bytes)
+    if device.type != "cuda":
+        return total_experts
+    from moeferry.kvcache.paged import PagedKVCache
+
+    free, _ = torch.cuda.mem_get_info(device)
+    kv_tokens = ec.kv_reserve_tokens or ec.max_running_requests * min(mc.max_position_embeddings, 8192)
+    kv_bytes = kv_tokens * PagedKVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, ec.torch_dtype)
+    stream_bytes = 2 * mc.num_experts * expert_bytes
+    budget = free * ec.memory_ratio - ec.vram_reserve_mb * 2**20 - kv_bytes - stream_bytes
+    return min(total_experts, max(0, int(budget // expert_bytes)))
+
+
+class LayerStream:
+    """Double-buffered prefill stream: every expert of MoE layer l is copied into buffer l % 2
+    on a copy stream, layer l+1's copy running behind layer l's compute.
+
+    Invariants: a buffer is overwritten only after the compute that read it has finished
+    (event `consumed`); compute on a buffer starts only after its copy finished (event
+    `ready`). The buffers are separate from the slot pool: streaming never evicts decode's
+    resident experts.
+    """
+
+    def __init__(self, num_experts: int, w13_shape, w2_shape, dtype, device):
+        self.w13 = [torch.empty((num_experts, *w13_shape), dtype=dtype, device=device) for _ in range(2)]
+        self.w2 = [torch.empty((num_experts, *w2_shape), dtype=dtype, device=device) for _ in range(2)]
+        self.copy_stream = torch.cuda.Stream(device)
+        self.ready = [torch.cuda.Event() for _ in range(2)]
+        self.consumed = [torch.cuda.Event() for _ in range(2)]
+        self.order: list[int] = []
+        self.position: dict[int, int] = {}
+
+    def _issue_copy(self, index: int, host: ExpertBanks) -> None:
+        buf = index % 2
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(self.consumed[buf])
+            self.w13[buf].copy_(host.w13, non_blocking=True)
+            self.w2[buf].copy_(host.w2, non_blocking=True)
+            self.ready[buf].record(self.copy_stream)
+
+    def begin(self, moe_layer_order: list[int], host_banks: dict[int, ExpertBanks]) -> None:
+        self.order, self.position = moe_layer_order, {l: i for i, l in enumerate(moe_layer_order)}
+        self.host = host_banks
+        self._issue_copy(0, host_banks[moe_layer_order[0]])
+
+    def acquire(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        index = self.position[layer_id]
+        if index + 1 < len(self.order):
+            self._issue_copy(index + 1, self.host[self.order[index + 1]])
+        buf = index % 2
+        torch.cuda.current_stream().wait_event(self.ready[buf])
+        return self.w13[buf], self.w2[buf], buf
+
+    def release(self, buf: int) -> None:
+        self.consumed[buf].record(torch.cuda.current_stream())
+
+
+class OffloadStrategy(MoEStrategy):
+    """Experts in host memory (pinned when the compute device is a GPU), a slot cache on the
+    compute device.
+
+    Invariants: the host banks are the only full copy of the experts; the slot pool holds,
+    in each occupied slot, exactly its owner's rows (the slot cache's invariant); decode and
+    demand prefill compute over the slot pool at slot ids, streamed prefill over a layer
+    buffer; the same kernel with tiles from the layer's expert count makes both give the
+    `gpu` strategy's bits.
+    """
+
+    name = "offload"
+
+    def __init__(self, engine_config, model_config):
+        super().__init__(engine_config, model_config)
+        demand = engine_config.moe_prefill_demand_tokens
+        if demand and self.device.type != "cuda":
+            logger.info("--moe-prefill-demand-tokens on the CPU: chunks admit through the slot cache too")
+        self.demand_tokens = demand
+        self.cache: SlotCache | None = None
+        self.stream: LayerStream | None = None
+        self.moe_index: dict[int, int] = {}
+        self._demand_this_forward = False
+        self.streamed_bytes = 0
+
+    def bank_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def expert_bytes(self) -> int:
+        banks = next(iter(self.banks.values()))
+        return (banks.w13[0].numel() + banks.w2[0].numel()) * banks.w13.element_size()
+
+    def finalize(self) -> None:
+        layer_ids = sorted(self.banks)
+        self.moe_index = {l: i for i, l in enumerate(layer_ids)}
+        num_experts = self.model_config.num_experts
+        total = num_experts * len(layer_ids)
+        slots = plan_num_slots(self.engine_config, self.model_config, total, self.expert_bytes, self.device)
+        if slots < num_experts:
+            raise ConfigError(
+                f"the expert cache holds {slots} experts, fewer than one layer's {num_experts}: raise "
+                f"--moe-cache-slots/--moe-cache-gb (one layer needs {num_experts * self.expert_bytes / 2**30:.2f} GiB)")
+        ec = self.engine_config
+        top_k = self.model_config.top_k
+        widest = max(8192, ec.max_running_requests * top_k, self.demand_tokens * top_k)
+        self.cache = SlotCache(len(layer_ids), num_experts, slots, device=self.device, policy=ec.moe_cache_policy,
+                               lrfu_decay=ec.moe_lrfu_decay, collect_stats=ec.moe_collect_stats,
+                               expert_bytes=self.expert_bytes, max_routes=widest)
+        sample = self.banks[layer_ids[0]]
+        self.pool = ExpertBanks(
+            torch.zeros((slots, *sample.w13.shape[1:]), dtype=self.dtype, device=self.device),
+            torch.zeros((slots, *sample.w2.shape[1:]), dtype=self.dtype, device=self.device),
+        )
+        if self.device.type == "cuda":
+            self.stream = LayerStream(num_experts, sample.w13.shape[1:], sample.w2.shape[1:], self.dtype, self.device)
+        logger.info("expert cache: %d slots of %d experts (%.1f%%), %.2f GiB on %s; policy %s; demand prefill <= %d tokens",
+                    slots, total, 100.0 * slots / total, slots * self.expert_bytes / 2**30, self.device,
+                    ec.moe_cache_policy, self.demand_tokens)
+
+    # ---- per forward -------------------------------------------------------------------------
+    def begin_forward(self, is_decode: bool, num_tokens: int) -> None:
+        self._demand_this_forward = (not is_decode) and 0 < num_tokens <= self.demand_tokens
+        if not is_decode and not self._demand_this_forward and self.stream is not None:
+            self.stream.begin(sorted(self.banks), self.banks)
+
+    def _through_cache(self, layer_id, hidden, topk_weights, topk_ids, phase):
+        host = self.banks[layer_id]
+        slot_ids = self.cache.load_experts(self.moe_index[layer_id], topk_ids, [host.w13, host.w2],
+                                           [self.pool.w13, self.pool.w2], phase=phase)
+        return ops.fused_moe(hidden, self.pool.w13, self.pool.w2, topk_weights, slot_ids,
+                             num_routed_experts=host.num_experts)
+
+    def _streamed(self, layer_id, hidden, topk_weights, topk_ids):
+        host = self.banks[layer_id]
+        self.streamed_bytes += host.num_experts * self.expert_bytes
+        if self.stream is None:  # CPU: the host banks are already where the compute runs
+            return ops.fused_moe(hidden, host.w13, host.w2, topk_weights, topk_ids,
+                                 num_routed_experts=host.num_experts)
+        w13, w2, buf = self.stream.acquire(layer_id)
+        out = ops.fused_moe(hidden, w13, w2, topk_weights, topk_ids, num_routed_experts=host.num_experts)
+        self.stream.release(buf)
+        return out
+
+    def forward(self, layer_id, hidden, topk_weights, topk_ids, is_decode):
+        if is_decode:
+            return self._through_cache(layer_id, hidden, topk_weights, topk_ids, "decode")
+        if self._demand_this_forward:
+            return self._through_cache(layer_id, hidden, topk_weights, topk_ids, "prefill")
+        return self._streamed(layer_id, hidden, topk_weights, topk_ids)
+
+    def stats(self) -> dict:
+        out = {"strategy": self.name, "slots": self.cache.num_slots,
+               "experts": self.cache.num_layers * self.cache.num_experts,
+               "expert_bytes": self.expert_bytes, "prefill_streamed_bytes": self.streamed_bytes}
+        if self.cache.stats is not None:
+            out.update(self.cache.stats.snapshot())
+        return out

@@ -1,0 +1,155 @@
+"""The GPU expert slot cache: which experts of which layer sit in which slot of the pool.
+
+One ``SlotCache`` serves every MoE layer of a model. ``admit`` (device-side admission,
+kernels/*/admission.py) turns a call's routes into slot ids and writes a copy plan;
+``copy_misses`` (kernels/*/gather_copy.py) brings the planned experts from host memory into
+their slots. Both run on the current stream without host syncs on the GPU path, so a decode
+step's admissions and copies replay inside one CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+
+from moeferry.kernels.reference import admission as reference_admission
+from moeferry.kernels.reference import gather_copy as reference_gather_copy
+from moeferry.kernels.reference.admission import SlotState
+from moeferry.kernels.reference.gather_copy import row_bytes
+from moeferry.moe.stats import PHASES, MoEStats
+
+DEFAULT_MAX_ROUTES = 8192
+
+
+def _kernels(use_triton: bool):
+    if use_triton:
+        from moeferry.kernels.triton import admission, gather_copy
+        return admission.admit, gather_copy.gather_copy
+    return reference_admission.admit, reference_gather_copy.gather_copy
+
+
+class SlotCache:
+    """Device-side slot cache over ``num_slots`` slots shared by ``num_layers`` MoE layers of
+    ``num_experts`` experts each.
+
+    State (``self.state``, allocated once, updated in place, never reallocated):
+    ``slot_of[L, E]`` int32 (-1: absent), ``owner_of[S]`` int32 (``layer * E + e``, -1:
+    free), ``last_used[S]`` int64, ``score[S]`` float32 (LRFU), ``clock[1]`` int64, the copy
+    plan ``plan_src/plan_dst[P]`` int32 + ``plan_count[1]``, ``P = min(E, max_routes)``.
+
+    Invariants: ``slot_of`` and ``owner_of`` are inverse maps; a slot used by an admission is
+    never evicted by that admission (hence ``S >= E``); after ``copy_misses`` every occupied
+    slot of the pool holds its owner's rows. Call ``copy_misses`` after each admission that
+    may miss and before the next admission: the plan is rewritten by every call, and stream
+    order keeps a call's fresh slots loaded before a later call can evict them.
+    """
+
+    def __init__(self, num_layers: int, num_experts: int, num_slots: int, *,
+                 device: torch.device | str = "cpu", policy: str = "lru",
+                 lrfu_decay: float = 0.5, max_routes: int = DEFAULT_MAX_ROUTES,
+                 collect_stats: bool = True, expert_bytes: int = 0,
+                 use_triton: bool | None = None):
+        if num_slots < num_experts:
+            raise ValueError(f"a slot cache of {num_slots} slots cannot hold one layer's "
+                             f"{num_experts} experts: use at least {num_experts} slots")
+        if num_layers < 1 or num_experts < 1 or max_routes < 1:
+            raise ValueError(f"need at least one layer, expert and route, got "
+                             f"{num_layers=}, {num_experts=}, {max_routes=}")
+        device = torch.device(device)
+        self.state = SlotState.allocate(num_layers, num_experts, num_slots, max_routes,
+                                        device, policy, lrfu_decay)
+        self.stats = (MoEStats(num_layers, num_experts, device, expert_bytes)
+                      if collect_stats else None)
+        self.use_triton = device.type == "cuda" if use_triton is None else use_triton
+        self._admit, self._gather_copy = _kernels(self.use_triton)
+
+    # -- the two operations -------------------------------------------------------------
+
+    def admit(self, layer: int, topk_ids: torch.Tensor, phase: str = "decode") -> torch.Tensor:
+        """Admit every expert routed by ``topk_ids`` into layer ``layer``; returns slot ids
+        shaped like ``topk_ids`` (int32 view of a static buffer, valid until the next call).
+        ``phase`` picks the statistics bucket (decode or prefill)."""
+        if phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+        counters = self.stats.bucket(phase) if self.stats is not None else None
+        return self._admit(self.state, layer, topk_ids, counters)
+
+    def copy_misses(self, host_banks: list[torch.Tensor], slot_banks: list[torch.Tensor]) -> None:
+        """Copy the last admission's misses: rows ``plan_src`` of the layer's host banks
+        (``[E, ...]``, pinned) into rows ``plan_dst`` of the slot banks (``[S, ...]``).
+        The statistics' ``expert_bytes``, unless given to the constructor, is taken from the
+        banks' row sizes here."""
+        for host, slot in zip(host_banks, slot_banks):
+            if host.shape[0] != self.num_experts or slot.shape[0] != self.num_slots:
+                raise ValueError(f"banks must be [{self.num_experts}, ...] and "
+                                 f"[{self.num_slots}, ...], got {tuple(host.shape)} and "
+                                 f"{tuple(slot.shape)}")
+        if self.stats is not None and not self.stats.expert_bytes:
+            self.stats.expert_bytes = sum(row_bytes(bank) for bank in host_banks)
+        s = self.state
+        self._gather_copy(host_banks, slot_banks, s.plan_src, s.plan_dst, s.plan_count)
+
+    def load_experts(self, layer: int, topk_ids: torch.Tensor, host_banks: list[torch.Tensor],
+                     slot_banks: list[torch.Tensor], phase: str = "decode") -> torch.Tensor:
+        """``admit`` then ``copy_misses``: the routes' experts resident, their slot ids."""
+        slot_ids = self.admit(layer, topk_ids, phase)
+        self.copy_misses(host_banks, slot_banks)
+        return slot_ids
+
+    def reset(self) -> None:
+        """Empty the cache and zero the statistics, in place."""
+        self.state.reset()
+        if self.stats is not None:
+            self.stats.reset()
+
+    # -- views of the state -------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return self.state.num_layers
+
+    @property
+    def num_experts(self) -> int:
+        return self.state.num_experts
+
+    @property
+    def num_slots(self) -> int:
+        return self.state.num_slots
+
+    @property
+    def max_routes(self) -> int:
+        return self.state.max_routes
+
+    @property
+    def policy(self) -> str:
+        return self.state.policy
+
+    @property
+    def slot_of(self) -> torch.Tensor:
+        return self.state.slot_of
+
+    @property
+    def owner_of(self) -> torch.Tensor:
+        return self.state.owner_of
+
+    @property
+    def last_used(self) -> torch.Tensor:
+        return self.state.last_used
+
+    @property
+    def score(self) -> torch.Tensor:
+        return self.state.score
+
+    @property
+    def clock(self) -> torch.Tensor:
+        return self.state.clock
+
+    @property
+    def plan_src(self) -> torch.Tensor:
+        return self.state.plan_src
+
+    @property
+    def plan_dst(self) -> torch.Tensor:
+        return self.state.plan_dst
+
+    @property
+    def plan_count(self) -> torch.Tensor:
+        return self.state.plan_count

@@ -1,0 +1,239 @@
+"""`moeferry serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn) over one Engine.
+
+The event loop thread does HTTP, JSON and tokenisation; the engine thread (EngineLoop) runs
+the model. Routes are thin: the logic lives in openai_api.py, the shapes in protocol.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from moeferry.server.engine_loop import EngineLoop
+from moeferry.server.metrics import ActivityLogger, ServerMetrics
+from moeferry.server.openai_api import ModelInfo, OpenAIEndpoints
+from moeferry.server.protocol import APIError
+
+logger = logging.getLogger("moeferry.server")
+
+MAX_BODY_BYTES = 8 * 2**20
+_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/stats", "/health", "/metrics")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The server's own options (the engine's live in EngineConfig); `served_model_name`
+    None means the model directory's basename, or the default model's name."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    log_interval: float = 10.0
+    max_body_bytes: int = MAX_BODY_BYTES
+
+    @classmethod
+    def from_args(cls, args) -> "ServerConfig":
+        return cls(host=args.host, port=args.port, api_key=args.api_key or None,
+                   served_model_name=args.served_model_name, log_interval=args.log_interval)
+
+
+def served_model_name(engine, config: ServerConfig) -> str:
+    from moeferry.default_model import DEFAULT_MODEL_NAME, default_model_dir
+
+    if config.served_model_name:
+        return config.served_model_name
+    model_dir = os.path.realpath(engine.ec.model)
+    if model_dir == os.path.realpath(default_model_dir()):
+        return DEFAULT_MODEL_NAME
+    return os.path.basename(model_dir)
+
+
+# ---- the app ---------------------------------------------------------------------------------
+def build_app(engine, config: ServerConfig) -> FastAPI:
+    """The ASGI app over `engine`; its lifespan starts and stops the engine thread."""
+    metrics = ServerMetrics()
+    engine_loop = EngineLoop(engine, metrics, ActivityLogger(config.log_interval))
+    info = ModelInfo(served_model_name(engine, config), engine.scheduler.context_limit, engine.mc.vocab_size,
+                     int(time.time()))
+    api = OpenAIEndpoints(engine_loop, engine.tokenizer, info, config.max_body_bytes)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        engine_loop.start(asyncio.get_running_loop())
+        yield
+        await asyncio.to_thread(engine_loop.stop)
+
+    app = FastAPI(title="moeferry", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.engine_loop, app.state.metrics, app.state.model_info = engine_loop, metrics, info
+    _add_routes(app, api, engine_loop, metrics)
+    _add_error_handlers(app)
+    app.add_middleware(AccessMiddleware, api_key=config.api_key, metrics=metrics)
+    return app
+
+
+def _add_routes(app: FastAPI, api: OpenAIEndpoints, engine_loop: EngineLoop, metrics: ServerMetrics) -> None:
+    app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
+    app.add_api_route("/v1/completions", api.completions, methods=["POST"])
+
+    @app.get("/v1/models")
+    async def list_models():
+        return api.models()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str):
+        if model_id != api.info.name:
+            raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
+        return api.model_card()
+
+    @app.get("/health")
+    async def health():
+        if not engine_loop.alive:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/stats")
+    async def stats():
+        return await engine_loop.call(lambda engine: engine.stats())
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        try:
+            snapshot = await engine_loop.call(lambda engine: engine.stats())
+        except (APIError, asyncio.TimeoutError):
+            snapshot = None  # still serve the front end's own metrics
+        return Response(metrics.render(snapshot), media_type=CONTENT_TYPE_LATEST)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_request: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, exc: StarletteHTTPException):
+        return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return JSONResponse(APIError(400, first.get("msg", "invalid request"), param=param).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request: Request, exc: Exception):
+        logger.exception("unhandled error", exc_info=exc)
+        return JSONResponse(APIError(500, "internal server error; see the server log").body(), status_code=500)
+
+
+class AccessMiddleware:
+    """Pure ASGI middleware in front of every route. Invariants: with an API key set, a /v1
+    request without `Authorization: Bearer <key>` gets 401 and never reaches a route; every
+    HTTP request is counted once in metrics, by endpoint (unknown paths pooled as "other") and
+    by the status it was answered with (500 if it raised before answering)."""
+
+    def __init__(self, app, api_key: str | None, metrics: ServerMetrics):
+        self.app, self.metrics = app, metrics
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def send_counting(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            if self._refused(scope):
+                body = APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+                                code="invalid_api_key").body()
+                await JSONResponse(body, status_code=401)(scope, receive, send_counting)
+            else:
+                await self.app(scope, receive, send_counting)
+        finally:
+            self.metrics.count_request(_endpoint_label(scope["path"]), status)
+
+    def _refused(self, scope) -> bool:
+        if self.expected is None or not scope["path"].startswith("/v1"):
+            return False
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        return not hmac.compare_digest(given, self.expected)
+
+
+def _endpoint_label(path: str) -> str:
+    if path in _ENDPOINTS:
+        return path
+    return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+
+
+# ---- the process -----------------------------------------------------------------------------
+class MoeferryServer(uvicorn.Server):
+    """uvicorn's server, plus: on shutdown (SIGINT/SIGTERM), every in-flight request is ended
+    first, so each stream gets its final chunk and `data: [DONE]` and its connection closes
+    promptly; and the signal is not re-raised afterwards, so `serve` returns normally."""
+
+    def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop):
+        super().__init__(config)
+        self.engine_loop = engine_loop
+
+    async def shutdown(self, sockets=None) -> None:
+        self.engine_loop.finish_all()
+        await super().shutdown(sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        with super().capture_signals():
+            yield
+            captured = getattr(self, "_captured_signals", None)
+            if captured:
+                logger.info("stopped by signal %s", ", ".join(str(s) for s in captured))
+                captured.clear()  # uvicorn re-raises them at exit; we have already shut down cleanly
+
+
+def make_server(app: FastAPI, config: ServerConfig) -> MoeferryServer:
+    uv = uvicorn.Config(app, host=config.host, port=config.port, log_level="info", access_log=False,
+                        timeout_graceful_shutdown=10, lifespan="on")
+    return MoeferryServer(uv, app.state.engine_loop)
+
+
+def log_plan(engine, config: ServerConfig, name: str) -> None:
+    runner, ec, mc = engine.runner, engine.ec, engine.mc
+    graphs = runner.graphs.sizes if getattr(runner, "graphs", None) is not None else None
+    logger.info("serving %s (%s) on http://%s:%d%s", name, ec.model, config.host, config.port,
+                ", API key required" if config.api_key else "")
+    logger.info("model %s: %d layers, %d experts, top-%d; strategy %s, dtype %s, device %s", mc.model_type,
+                mc.num_layers, mc.num_experts, mc.top_k if mc.num_experts else 0, ec.moe_strategy,
+                str(runner.dtype).replace("torch.", ""), runner.device)
+    logger.info("KV cache %d pages x %d tokens = %d tokens; context limit %d; max batch %d; max prefill tokens %d; "
+                "CUDA graphs %s", runner.kv.num_pages, ec.page_size, runner.kv.capacity_tokens,
+                engine.scheduler.context_limit, ec.max_running_requests, ec.max_prefill_tokens,
+                f"for batch sizes {graphs}" if graphs else "off")
+
+
+def serve(engine_config, args) -> int:
+    """Load the model, print the plan, serve until SIGINT/SIGTERM; returns the exit status."""
+    from moeferry.engine.engine import Engine
+
+    config = ServerConfig.from_args(args)
+    engine = Engine(engine_config)
+    app = build_app(engine, config)
+    log_plan(engine, config, app.state.model_info.name)
+    make_server(app, config).run()
+    return 0

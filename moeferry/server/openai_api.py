@@ -1,0 +1,195 @@
+"""The OpenAI endpoints' logic: read and check a request, turn it into token ids and
+SamplingParams, hand it to the engine loop, and answer with one JSON body or an SSE stream.
+
+Every check happens before the request reaches the engine, so a bad request costs the
+engine nothing and never disturbs the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from moeferry.server.engine_loop import EngineLoop, RequestHandle
+from moeferry.server.protocol import (APIError, ChatCompletionRequest, ChatFormat, CompletionFormat,
+                                      CompletionRequest, usage, validation_error)
+from moeferry.tokenizer.tokenizer import apply_chat_template
+
+_DISCONNECT_POLL_S = 0.5
+
+
+async def read_json(request: Request, limit: int) -> object:
+    """The request body parsed as JSON; 413 past `limit` bytes (declared or actually sent)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes",
+                       code="request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+def parse(model: type[BaseModel], payload: object) -> BaseModel:
+    if not isinstance(payload, dict):
+        raise APIError(400, "the body must be a JSON object")
+    try:
+        return model.model_validate(payload)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the endpoints need to know about the served model (read once at start)."""
+
+    name: str
+    context_limit: int  # prompt + generated tokens of one request
+    vocab_size: int
+    created: int
+
+
+class OpenAIEndpoints:
+    """The handlers behind /v1/chat/completions, /v1/completions and /v1/models.
+
+    Invariant: a request reaches `engine_loop.submit` only after every check passed, with
+    prompt + max_tokens <= the context limit; a stream that ends early aborts its request.
+    """
+
+    def __init__(self, engine_loop: EngineLoop, tokenizer, info: ModelInfo, max_body_bytes: int):
+        self.loop, self.tokenizer, self.info, self.max_body_bytes = engine_loop, tokenizer, info, max_body_bytes
+
+    # ---- endpoints ----------------------------------------------------------------------------
+    async def chat(self, request: Request):
+        body = parse(ChatCompletionRequest, await read_json(request, self.max_body_bytes))
+        self._check_common(body)
+        messages = [m.as_template_input() for m in body.messages]
+        ids = await asyncio.to_thread(self._chat_ids, messages)
+        return await self._generate(request, body, ids, body.requested_max_tokens, ChatFormat(self.info.name),
+                                    prompt_param="messages")
+
+    async def completions(self, request: Request):
+        body = parse(CompletionRequest, await read_json(request, self.max_body_bytes))
+        self._check_common(body)
+        prompt = body.text_or_ids
+        ids = await asyncio.to_thread(self._encode, prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_vocab(ids)
+        return await self._generate(request, body, ids, body.requested_max_tokens,
+                                    CompletionFormat(self.info.name), prompt_param="prompt")
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model_card(self) -> dict:
+        return {"id": self.info.name, "object": "model", "created": self.info.created, "owned_by": "moeferry",
+                "max_model_len": self.info.context_limit}
+
+    # ---- checks -------------------------------------------------------------------------------
+    def _check_common(self, body) -> None:
+        if body.model is not None and body.model != self.info.name:
+            raise APIError(404, f"The model `{body.model}` does not exist; this server serves `{self.info.name}`.",
+                           param="model", code="model_not_found")
+        body.check_supported()
+
+    def _chat_ids(self, messages: list[dict]) -> list[int]:
+        try:
+            return apply_chat_template(self.tokenizer, messages)
+        except Exception as exc:  # noqa: BLE001 - a template may raise anything on odd input
+            raise APIError(400, f"could not apply the chat template: {exc}", param="messages") from None
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
+        return list(self.tokenizer.encode(text))
+
+    def _check_vocab(self, ids: list[int]) -> None:
+        bad = next((t for t in ids if not 0 <= t < self.info.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {self.info.vocab_size})",
+                           param="prompt")
+
+    def _max_tokens(self, ids: list[int], requested: int | None, prompt_param: str) -> int:
+        limit = self.info.context_limit
+        if not ids:
+            raise APIError(400, "the prompt is empty", param=prompt_param)
+        if len(ids) >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens, but the prompt has "
+                                f"{len(ids)} tokens.", param=prompt_param, code="context_length_exceeded")
+        room = limit - len(ids)
+        if requested is None:
+            return room
+        if requested > room:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens: the prompt's {len(ids)} "
+                                f"tokens + max_tokens {requested} exceed it.", param="max_tokens",
+                           code="context_length_exceeded")
+        return requested
+
+    # ---- generation ---------------------------------------------------------------------------
+    async def _generate(self, request: Request, body, ids: list[int], requested: int | None, fmt: ChatFormat,
+                        prompt_param: str):
+        params = body.sampling_params(self._max_tokens(ids, requested, prompt_param))
+        handle = await self.loop.submit(ids, params)
+        if body.stream:
+            return StreamingResponse(self._sse(handle, fmt, body.include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await self._collect(request, handle, fmt)
+
+    async def _sse(self, handle: RequestHandle, fmt: ChatFormat, include_usage: bool):
+        opening = fmt.opening()
+        if opening is not None:
+            yield _event(opening)
+        last = None
+        async for delta in self.loop.stream(handle):
+            last = delta
+            if delta.error is not None:
+                yield _event(APIError(500, delta.error).body())
+            elif delta.text or delta.finish_reason is not None:
+                yield _event(fmt.chunk(delta.text, delta.finish_reason))
+        if include_usage and last is not None:
+            yield _event(fmt.usage_chunk(usage(last.prompt_tokens, last.completion_tokens)))
+        yield "data: [DONE]\n\n"
+
+    async def _collect(self, request: Request, handle: RequestHandle, fmt: ChatFormat) -> JSONResponse:
+        """Gather the whole answer, aborting the request if the client goes away meanwhile."""
+        watcher = asyncio.create_task(_wait_disconnect(request))
+        reader = asyncio.create_task(_gather(self.loop.stream(handle)))
+        try:
+            await asyncio.wait({watcher, reader}, return_when=asyncio.FIRST_COMPLETED)
+            disconnected = not reader.done()
+        finally:
+            watcher.cancel()
+            if not reader.done():
+                reader.cancel()  # the stream's finally aborts the request
+        if disconnected:
+            return Response(status_code=499)
+        text, last = reader.result()
+        if last.error is not None:
+            raise APIError(500, last.error)
+        return JSONResponse(fmt.full(text, last.finish_reason, usage(last.prompt_tokens, last.completion_tokens)))
+
+
+async def _gather(deltas):
+    parts, last = [], None
+    async for delta in deltas:
+        parts.append(delta.text)
+        last = delta
+    return "".join(parts), last
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(_DISCONNECT_POLL_S)
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

@@ -1,0 +1,212 @@
+"""Admission kernel (Triton, interpreted on CPU) against its plain-torch reference.
+
+Both start from the same state and must leave bit-identical maps, plans, slot ids and
+counters after every call. The behaviour itself is checked against an independent Python
+model in tests/moe/test_slot_cache.py.
+"""
+import numpy as np
+import pytest
+import torch
+
+from moeferry.kernels.reference import admission as reference
+from moeferry.kernels.reference.admission import AdmissionCounters, DecayPowers, SlotState
+
+STATE_FIELDS = ("slot_of", "owner_of", "last_used", "score", "clock",
+                "plan_src", "plan_dst", "plan_count")
+
+
+def triton_admit():
+    from moeferry.kernels.triton import admission
+    return admission.admit
+
+
+def new_counters(num_layers, num_experts, device="cpu", with_freq=True):
+    zeros = lambda *shape: torch.zeros(shape, dtype=torch.int64, device=device)  # noqa: E731
+    return AdmissionCounters(zeros(num_layers), zeros(num_layers), zeros(num_layers),
+                             zeros(num_layers, num_experts) if with_freq else None)
+
+
+def twin_states(num_layers, num_experts, num_slots, max_routes, policy, decay=0.5,
+                device="cpu"):
+    return tuple(SlotState.allocate(num_layers, num_experts, num_slots, max_routes, device,
+                                    policy, decay) for _ in range(2))
+
+
+def assert_same_state(expected: SlotState, actual: SlotState, context=""):
+    for name in STATE_FIELDS:
+        a, b = getattr(expected, name), getattr(actual, name)
+        assert torch.equal(a, b), f"{context}: {name} differs\n{a}\n{b}"
+
+
+def assert_same_counters(expected, actual, context=""):
+    for name, a, b in zip(AdmissionCounters._fields, expected, actual):
+        assert (a is None) == (b is None)
+        assert a is None or torch.equal(a, b), f"{context}: counter {name} differs"
+
+
+def run_both(ref_state, tri_state, layer, ids, ref_counters=None, tri_counters=None):
+    ref_out = reference.admit(ref_state, layer, ids, ref_counters).clone()
+    tri_out = triton_admit()(tri_state, layer, ids, tri_counters).clone()
+    assert tri_out.shape == ids.shape and tri_out.dtype == torch.int32
+    assert torch.equal(ref_out, tri_out), f"slot ids differ\n{ref_out}\n{tri_out}"
+    return ref_out
+
+
+def random_routes(rng, num_experts, width, hot=None, dtype=torch.int64):
+    """Routes with duplicates; ``hot`` restricts them to a subset to provoke hits."""
+    pool = hot if hot is not None else np.arange(num_experts)
+    return torch.from_numpy(rng.choice(pool, size=width)).to(dtype)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lrfu"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kernel_matches_reference_on_random_sequences(policy, seed, device):
+    rng = np.random.default_rng(seed)
+    num_layers, num_experts, num_slots = 3, int(rng.integers(6, 20)), 0
+    num_slots = num_experts + int(rng.integers(0, 2 * num_experts))
+    ref_state, tri_state = twin_states(num_layers, num_experts, num_slots, 96, policy, 0.8, device)
+    ref_counters, tri_counters = (new_counters(num_layers, num_experts, device) for _ in range(2))
+    for step in range(14):
+        layer = int(rng.integers(num_layers))
+        hot = rng.choice(num_experts, size=int(rng.integers(1, num_experts + 1)), replace=False)
+        ids = random_routes(rng, num_experts, int(rng.integers(1, 96)), hot,
+                            dtype=torch.int32 if step % 2 else torch.int64).to(device)
+        run_both(ref_state, tri_state, layer, ids, ref_counters, tri_counters)
+        assert_same_state(ref_state, tri_state, f"step {step}")
+        assert_same_counters(ref_counters, tri_counters, f"step {step}")
+    assert int(ref_counters.misses.sum()) > 0 and int(ref_state.clock) == 14
+
+
+def test_out_of_range_routes_are_ignored_and_get_no_slot(device):
+    ref_state, tri_state = twin_states(1, 8, 8, 32, "lru", device=device)
+    ref_counters, tri_counters = new_counters(1, 8, device), new_counters(1, 8, device)
+    ids = torch.tensor([[3, -1], [8, 3], [5, 100]], device=device)
+    out = run_both(ref_state, tri_state, 0, ids, ref_counters, tri_counters)
+    assert out.tolist() == [[0, -1], [-1, 0], [1, -1]]
+    assert_same_state(ref_state, tri_state)
+    assert_same_counters(ref_counters, tri_counters)
+    assert ref_counters.freq.sum().item() == 3 and ref_counters.distinct.item() == 2
+
+
+def test_single_route_and_counters_without_histogram(device):
+    ref_state, tri_state = twin_states(2, 4, 5, 8, "lru", device=device)
+    ref_counters, tri_counters = (new_counters(2, 4, device, with_freq=False) for _ in range(2))
+    for layer, expert in [(0, 1), (1, 1), (0, 1), (1, 3), (0, 0)]:
+        run_both(ref_state, tri_state, layer, torch.tensor([expert], device=device), ref_counters, tri_counters)
+        assert_same_state(ref_state, tri_state)
+    assert_same_counters(ref_counters, tri_counters)
+    assert ref_counters.calls.tolist() == [3, 2] and ref_counters.misses.tolist() == [2, 2]
+
+
+def test_calls_without_counters_leave_maps_identical(device):
+    ref_state, tri_state = twin_states(2, 10, 12, 64, "lrfu", 0.9, device)
+    rng = np.random.default_rng(7)
+    for step in range(6):
+        ids = random_routes(rng, 10, 40).to(device)
+        run_both(ref_state, tri_state, step % 2, ids)
+        assert_same_state(ref_state, tri_state, f"step {step}")
+
+
+def full_cache(num_layers, num_experts, num_slots, policy, rng, device="cpu"):
+    """Twin states whose every slot is taken, with random recency (ties included) and,
+    for LRFU, random scores: admissions into it must evict."""
+    states = twin_states(num_layers, num_experts, num_slots, 8192, policy, 0.97, device)
+    owners = torch.from_numpy(rng.permutation(num_layers * num_experts)[:num_slots]).to(device)
+    last_used = torch.from_numpy(rng.integers(1, 400, size=num_slots)).to(device)
+    score = torch.from_numpy(rng.uniform(1.0, 30.0, size=num_slots).astype(np.float32)).to(device)
+    for state in states:
+        state.owner_of.copy_(owners.to(torch.int32))
+        state.slot_of.view(-1)[owners] = torch.arange(num_slots, dtype=torch.int32, device=device)
+        state.last_used.copy_(last_used)
+        state.score.copy_(score if policy == "lrfu" else torch.zeros_like(score))
+        state.clock.fill_(400)
+    return states
+
+
+@pytest.mark.parametrize("policy", ["lru", "lrfu"])
+def test_wide_calls_over_a_32768_slot_cache(policy, device):
+    rng = np.random.default_rng(11)
+    num_layers, num_experts, num_slots = 66, 512, 32768
+    ref_state, tri_state = full_cache(num_layers, num_experts, num_slots, policy, rng, device)
+    ref_counters, tri_counters = (new_counters(num_layers, num_experts, device) for _ in range(2))
+    for layer, width in [(0, 4096), (5, 8192), (0, 8192)]:
+        ids = random_routes(rng, num_experts, width).to(device)
+        out = run_both(ref_state, tri_state, layer, ids, ref_counters, tri_counters)
+        assert_same_state(ref_state, tri_state, f"layer {layer} width {width}")
+        assert (out >= 0).all()
+        assert torch.equal(ref_state.owner_of[out.long()], (layer * num_experts + ids).int())
+    assert_same_counters(ref_counters, tri_counters)
+    assert ref_counters.misses.sum() > 0 and ref_counters.calls.sum() == 3
+
+
+def test_cold_cache_wide_call_fills_free_slots_in_order(device):
+    ref_state, tri_state = twin_states(2, 64, 32768, 8192, "lru", device=device)
+    ids = torch.arange(64, device=device).repeat(128)  # 8192 routes, 64 distinct
+    out = run_both(ref_state, tri_state, 1, ids)
+    assert_same_state(ref_state, tri_state)
+    assert torch.equal(out, ids.int())
+    assert ref_state.plan_count.item() == 64
+
+
+def test_layers_wider_than_one_expert_block(device):
+    """E = 1100 spans two expert chunks, S two slot chunks; a second layer must evict."""
+    rng = np.random.default_rng(5)
+    ref_state, tri_state = twin_states(2, 1100, 1150, 4096, "lru", device=device)
+    ref_counters, tri_counters = (new_counters(2, 1100, device) for _ in range(2))
+    for layer, width in [(0, 3000), (1, 2500), (0, 40)]:
+        ids = random_routes(rng, 1100, width).to(device)
+        run_both(ref_state, tri_state, layer, ids, ref_counters, tri_counters)
+        assert_same_state(ref_state, tri_state, f"layer {layer}")
+    assert_same_counters(ref_counters, tri_counters)
+    assert int(ref_state.plan_count) > 0 and int((ref_state.owner_of >= 1100).sum()) > 0
+
+
+def test_empty_call_only_advances_the_clock(device):
+    ref_state, tri_state = twin_states(1, 4, 4, 8, "lrfu", device=device)
+    run_both(ref_state, tri_state, 0, torch.tensor([2, 3], device=device))
+    run_both(ref_state, tri_state, 0, torch.zeros(0, dtype=torch.int64, device=device))
+    assert_same_state(ref_state, tri_state)
+    assert int(ref_state.clock) == 2 and int(ref_state.plan_count) == 0
+
+
+def test_too_many_routes_is_refused(device):
+    state = SlotState.allocate(1, 4, 4, 16, device)
+    for admit in (reference.admit, triton_admit()):
+        with pytest.raises(ValueError, match="max_routes"):
+            admit(state, 0, torch.zeros(17, dtype=torch.int64, device=device))
+        with pytest.raises(ValueError, match="layer"):
+            admit(state, 1, torch.zeros(2, dtype=torch.int64, device=device))
+
+
+@pytest.mark.parametrize("decay", [0.5, 0.9, 0.999, 1.0])
+def test_decay_powers_follow_float32_squaring(decay):
+    powers = DecayPowers.build(decay, "cpu")
+    dt = torch.tensor([0, 1, 2, 3, 7, 100, 1000, 10**6, 2**40])
+    got = reference.decay_pow(dt, powers)
+    for d, value in zip(dt.tolist(), got.tolist()):
+        expected, square = np.float32(1.0), np.float32(decay)
+        while d:
+            if d & 1:
+                expected = np.float32(expected * square)
+            square, d = np.float32(square * square), d >> 1
+        assert np.float32(value) == expected
+    with pytest.raises(ValueError):
+        DecayPowers.build(0.0, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["lru", "lrfu"])
+@pytest.mark.parametrize("num_slots", [2100, 32768])
+def test_kernel_matches_reference_at_real_sizes_on_gpu(policy, num_slots):
+    rng = np.random.default_rng(3)
+    num_layers, num_experts = 48, 512
+    ref_state, tri_state = twin_states(num_layers, num_experts, num_slots, 8192, policy,
+                                       0.9, "cuda")
+    ref_counters, tri_counters = (new_counters(num_layers, num_experts, "cuda") for _ in range(2))
+    for step, width in enumerate([10, 40, 120, 130, 320, 1280, 2560, 4100] * 8):
+        layer = step % num_layers
+        hot = rng.choice(num_experts, size=int(rng.integers(16, num_experts)), replace=False)
+        ids = random_routes(rng, num_experts, width, hot).cuda()
+        run_both(ref_state, tri_state, layer, ids, ref_counters, tri_counters)
+        assert_same_state(ref_state, tri_state, f"step {step} width {width}")
+    assert_same_counters(ref_counters, tri_counters)

@@ -1,0 +1,284 @@
+"""SlotCache against an independent plain-Python model of LRU and LRFU, the wide-step
+scenario of background/pr-wide-decode-admission.txt, statistics, and (GPU) graph capture.
+
+The model below uses dicts, lists and numpy float32 scalars only; it follows the documented
+semantics (kernels/reference/admission.py), not the torch code.
+"""
+import numpy as np
+import pytest
+import torch
+
+from moeferry.moe.slot_cache import SlotCache
+
+
+class PyCache:
+    """The cache as the spec states it: LRU by (last_used, slot), LRFU by (decayed score,
+    slot) with free slots first; misses in ascending id take the candidates in order."""
+
+    def __init__(self, num_layers, num_experts, num_slots, policy, decay):
+        self.num_experts, self.policy, self.decay = num_experts, policy, np.float32(decay)
+        self.slot_of = {}  # (layer, expert) -> slot
+        self.owner = [None] * num_slots
+        self.last = [-1] * num_slots
+        self.score = [np.float32(0.0)] * num_slots
+        self.clock = 0
+
+    def decay_pow(self, dt):
+        result, square = np.float32(1.0), self.decay
+        while dt:
+            if dt & 1:
+                result = np.float32(result * square)
+            square, dt = np.float32(square * square), dt >> 1
+        return result
+
+    def sort_key(self, slot):
+        if self.owner[slot] is None:
+            return (0, 0.0, slot)
+        if self.policy == "lru":
+            return (1, self.last[slot], slot)
+        decayed = np.float32(self.score[slot] * self.decay_pow(self.clock - self.last[slot]))
+        return (1, float(decayed), slot)
+
+    def admit(self, layer, routes):
+        self.clock += 1
+        distinct = sorted({e for e in routes if 0 <= e < self.num_experts})
+        misses = [e for e in distinct if (layer, e) not in self.slot_of]
+        used = set()
+        for e in distinct:
+            if (layer, e) in self.slot_of:
+                slot = self.slot_of[(layer, e)]
+                used.add(slot)
+                if self.policy == "lrfu":
+                    decayed = np.float32(self.score[slot] * self.decay_pow(self.clock - self.last[slot]))
+                    self.score[slot] = np.float32(decayed + np.float32(1.0))
+                self.last[slot] = self.clock
+        candidates = sorted((s for s in range(len(self.owner)) if s not in used), key=self.sort_key)
+        victims = candidates[:len(misses)]
+        for e, slot in zip(misses, victims):
+            if self.owner[slot] is not None:
+                del self.slot_of[self.owner[slot]]
+            self.owner[slot] = (layer, e)
+            self.slot_of[(layer, e)] = slot
+            self.last[slot], self.score[slot] = self.clock, np.float32(1.0)
+        slot_ids = [self.slot_of.get((layer, e), -1) for e in routes]
+        return slot_ids, misses, victims, len(distinct)
+
+
+def encoded_banks(num_layers, num_experts, device="cpu"):
+    """Host banks per layer whose rows say which (layer, expert) they belong to (exactly
+    in int32; modulo 256 in bf16 and 251 in uint8), pinned when ``device`` is CUDA."""
+    banks = []
+    for layer in range(num_layers):
+        tag = torch.arange(num_experts) + layer * num_experts + 1
+        banks.append([
+            (tag[:, None] * 3 + torch.arange(5)).to(torch.int32),
+            (tag % 256)[:, None, None].expand(num_experts, 2, 3).to(torch.bfloat16).contiguous(),
+            (tag % 251).to(torch.uint8)[:, None].repeat(1, 7),
+        ])
+    pin = torch.device(device).type == "cuda"
+    return [[b.pin_memory() if pin else b for b in layer_banks] for layer_banks in banks]
+
+
+def slot_banks(host_banks, num_slots, device="cpu"):
+    return [torch.full((num_slots, *b.shape[1:]), -7, dtype=torch.int32).to(b.dtype).to(device)
+            for b in host_banks[0]]
+
+
+def assert_matches_model(cache: SlotCache, model: PyCache, context):
+    E = cache.num_experts
+    slot_of = torch.full((cache.num_layers, E), -1, dtype=torch.int32)
+    for (layer, e), slot in model.slot_of.items():
+        slot_of[layer, e] = slot
+    owner_of = torch.tensor([-1 if o is None else o[0] * E + o[1] for o in model.owner], dtype=torch.int32)
+    assert torch.equal(cache.slot_of.cpu(), slot_of), context
+    assert torch.equal(cache.owner_of.cpu(), owner_of), context
+    assert cache.last_used.cpu().tolist() == model.last, context
+    if model.policy == "lrfu":
+        assert np.array_equal(cache.score.cpu().numpy(), np.array(model.score, dtype=np.float32)), context
+    assert int(cache.clock) == model.clock
+
+
+def assert_slots_hold_their_owners(cache, host_banks, banks):
+    E = cache.num_experts
+    for slot, owner in enumerate(cache.owner_of.tolist()):
+        if owner >= 0:
+            for pool, source in zip(banks, host_banks[owner // E]):
+                assert torch.equal(pool[slot].cpu(), source[owner % E].cpu()), f"slot {slot} owner {owner}"
+
+
+def run_against_model(use_triton, policy, seed, steps, device):
+    rng = np.random.default_rng(seed)
+    num_layers = int(rng.integers(1, 4))
+    num_experts = int(rng.integers(4, 25))
+    num_slots = int(rng.integers(max(8, num_experts), 41))
+    cache = SlotCache(num_layers, num_experts, num_slots, policy=policy, lrfu_decay=0.75,
+                      max_routes=64, use_triton=use_triton, device=device)
+    model = PyCache(num_layers, num_experts, num_slots, policy, 0.75)
+    host = encoded_banks(num_layers, num_experts, device)
+    banks = slot_banks(host, num_slots, device)
+    total_misses = 0
+    for step in range(steps):
+        layer = int(rng.integers(num_layers))
+        hot = rng.choice(num_experts, size=int(rng.integers(1, num_experts + 1)), replace=False)
+        routes = rng.choice(hot, size=int(rng.integers(1, 65))).tolist()
+        out = cache.admit(layer, torch.tensor(routes, device=device))
+        expected, misses, victims, num_distinct = model.admit(layer, routes)
+        context = f"seed {seed} step {step}"
+        count = int(cache.plan_count)
+        assert out.tolist() == expected, context
+        assert cache.plan_src[:count].tolist() == misses, context
+        assert cache.plan_dst[:count].tolist() == victims, context
+        assert_matches_model(cache, model, context)
+        cache.copy_misses(host[layer], banks)
+        assert_slots_hold_their_owners(cache, host, banks)
+        total_misses += len(misses)
+    snap = cache.stats.snapshot()["decode"]["total"]
+    assert snap["misses"] == total_misses and snap["calls"] == steps
+
+
+@pytest.mark.parametrize("policy", ["lru", "lrfu"])
+@pytest.mark.parametrize("seed", range(6))
+def test_reference_path_follows_the_python_model(policy, seed):
+    run_against_model(use_triton=False, policy=policy, seed=seed, steps=40, device="cpu")
+
+
+@pytest.mark.parametrize("policy", ["lru", "lrfu"])
+@pytest.mark.parametrize("seed", range(2))
+def test_triton_path_follows_the_python_model(policy, seed, device):
+    run_against_model(use_triton=True, policy=policy, seed=100 + seed, steps=18, device=device)
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_wide_decode_step_admits_all_its_experts_in_one_call(use_triton, device):
+    """background PR: 150 rows route 300 times to all 160 experts, 7 already resident."""
+    device = device if use_triton else "cpu"
+    cache = SlotCache(2, 160, 200, max_routes=512, use_triton=use_triton, device=device)
+    host = encoded_banks(2, 160, device)
+    banks = slot_banks(host, 200, device)
+    resident = torch.tensor([3, 17, 40, 41, 99, 120, 159], device=device)
+    cache.load_experts(0, resident, host[0], banks, phase="prefill")  # kept out of decode stats
+    routes = torch.cat([torch.arange(160), torch.randperm(160, generator=torch.Generator().manual_seed(1))[:140]])
+    topk = routes[torch.randperm(300, generator=torch.Generator().manual_seed(2))].view(150, 2).to(device)
+    slot_ids = cache.load_experts(0, topk, host[0], banks)
+    assert slot_ids.shape == (150, 2)
+    assert torch.equal(cache.owner_of[slot_ids.long()], topk.int())  # layer 0: flat id == e
+    assert torch.equal(cache.slot_of[0][topk], slot_ids)
+    assert (cache.slot_of[0] >= 0).all()
+    decode = cache.stats.snapshot()["decode"]
+    assert decode["per_layer"]["distinct"] == [160, 0]
+    assert decode["per_layer"]["misses"] == [153, 0]
+    assert decode["per_layer"]["calls"] == [1, 0]
+    freq = cache.stats.decode_freq[0]
+    assert freq.sum() == 300 and torch.equal(freq, torch.bincount(topk.flatten(), minlength=160))
+    assert cache.stats.snapshot()["prefill"]["per_layer"]["misses"] == [7, 0]
+    assert_slots_hold_their_owners(cache, host, banks)
+
+    narrow = torch.tensor([5, 150, 3, 77, 5, 12, 150, 0], device=device)  # an 8-route step: one admission
+    slot_ids = cache.load_experts(1, narrow, host[1], banks)
+    assert torch.equal(cache.owner_of[slot_ids.long()], (160 + narrow).int())
+    assert cache.stats.snapshot()["decode"]["per_layer"]["calls"] == [1, 1]
+    assert slot_ids[0] == slot_ids[4] and slot_ids[1] == slot_ids[6]
+    assert_slot_maps_are_inverse(cache)
+    assert_slots_hold_their_owners(cache, host, banks)
+
+
+def assert_slot_maps_are_inverse(cache):
+    owner_of = cache.owner_of.long()
+    flat = cache.slot_of.view(-1)
+    occupied = torch.nonzero(owner_of >= 0).flatten()
+    assert torch.equal(flat[owner_of[occupied]].long(), occupied)
+    resident = torch.nonzero(flat >= 0).flatten()
+    assert torch.equal(owner_of[flat[resident].long()], resident)
+
+
+def test_cache_smaller_than_a_layer_is_refused():
+    with pytest.raises(ValueError, match=r"63 slots.*64 experts"):
+        SlotCache(2, 64, 63)
+
+
+def test_bad_arguments_are_refused():
+    cache = SlotCache(1, 8, 8, max_routes=16)
+    with pytest.raises(ValueError, match="phase"):
+        cache.admit(0, torch.tensor([1]), phase="warmup")
+    with pytest.raises(ValueError, match="max_routes"):
+        cache.admit(0, torch.zeros(17, dtype=torch.long))
+    with pytest.raises(ValueError, match="policy"):
+        SlotCache(1, 8, 8, policy="fifo")
+    with pytest.raises(ValueError, match="lrfu_decay"):
+        SlotCache(1, 8, 8, policy="lrfu", lrfu_decay=1.5)
+
+
+def test_snapshot_is_plain_python_and_counts_bytes():
+    cache = SlotCache(2, 8, 10)
+    host = encoded_banks(2, 8)
+    banks = slot_banks(host, 10)
+    cache.load_experts(1, torch.tensor([1, 2, 2]), host[1], banks)
+    cache.load_experts(1, torch.tensor([2, 3]), host[1], banks)
+    snap = cache.stats.snapshot()
+    expert_bytes = 5 * 4 + 6 * 2 + 7
+    assert snap["expert_bytes"] == expert_bytes
+    assert snap["decode"]["per_layer"]["bytes_copied"] == [0, 3 * expert_bytes]
+    assert snap["decode"]["total"] == {"calls": 2, "distinct": 4, "misses": 3,
+                                       "bytes_copied": 3 * expert_bytes, "hit_rate": 0.25}
+    assert "freq" in snap["decode"] and "freq" not in snap["prefill"]
+    import json
+    json.dumps(snap)
+    cache.reset()
+    assert cache.stats.snapshot()["decode"]["total"]["calls"] == 0
+    assert (cache.slot_of == -1).all() and int(cache.clock) == 0
+
+
+def test_state_is_updated_in_place():
+    cache = SlotCache(2, 8, 9, policy="lrfu")
+    pointers = [t.data_ptr() for t in (cache.slot_of, cache.owner_of, cache.last_used,
+                                       cache.score, cache.clock, cache.plan_src)]
+    for step in range(5):
+        cache.admit(step % 2, torch.randint(0, 8, (12,)))
+    cache.reset()
+    assert pointers == [t.data_ptr() for t in (cache.slot_of, cache.owner_of, cache.last_used,
+                                               cache.score, cache.clock, cache.plan_src)]
+
+
+# -- GPU: real sizes, graph capture, pinned memory ----------------------------------------
+
+def _gpu_layer_routes(rng, num_layers, num_experts, requests, hot_size):
+    hot = [rng.choice(num_experts, size=hot_size, replace=False) for _ in range(num_layers)]
+    return [torch.from_numpy(rng.choice(h, size=(requests, 10))).cuda() for h in hot]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["lru", "lrfu"])
+def test_48_admissions_and_copies_replay_as_one_cuda_graph(policy):
+    rng = np.random.default_rng(0)
+    num_layers, num_experts, num_slots = 48, 64, 700
+    host = [[b.pin_memory() for b in layer] for layer in encoded_banks(num_layers, num_experts)]
+    eager, graphed = (SlotCache(num_layers, num_experts, num_slots, device="cuda", policy=policy)
+                      for _ in range(2))
+    eager_banks, graph_banks = slot_banks(host, num_slots, "cuda"), slot_banks(host, num_slots, "cuda")
+    static_routes = [torch.zeros(13, 10, dtype=torch.long, device="cuda") for _ in range(num_layers)]
+    graph_out = [None] * num_layers
+    for layer in range(num_layers):  # warm-up compiles every kernel before capture
+        graphed.load_experts(layer, static_routes[layer], host[layer], graph_banks)
+    torch.cuda.synchronize()
+    graphed.reset()
+    for graph_bank, pristine in zip(graph_banks, eager_banks):
+        graph_bank.copy_(pristine)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in range(num_layers):
+            graph_out[layer] = graphed.load_experts(layer, static_routes[layer], host[layer], graph_banks)
+    for step in range(4):
+        routes = _gpu_layer_routes(rng, num_layers, num_experts, 13, 20)
+        expected = []
+        for layer in range(num_layers):
+            expected.append(eager.load_experts(layer, routes[layer], host[layer], eager_banks).clone())
+            static_routes[layer].copy_(routes[layer])
+        graph.replay()
+        torch.cuda.synchronize()
+        for name in ("slot_of", "owner_of", "last_used", "score", "clock"):
+            assert torch.equal(getattr(eager, name), getattr(graphed, name)), (step, name)
+        for a, b in zip(eager_banks, graph_banks):
+            assert torch.equal(a, b)
+    assert_slots_hold_their_owners(graphed, [[b.cuda() for b in layer] for layer in host], graph_banks)
+    # slot ids of the last layer (its buffer is shared, so only the last call survives)
+    assert torch.equal(graph_out[-1], expected[-1])

@@ -1,0 +1,58 @@
+import dataclasses
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory):
+    """Keep the built-in default model out of $HOME: an existing MOEFERRY_CACHE (CI sets one)
+    is reused, else a per-session temporary directory."""
+    if not os.environ.get("MOEFERRY_CACHE"):
+        os.environ["MOEFERRY_CACHE"] = str(tmp_path_factory.mktemp("moeferry-cache"))
+    return os.environ["MOEFERRY_CACHE"]
+
+
+API_KEY = "test-key"
+
+
+@dataclasses.dataclass
+class RunningServer:
+    """A server on 127.0.0.1 in a background thread of this process, and the Engine behind it
+    (read its state only once the server is idle)."""
+
+    url: str
+    engine: object
+    app: object
+    api_key: str = API_KEY
+
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+
+@pytest.fixture(scope="module")
+def server(model_cache):
+    from moeferry.config import EngineConfig
+    from moeferry.engine.engine import Engine
+    from moeferry.server.app import ServerConfig, build_app, make_server
+
+    # max_model_len is kept small: the CPU reference decode attention costs O(max_model_len).
+    engine = Engine(EngineConfig(dtype="float32", device="cpu", max_running_requests=8, max_model_len=256))
+    config = ServerConfig(api_key=API_KEY, log_interval=0, max_body_bytes=1 << 20)
+    app = build_app(engine, config)
+    srv = make_server(app, config)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not srv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    yield RunningServer(f"http://127.0.0.1:{sock.getsockname()[1]}", engine, app)
+    srv.should_exit = True
+    thread.join(30)
+    assert not thread.is_alive(), "the server did not stop"
