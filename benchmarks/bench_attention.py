@@ -3,12 +3,12 @@
 Qwen3-30B-A3B attention shapes (32 q heads, 4 kv heads, head_dim 128, bf16, page size 16)
 at B = 1, 4, 16, 64 requests and contexts of 512, 2048 and 8192 tokens, every request at
 the full context, pages scattered at random over the cache as a serving engine leaves them.
-Each implementation is captured ``--iters`` times in one CUDA graph (as in the decode
-step, so launch overhead is the graph's) and the graph replayed; the time per call is the
-best of ``--repeats`` replays. Consecutive calls read different copies of the inputs (at
-least 256 MiB of KV between two reads of one copy), so small cases are not served from the
-50 MiB L2. Achieved bandwidth counts the K and V bytes one call must
-read (2 * B * context * 4 * 128 * 2 bytes) against the H200's 4.3 TB/s of HBM.
+Each implementation is captured ``--iters`` times (at least once per input copy) in one
+CUDA graph, as in the decode step, so launch overhead is the graph's; the time per call is
+the best of ``--repeats`` replays. Consecutive calls read different copies of the inputs
+(at least 256 MiB of KV between two reads of one copy), so small cases are not served from
+the 50 MiB L2. Achieved bandwidth counts the K and V bytes one call must read
+(2 * B * context * 4 * 128 * 2 bytes) against the H200's 4.3 TB/s of HBM.
 
 GPU only: without CUDA it says so and exits 0.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import sys
 
 import torch
@@ -31,7 +32,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     p.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS))
-    p.add_argument("--iters", type=int, default=20, help="calls captured in one graph")
+    p.add_argument("--iters", type=int, default=20,
+                   help="calls captured in one graph (more when more input copies are needed)")
     p.add_argument("--repeats", type=int, default=5, help="graph replays; the best is kept")
     p.add_argument("--skip-reference", action="store_true")
     p.add_argument("--out", help="append the table to this file")
@@ -79,19 +81,20 @@ def measure(batch: int, context: int, args) -> dict:
     from moeferry.kernels.triton import attention as triton_attn
 
     kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 2
-    copies = min(args.iters, -(-L2_FLUSH_BYTES // kv_bytes))
+    copies = -(-L2_FLUSH_BYTES // kv_bytes)
+    iters = max(args.iters, copies)
     calls = [(*decode_inputs(batch, context), PAGE_SIZE, HEAD_DIM ** -0.5) for _ in range(copies)]
     row = {"kv_bytes": kv_bytes, "reference": None,
            "splits": triton_attn.num_splits_for(batch, KV_HEADS, calls[0][3].shape[1] * PAGE_SIZE,
                                                 calls[0][0].device)}
 
     def each_copy(fn):
-        turn = iter(range(10**9))
-        return lambda: fn(*calls[next(turn) % copies])
+        turn = itertools.cycle(calls)
+        return lambda: fn(*next(turn))
 
-    row["triton"] = seconds_per_call(each_copy(triton_attn.decode_attention), args.iters, args.repeats)
+    row["triton"] = seconds_per_call(each_copy(triton_attn.decode_attention), iters, args.repeats)
     if not args.skip_reference:
-        row["reference"] = seconds_per_call(each_copy(reference.decode_attention), args.iters, args.repeats)
+        row["reference"] = seconds_per_call(each_copy(reference.decode_attention), iters, args.repeats)
     del calls
     torch.cuda.empty_cache()
     return row

@@ -127,19 +127,29 @@ class OffloadStrategy(MoEStrategy):
             raise ConfigError(
                 f"the expert cache holds {slots} experts, fewer than one layer's {num_experts}: raise "
                 f"--moe-cache-slots/--moe-cache-gb (one layer needs {num_experts * self.expert_bytes / 2**30:.2f} GiB)")
-        ec = self.engine_config
+        self.build_cache(slots)
+        if self.device.type == "cuda":
+            sample = self.banks[layer_ids[0]]
+            self.stream = LayerStream(num_experts, sample.w13.shape[1:], sample.w2.shape[1:], self.dtype, self.device)
+
+    def build_cache(self, slots: int) -> None:
+        """(Re)build the slot cache and its pool at `slots` slots, empty. A captured decode graph
+        holds the old pool's pointers: recapture after calling this on a running engine."""
+        ec, num_experts = self.engine_config, self.model_config.num_experts
+        total = num_experts * len(self.moe_index)
+        self.cache = self.pool = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
         top_k = self.model_config.top_k
         widest = max(8192, ec.max_running_requests * top_k, self.demand_tokens * top_k)
-        self.cache = SlotCache(len(layer_ids), num_experts, slots, device=self.device, policy=ec.moe_cache_policy,
+        self.cache = SlotCache(len(self.moe_index), num_experts, slots, device=self.device, policy=ec.moe_cache_policy,
                                lrfu_decay=ec.moe_lrfu_decay, collect_stats=ec.moe_collect_stats,
                                expert_bytes=self.expert_bytes, max_routes=widest)
-        sample = self.banks[layer_ids[0]]
+        sample = next(iter(self.banks.values()))
         self.pool = ExpertBanks(
             torch.zeros((slots, *sample.w13.shape[1:]), dtype=self.dtype, device=self.device),
             torch.zeros((slots, *sample.w2.shape[1:]), dtype=self.dtype, device=self.device),
         )
-        if self.device.type == "cuda":
-            self.stream = LayerStream(num_experts, sample.w13.shape[1:], sample.w2.shape[1:], self.dtype, self.device)
         logger.info("expert cache: %d slots of %d experts (%.1f%%), %.2f GiB on %s; policy %s; demand prefill <= %d tokens",
                     slots, total, 100.0 * slots / total, slots * self.expert_bytes / 2**30, self.device,
                     ec.moe_cache_policy, self.demand_tokens)

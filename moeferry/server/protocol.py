@@ -34,9 +34,17 @@ class APIError(Exception):
 def validation_error(exc: ValidationError) -> APIError:
     """The first pydantic error as a 400 naming the offending field (`messages.0.role`)."""
     err = exc.errors()[0]
-    param = ".".join(str(p) for p in err.get("loc", ()) if not str(p).startswith("function-")) or None
+    param = ".".join(str(p) for p in err.get("loc", ()) if not _is_union_tag(p)) or None
     message = err.get("msg", "invalid request")
     return APIError(400, f"{param}: {message}" if param else message, param=param)
+
+
+def _is_union_tag(loc_part) -> bool:
+    """pydantic puts the union member tried into an error's location ("str", "list[int]")."""
+    return isinstance(loc_part, str) and (loc_part in _SCALAR_TAGS or "[" in loc_part or "-" in loc_part)
+
+
+_SCALAR_TAGS = {"str", "int", "float", "bool", "none", "TextPart", "StreamOptions"}
 
 
 # ---- requests ------------------------------------------------------------------------------

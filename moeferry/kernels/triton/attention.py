@@ -24,8 +24,8 @@ rows of a [BLOCK_H, D] tile, so each K/V row is read once for the whole group, a
 share of the live context ``[max(0, seq_len - window), seq_len)`` in blocks of BLOCK_N tokens
 gathered through the page table (any page size), with an online softmax in fp32 (exp2, the
 scale folded with log2 e). The live range is divided among the splits on the device, in
-multiples of BLOCK_N, so short contexts leave the last splits empty (they load and store nothing)
-and long ones spread over ``num_splits`` programs per head group. With one split the
+multiples of BLOCK_N, so short contexts leave the last splits empty (they load and store
+nothing) and long ones spread over ``num_splits`` programs per head group. With one split the
 program writes the normalised output; otherwise each non-empty split writes its normalised
 partial and log-sum-exp, and a second kernel, program (b, q head), merges the non-empty
 splits (it recomputes which ones from seq_lens, so it never reads an unwritten partial).
@@ -161,12 +161,13 @@ def _sm_count(device: torch.device) -> int:
 
 
 def num_splits_for(batch: int, kv_heads: int, max_tokens: int, device: torch.device) -> int:
-    """Splits per (request, kv head): enough programs for about two per SM, a power of two,
-    at most one per _MIN_SPLIT_TOKENS of page table. Depends on shapes only (graph-safe)."""
+    """Splits per (request, kv head): about two programs per SM, at most one split per
+    _MIN_SPLIT_TOKENS of page table, rounded down to a power of two. Depends on shapes only,
+    never on seq_lens, so a captured graph's launch fits every later step."""
     want = -(-2 * _sm_count(torch.device(device)) // max(batch * kv_heads, 1))
     cap = max(1, max_tokens // _MIN_SPLIT_TOKENS)
     n = min(want, cap, _MAX_SPLITS)
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+    return 1 << (max(n, 1).bit_length() - 1)  # round down: stays within the cap
 
 
 def _workspace(batch: int, q_heads: int, splits: int, head_dim: int, device: torch.device):

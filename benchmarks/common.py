@@ -1,0 +1,85 @@
+"""Shared by the benchmarks: the measured link and memory bandwidths, the commit, tables."""
+
+from __future__ import annotations
+
+import datetime
+import subprocess
+
+import torch
+
+QWEN3_30B_DIR_CONFIG = {
+    "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
+    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+    "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "torch_dtype": "bfloat16", "eos_token_id": 151645,
+    "bos_token_id": 151643, "attention_bias": False, "hidden_act": "silu",
+}
+
+
+def write_config_dir(path: str, config: dict) -> str:
+    """A checkpoint directory holding only config.json (enough for --load-format dummy)."""
+    import json
+    import os
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path
+
+
+def commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def gpu_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def h2d_bandwidth(nbytes: int = 1 << 30, iters: int = 5) -> float:
+    """Measured pinned host-to-device copy bandwidth in bytes/s."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        dst.copy_(src, non_blocking=True)
+    end.record()
+    torch.cuda.synchronize()
+    return nbytes * iters / (start.elapsed_time(end) / 1e3)
+
+
+def hbm_bandwidth(nbytes: int = 2 << 30, iters: int = 10) -> float:
+    """Measured device-to-device copy bandwidth in bytes/s (bytes read plus bytes written)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * nbytes * iters / (start.elapsed_time(end) / 1e3)
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def report(title: str, command: str, table: str, notes: str = "", out: str | None = None) -> str:
+    text = (f"\n### {title}\n\n{datetime.date.today().isoformat()}, {gpu_name()}, commit {commit()}\n\n"
+            f"`{command}`\n\n{table}\n" + (f"\n{notes}\n" if notes else ""))
+    print(text)
+    if out:
+        with open(out, "a") as f:
+            f.write(text)
+    return text

@@ -1,0 +1,76 @@
+"""`moeferry serve` as a process: it logs its plan and a periodic activity line, and on
+SIGTERM or SIGINT ends the in-flight stream properly (final chunk, `data: [DONE]`) and exits 0."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "moeferry.cli", "serve", "--port", str(port), "--dtype", "float32", "--device", "cpu",
+           "--max-model-len", "256", "--log-interval", "0.3"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_ends_streams_properly_and_exits_cleanly(model_cache, sig):
+    port = free_port()
+    proc = start_server(port)
+    events, enough = [], threading.Event()
+
+    def stream():
+        body = {"prompt": "Hello", "max_tokens": 240, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                if len(events) >= 40:
+                    enough.set()
+        enough.set()
+
+    thread = threading.Thread(target=stream)
+    try:
+        thread.start()
+        assert enough.wait(60)
+        time.sleep(0.4)  # let the periodic line come out
+        proc.send_signal(sig)
+        thread.join(30)
+        assert not thread.is_alive()
+        output, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])["choices"][0]
+    assert last["finish_reason"] == "abort"
+    assert len(events) - 2 < 240  # it was cut short, not run to the end
+    assert "serving moeferry-tiny-moe" in output and "KV cache" in output and "max batch 8" in output
+    assert "CUDA graphs off" in output
+    assert "decode" in output and "tok/s" in output and "KV " in output
+    assert "stopped by signal" in output
