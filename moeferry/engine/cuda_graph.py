@@ -28,8 +28,9 @@ def capture_sizes(max_batch: int) -> list[int]:
 class DecodeGraphs:
     """Captured decode forwards for batch sizes 1, 2, 4, ... up to max_running_requests.
 
-    Invariant: the static buffers are allocated once, before capture; `run` copies a step's
-    inputs into them and replays the smallest graph that fits, so no captured pointer changes.
+    Invariant: the static buffers (and each size's ForwardBatch, whose row index tensor the
+    graph reads) are allocated once, before capture, and live as long as the graphs; `run`
+    copies a step's inputs into them and replays the smallest graph that fits, so no captured pointer changes.
     """
 
     def __init__(self, runner):
@@ -45,6 +46,7 @@ class DecodeGraphs:
         self.page_table = torch.full((bmax, runner.max_pages_per_req), runner.scratch_page, dtype=torch.int32, device=dev)
         self.seq_lens = torch.ones(bmax, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.batches: dict[int, ForwardBatch] = {}  # kept alive: a graph reads their tensors at every replay
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
         self._capture_all()
@@ -58,7 +60,7 @@ class DecodeGraphs:
     def _capture_all(self) -> None:
         model, kv = self.runner.model, self.runner.kv
         for b in reversed(self.sizes):
-            batch = self._batch(b)
+            batch = self.batches[b] = self._batch(b)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):

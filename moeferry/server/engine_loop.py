@@ -11,7 +11,6 @@ output to the asyncio front end without ever blocking it.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import queue
 import threading
@@ -41,9 +40,6 @@ class Delta:
     error: str | None = None
 
 
-_handle_ids = itertools.count()
-
-
 @dataclass(eq=False)
 class RequestHandle:
     """The front end's view of one request.
@@ -55,16 +51,12 @@ class RequestHandle:
 
     prompt_ids: list[int]
     params: SamplingParams
-    loop: asyncio.AbstractEventLoop
-    id: int = field(default_factory=lambda: next(_handle_ids))
+    accepted: asyncio.Future
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    accepted: asyncio.Future = None  # type: ignore[assignment]
-    finished: bool = False  # set by the front end when it has read the last Delta
-    request: Any = None
-    last_token_time: float | None = None
-
-    def __post_init__(self):
-        self.accepted = self.loop.create_future()
+    finished: bool = False  # front end only: the last Delta was read, or the request aborted
+    request: Any = None  # engine thread only: the engine's Request once added
+    submitted: float = field(default_factory=time.monotonic)  # time-to-first-token counts from here
+    last_token_time: float | None = None  # engine thread only
 
 
 class EngineLoop:
@@ -100,7 +92,7 @@ class EngineLoop:
         """Queue a request; returns once the engine accepted it (raises APIError otherwise)."""
         if not self.accepting or not self.alive:
             raise APIError(503, "the server is shutting down", code="shutting_down")
-        handle = RequestHandle(prompt_ids, params, asyncio.get_running_loop())
+        handle = RequestHandle(prompt_ids, params, asyncio.get_running_loop().create_future())
         self.commands.put(("add", handle))
         try:
             await handle.accepted
@@ -193,6 +185,10 @@ class EngineLoop:
         except ValueError as exc:
             self._post(handle.accepted.set_exception, APIError(400, str(exc), param="prompt"))
             return
+        except Exception:  # noqa: BLE001 - a bug here must cost one request, not the engine thread
+            logger.exception("could not add a request")
+            self._post(handle.accepted.set_exception, APIError(500, "internal error adding the request"))
+            return
         self.live[handle.request.rid] = handle
         self._post(handle.accepted.set_result, None)
 
@@ -227,7 +223,7 @@ class EngineLoop:
         req = out.request
         if self.metrics is not None:
             if handle.last_token_time is None:
-                self.metrics.observe_first_token(now - req.arrival)
+                self.metrics.observe_first_token(now - handle.submitted)
             else:
                 self.metrics.observe_next_token(now - handle.last_token_time)
         handle.last_token_time = now

@@ -49,6 +49,8 @@ _SCALAR_TAGS = {"str", "int", "float", "bool", "none", "TextPart", "StreamOption
 
 # ---- requests ------------------------------------------------------------------------------
 class StreamOptions(BaseModel):
+    """`stream_options`: with include_usage, a last event (choices []) carries the usage."""
+
     include_usage: bool = False
 
 
@@ -87,11 +89,15 @@ class _SamplingFields(BaseModel):
 
 
 class TextPart(BaseModel):
+    """A text part of a message's content; other part types (images, audio) are refused."""
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
+    """One chat message; its content (a string, text parts, or null) becomes one string."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -104,6 +110,9 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions. Invariant after `check_supported`: at least one message;
+    `max_completion_tokens` wins over the older `max_tokens`."""
+
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, gt=0)
     logprobs: bool | None = None
@@ -121,6 +130,9 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
+    """POST /v1/completions: `prompt` is a string, a list of token ids, or a list holding
+    one string; `max_tokens` defaults to 16 as in OpenAI's API."""
+
     prompt: str | list[int] | list[str]
     logprobs: int | None = None
     echo: bool = False

@@ -146,3 +146,31 @@ def test_bad_input_does_not_disturb_a_running_stream(server, http):
     assert http.post(COMPLETIONS, json=completion()).status_code == 200
     stats = http.get("/v1/stats").json()
     assert stats["requests"]["running"] == 0 and stats["kv"]["pages_used"] == 0
+
+
+def test_chat_content_as_text_parts(http):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "France?"}]}]
+    plain = [{"role": "user", "content": "What is France?"}]
+    a = http.post(CHAT, json=chat(messages=parts, temperature=0, max_tokens=6)).json()
+    b = http.post(CHAT, json=chat(messages=plain, temperature=0, max_tokens=6)).json()
+    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+    assert a["usage"] == b["usage"]
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]
+    assert_error_body(http.post(CHAT, json=chat(messages=image)), 400)
+
+
+def test_a_failing_engine_step_fails_only_its_requests(server, http, monkeypatch):
+    real_step, calls = server.engine.step, []
+
+    def failing_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected failure")
+        return real_step()
+
+    monkeypatch.setattr(server.engine, "step", failing_once)
+    assert_error_body(http.post(COMPLETIONS, json=completion()), 500)
+    ok = http.post(COMPLETIONS, json=completion(max_tokens=3, ignore_eos=True))
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    stats = http.get("/v1/stats").json()
+    assert stats["requests"]["running"] == 0 and stats["kv"]["pages_used"] == 0
