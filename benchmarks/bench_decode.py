@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_decode: no CUDA GPU, nothing measured")
         return 0
-    h2d, hbm = h2d_bandwidth(), hbm_bandwidth() / 2  # a GEMM reads weights: count read bandwidth only
+    h2d, hbm = h2d_bandwidth(), hbm_bandwidth()
     cfg_dir = write_config_dir(os.path.join(tempfile.mkdtemp(), "qwen3-30b-a3b"), QWEN3_30B_DIR_CONFIG)
     rows, distinct_per_step = [], {}
     experts_total = args.layers * QWEN3_30B_DIR_CONFIG["num_experts"]
@@ -134,9 +134,9 @@ def main(argv=None) -> int:
         if hasattr(torch._C, "_host_emptyCache"):  # give the pinned banks back before the next strategy pins its own
             torch._C._host_emptyCache()
     header = ["strategy", "requests", "tok/s", "ms/step", "floor ms/step", "vs floor", "hit rate", "distinct experts/step"]
-    notes = (f"{args.layers} layers, 128 experts, top-8, bf16, dummy weights; prompt {args.prompt_len} tokens, "
-             f"{args.steps} timed steps. Measured H2D {h2d / 1e9:.1f} GB/s, HBM read {hbm / 1e12:.2f} TB/s "
-             f"(half the copy rate). Floor: missed bytes / H2D + (resident distinct experts + dense weights) / HBM; "
+    notes = (f"{args.layers} layers, {QWEN3_30B_DIR_CONFIG['num_experts']} experts, top-8, bf16, dummy weights; prompt {args.prompt_len} tokens, "
+             f"{args.steps} timed steps. Measured H2D {h2d / 1e9:.1f} GB/s, HBM {hbm / 1e12:.2f} TB/s "
+             f"(device copy, read + write bytes). Floor: missed bytes / H2D + (resident distinct experts + dense weights) / HBM; "
              f"for uva every distinct expert crosses PCIe. Distinct experts per step are measured in the offload runs "
              f"(same prompts, same weights, greedy).")
     report("Decode tokens/s vs floor", "python -m benchmarks.bench_decode " + " ".join(argv or sys.argv[1:]),

@@ -29,6 +29,10 @@ def write_config_dir(path: str, config: dict) -> str:
 
 
 def commit() -> str:
+    import os
+
+    if os.environ.get("MOEFERRY_COMMIT"):  # the device machine gets the tree without .git
+        return os.environ["MOEFERRY_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
     except (OSError, subprocess.CalledProcessError):
@@ -55,7 +59,8 @@ def h2d_bandwidth(nbytes: int = 1 << 30, iters: int = 5) -> float:
 
 
 def hbm_bandwidth(nbytes: int = 2 << 30, iters: int = 10) -> float:
-    """Measured device-to-device copy bandwidth in bytes/s (bytes read plus bytes written)."""
+    """Measured device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes
+    written: the rate at which HBM moves bytes, which a weight-reading GEMM can approach."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     dst.copy_(src)

@@ -22,6 +22,10 @@ _CHOICES = {
 
 
 def _flag_type(field: dataclasses.Field):
+    if field.name == "moe_prefill_demand_tokens":
+        from moeferry.moe.prefill_policy import parse_demand_tokens
+
+        return parse_demand_tokens
     hint = typing.get_type_hints(EngineConfig)[field.name]
     args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
     base = args[0]

@@ -40,7 +40,7 @@ class EngineConfig:
     moe_cache_policy: str = "lru"  # lru | lrfu
     moe_lrfu_decay: float = 0.5
     moe_collect_stats: bool = False
-    moe_prefill_demand_tokens: int = 0
+    moe_prefill_demand_tokens: int | str = 0  # a token count, or "auto"
     # memory budget
     memory_ratio: float = 0.9
     vram_reserve_mb: int = 1024

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call on the device machine: the GPU tests, then the
 # benchmarks of SPEC section 6. Logs go to $OUT (or ./gpu-out); a short table is printed last.
-#   bash scripts/gpu_check.sh [quick|full] [pytest -k expression]
+#   bash scripts/gpu_check.sh [STAGES] [pytest -k expression]
+# STAGES: comma-separated of tests, kernels (copy, admission, fused MoE, attention benches),
+# decode (full decode benchmark), decode-quick, ttft, uva, serve; default tests,kernels,decode-quick.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
-MODE=${1:-quick}; KEXPR=${2:-}
+STAGES=${1:-tests,kernels,decode-quick}; KEXPR=${2:-}
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 RESULTS=$OUT/results.md; : > "$RESULTS"
 summary=()
@@ -17,15 +20,20 @@ run() {  # name, command...
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' >> "$OUT/gpu.txt" 2>&1
-run pytest-gpu python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/moe tests/models ${KEXPR:+-k "$KEXPR"}
-run bench-copy python3 -m benchmarks.bench_copy --out "$RESULTS"
-run bench-admission python3 -m benchmarks.bench_admission --out "$RESULTS"
-run bench-fused-moe python3 -m benchmarks.bench_fused_moe --out "$RESULTS"
-[ -f benchmarks/bench_attention.py ] && run bench-attention python3 -m benchmarks.bench_attention --out "$RESULTS"
-if [ "$MODE" = quick ]; then
-  run bench-decode python3 -m benchmarks.bench_decode --layers 4 --batch 1 4 --steps 8 --out "$RESULTS"
-else
-  run bench-decode python3 -m benchmarks.bench_decode --out "$RESULTS"
+has tests && run pytest-gpu python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/moe tests/models ${KEXPR:+-k "$KEXPR"}
+if has kernels; then
+  run bench-copy python3 -m benchmarks.bench_copy --out "$RESULTS"
+  run bench-admission python3 -m benchmarks.bench_admission --out "$RESULTS"
+  run bench-fused-moe python3 -m benchmarks.bench_fused_moe --out "$RESULTS"
+  run bench-attention python3 -m benchmarks.bench_attention --out "$RESULTS"
+fi
+has decode-quick && run bench-decode python3 -m benchmarks.bench_decode --layers 4 --batch 1 4 --steps 8 --out "$RESULTS"
+has decode && run bench-decode python3 -m benchmarks.bench_decode --out "$RESULTS"
+has ttft && run bench-ttft python3 -m benchmarks.bench_ttft --out "$RESULTS"
+has uva && run bench-uva python3 -m benchmarks.bench_uva --out "$RESULTS"
+if has serve; then  # the server's packages travel as wheels (scripts/device_wheels.txt)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site && run bench-serve python3 -m benchmarks.bench_serve --out "$RESULTS"
 fi
 echo; cat "$OUT/gpu.txt"; echo
 printf '%s\n' "${summary[@]}"

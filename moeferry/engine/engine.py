@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from moeferry.config import EngineConfig, ModelConfig, reset_moe_options_for_dense
 from moeferry.engine.runner import ModelRunner
 from moeferry.engine.sampler import sample
+from moeferry.moe.prefill_policy import validate_demand_prefill
 from moeferry.sampling import SamplingParams
 from moeferry.scheduler.request import Request, Status
 from moeferry.scheduler.scheduler import Scheduler
@@ -44,6 +45,7 @@ class Engine:
         mc = ModelConfig.from_dir(model_dir, ec.hf_overrides)
         if not mc.is_moe:
             ec = reset_moe_options_for_dense(ec)
+        validate_demand_prefill(ec)
         self.ec, self.mc = ec, mc
         t0 = time.monotonic()
         self.runner = ModelRunner(ec, mc)

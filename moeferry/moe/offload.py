@@ -15,6 +15,7 @@ import torch
 
 from moeferry.config import ConfigError
 from moeferry.kernels import ops
+from moeferry.moe.prefill_policy import PrefillDecision, PrefillPolicy
 from moeferry.moe.slot_cache import SlotCache
 from moeferry.moe.strategies import ExpertBanks, MoEStrategy
 
@@ -99,14 +100,11 @@ class OffloadStrategy(MoEStrategy):
 
     def __init__(self, engine_config, model_config):
         super().__init__(engine_config, model_config)
-        demand = engine_config.moe_prefill_demand_tokens
-        if demand and self.device.type != "cuda":
-            logger.info("--moe-prefill-demand-tokens on the CPU: chunks admit through the slot cache too")
-        self.demand_tokens = demand
+        self.policy = PrefillPolicy(engine_config.moe_prefill_demand_tokens)
         self.cache: SlotCache | None = None
         self.stream: LayerStream | None = None
         self.moe_index: dict[int, int] = {}
-        self._demand_this_forward = False
+        self.decision = PrefillDecision(False)
         self.streamed_bytes = 0
 
     def bank_device(self) -> torch.device:
@@ -141,7 +139,8 @@ class OffloadStrategy(MoEStrategy):
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         top_k = self.model_config.top_k
-        widest = max(8192, ec.max_running_requests * top_k, self.demand_tokens * top_k)
+        demand_width = ec.max_prefill_tokens if self.policy.auto else self.policy.threshold
+        widest = max(8192, ec.max_running_requests * top_k, demand_width * top_k)
         self.cache = SlotCache(len(self.moe_index), num_experts, slots, device=self.device, policy=ec.moe_cache_policy,
                                lrfu_decay=ec.moe_lrfu_decay, collect_stats=ec.moe_collect_stats,
                                expert_bytes=self.expert_bytes, max_routes=widest)
@@ -150,15 +149,27 @@ class OffloadStrategy(MoEStrategy):
             torch.zeros((slots, *sample.w13.shape[1:]), dtype=self.dtype, device=self.device),
             torch.zeros((slots, *sample.w2.shape[1:]), dtype=self.dtype, device=self.device),
         )
-        logger.info("expert cache: %d slots of %d experts (%.1f%%), %.2f GiB on %s; policy %s; demand prefill <= %d tokens",
+        logger.info("expert cache: %d slots of %d experts (%.1f%%), %.2f GiB on %s; policy %s; demand prefill: %s",
                     slots, total, 100.0 * slots / total, slots * self.expert_bytes / 2**30, self.device,
-                    ec.moe_cache_policy, self.demand_tokens)
+                    ec.moe_cache_policy, self.policy.threshold)
 
     # ---- per forward -------------------------------------------------------------------------
     def begin_forward(self, is_decode: bool, num_tokens: int) -> None:
-        self._demand_this_forward = (not is_decode) and 0 < num_tokens <= self.demand_tokens
-        if not is_decode and not self._demand_this_forward and self.stream is not None:
+        if is_decode:
+            return
+        self.decision = self.policy.begin(num_tokens)
+        if self.decision.demand is False:
+            self._start_stream()
+
+    def _start_stream(self) -> None:
+        if self.stream is not None:
             self.stream.begin(sorted(self.banks), self.banks)
+
+    def _decide_at_first_layer(self, layer_id: int, topk_ids: torch.Tensor) -> None:
+        self.decision = self.policy.decide_auto(topk_ids, self.moe_index[layer_id], self.cache.slot_of,
+                                                self.expert_bytes)
+        if not self.decision.demand:
+            self._start_stream()
 
     def _through_cache(self, layer_id, hidden, topk_weights, topk_ids, phase):
         host = self.banks[layer_id]
@@ -181,14 +192,17 @@ class OffloadStrategy(MoEStrategy):
     def forward(self, layer_id, hidden, topk_weights, topk_ids, is_decode):
         if is_decode:
             return self._through_cache(layer_id, hidden, topk_weights, topk_ids, "decode")
-        if self._demand_this_forward:
+        if self.decision.demand is None:
+            self._decide_at_first_layer(layer_id, topk_ids)
+        if self.decision.demand:
             return self._through_cache(layer_id, hidden, topk_weights, topk_ids, "prefill")
         return self._streamed(layer_id, hidden, topk_weights, topk_ids)
 
     def stats(self) -> dict:
         out = {"strategy": self.name, "slots": self.cache.num_slots,
                "experts": self.cache.num_layers * self.cache.num_experts,
-               "expert_bytes": self.expert_bytes, "prefill_streamed_bytes": self.streamed_bytes}
+               "expert_bytes": self.expert_bytes, "prefill_streamed_bytes": self.streamed_bytes,
+               "prefill_chunks": dict(self.policy.decisions)}
         if self.cache.stats is not None:
             out.update(self.cache.stats.snapshot())
         return out

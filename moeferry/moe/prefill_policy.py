@@ -1,0 +1,96 @@
+"""How an offloaded prefill chunk gets its experts: streamed (every expert of each layer
+through the double buffer) or on demand (only the experts it routes to, through the slot
+cache, as decode does).
+
+`--moe-prefill-demand-tokens N`: a chunk of at most N tokens goes on demand (0: never).
+`--moe-prefill-demand-tokens auto`: decided per chunk at its first MoE layer, from a cost
+model: the bytes the chunk would copy on demand (the first layer's distinct routed experts
+that are not resident, extrapolated to every layer by each layer's residency) against the
+bytes of streaming every layer. Streaming overlaps its copies with compute and demand does
+not, so demand must also win by `DEMAND_MARGIN`. The peers' fixed thresholds (a crossover
+near 700 tokens in background/pr-demand-prefill.txt) depend on the model and the card; the
+cost model reads both off the live routing and residency.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moeferry.config import ConfigError
+
+AUTO = "auto"
+DEMAND_MARGIN = 0.8  # demand must copy under 80% of the stream's bytes to be taken
+
+
+def parse_demand_tokens(value) -> int | str:
+    """The flag's value: a non-negative token count or "auto"."""
+    if isinstance(value, str):
+        if value.strip().lower() == AUTO:
+            return AUTO
+        try:
+            value = int(value)
+        except ValueError:
+            raise ConfigError(f"--moe-prefill-demand-tokens {value!r}: give a token count or 'auto'") from None
+    if value < 0:
+        raise ConfigError(f"--moe-prefill-demand-tokens must be >= 0 or 'auto', got {value}")
+    return value
+
+
+def validate_demand_prefill(ec) -> None:
+    """Demand prefill admits through the slot cache, which only the offload strategy on a GPU
+    has; refuse the flag elsewhere rather than ignore it silently."""
+    value = parse_demand_tokens(ec.moe_prefill_demand_tokens)
+    if value in (0, "0"):
+        return
+    if ec.moe_strategy != "offload" or ec.torch_device.type != "cuda":
+        raise ConfigError(
+            f"--moe-prefill-demand-tokens {value} needs GPU decode with --moe-strategy offload "
+            f"(got strategy {ec.moe_strategy!r} on {ec.torch_device.type})")
+
+
+@dataclass
+class PrefillDecision:
+    """One chunk's choice: `demand` True/False, or None while auto waits for the first layer."""
+
+    demand: bool | None
+    estimated_demand_bytes: int = 0
+    stream_bytes: int = 0
+
+
+class PrefillPolicy:
+    """Chooses stream or demand per prefill chunk. Invariant: a decision, once taken for a
+    chunk, holds for all of its layers (a chunk never mixes the two paths)."""
+
+    def __init__(self, demand_tokens):
+        self.threshold = parse_demand_tokens(demand_tokens)
+        self.decisions = {"demand": 0, "stream": 0}
+
+    @property
+    def auto(self) -> bool:
+        return self.threshold == AUTO
+
+    def begin(self, num_tokens: int) -> PrefillDecision:
+        if self.auto:
+            return PrefillDecision(None)
+        return self._record(PrefillDecision(0 < num_tokens <= self.threshold))
+
+    def _record(self, decision: PrefillDecision) -> PrefillDecision:
+        self.decisions["demand" if decision.demand else "stream"] += 1
+        return decision
+
+    def decide_auto(self, topk_ids: torch.Tensor, layer_index: int, slot_of: torch.Tensor,
+                    expert_bytes: int) -> PrefillDecision:
+        """At the chunk's first MoE layer: one device sync to read its routing and residency."""
+        num_layers, num_experts = slot_of.shape
+        routed = torch.zeros(num_experts, dtype=torch.bool, device=topk_ids.device)
+        routed[topk_ids.reshape(-1).long()] = True
+        missing_first = (routed & (slot_of[layer_index] < 0)).sum()
+        resident = (slot_of >= 0).sum(dim=1)
+        distinct_first, missing_first, resident = routed.sum().item(), missing_first.item(), resident.tolist()
+        est_missing = missing_first + sum(distinct_first * (1 - r / num_experts)
+                                          for i, r in enumerate(resident) if i != layer_index)
+        demand_bytes = int(est_missing * expert_bytes)
+        stream_bytes = num_layers * num_experts * expert_bytes
+        return self._record(PrefillDecision(demand_bytes < DEMAND_MARGIN * stream_bytes, demand_bytes, stream_bytes))

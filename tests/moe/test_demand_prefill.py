@@ -1,0 +1,110 @@
+"""Demand-loaded prefill at the layer level (CPU): which chunks go on demand, what they admit,
+how they are counted, and that their output is the streamed layer's, bit for bit."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moeferry.config import ConfigError, EngineConfig
+from moeferry.kernels import ops
+from moeferry.moe.offload import OffloadStrategy
+from moeferry.moe.prefill_policy import PrefillPolicy, parse_demand_tokens, validate_demand_prefill
+
+H, I, E, TOP_K = 32, 16, 160, 2
+
+
+def _strategy(demand, slots=2 * E, layers=2):
+    ec = EngineConfig(device="cpu", dtype="float32", moe_strategy="offload", moe_prefill_demand_tokens=demand,
+                      moe_cache_slots=slots, moe_collect_stats=True)
+    mc = SimpleNamespace(num_experts=E, top_k=TOP_K, num_layers=layers, max_position_embeddings=512)
+    strategy = OffloadStrategy(ec, mc)
+    gen = torch.Generator().manual_seed(0)
+    for layer in range(layers):
+        banks = strategy.allocate_banks(layer, E, H, I)
+        banks.w13.copy_(torch.randn(banks.w13.shape, generator=gen) * 0.1)
+        banks.w2.copy_(torch.randn(banks.w2.shape, generator=gen) * 0.1)
+    strategy.finalize()
+    return strategy
+
+
+def _chunk(tokens, gen, cover_all=True):
+    """A chunk whose routes cover every expert of the layer once the chunk is wide enough."""
+    ids = torch.stack([torch.randperm(E, generator=gen)[:TOP_K] for _ in range(tokens)]).to(torch.int32)
+    if cover_all and tokens * TOP_K >= E:
+        ids.view(-1)[:E] = torch.randperm(E, generator=gen).to(torch.int32)
+        ids = torch.stack([row if len(set(row.tolist())) == TOP_K else torch.tensor([row[0], (row[0] + 1) % E])
+                           for row in ids]).to(torch.int32)
+    weights = torch.rand(tokens, TOP_K, generator=gen)
+    return torch.randn(tokens, H, generator=gen), weights / weights.sum(-1, keepdim=True), ids
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    seen = []
+    real = ops.fused_moe
+
+    def spy(hidden, w13, w2, weights, ids, **kw):
+        seen.append(SimpleNamespace(w13=w13, num_routed_experts=kw["num_routed_experts"]))
+        return real(hidden, w13, w2, weights, ids, **kw)
+
+    monkeypatch.setattr(ops, "fused_moe", spy)
+    return seen
+
+
+def test_a_96_token_chunk_goes_on_demand_and_a_97_token_chunk_streams(calls):
+    strategy = _strategy(96)
+    gen = torch.Generator().manual_seed(1)
+    hidden, weights, ids = _chunk(96, gen)
+    assert len(torch.unique(ids)) == E
+    strategy.begin_forward(False, 96)
+    got = strategy.forward(0, hidden, weights, ids, is_decode=False)
+    assert calls[-1].w13 is strategy.pool.w13 and calls[-1].num_routed_experts == E  # the view names the layer's 160
+    stats = strategy.stats()
+    assert stats["prefill"]["per_layer"]["calls"] == [1, 0]
+    assert stats["prefill"]["per_layer"]["distinct"] == [E, 0]
+    assert stats["prefill"]["per_layer"]["misses"] == [E, 0]
+    assert stats["decode"]["total"]["calls"] == 0 and sum(map(sum, stats["decode"]["freq"])) == 0
+    host = strategy.banks[0]
+    streamed = ops.fused_moe(hidden, host.w13, host.w2, weights, ids, num_routed_experts=E)
+    assert torch.equal(got, streamed)
+
+    hidden, weights, ids = _chunk(97, gen)
+    strategy.begin_forward(False, 97)
+    strategy.forward(1, hidden, weights, ids, is_decode=False)
+    assert calls[-1].w13 is strategy.banks[1].w13  # streamed: the layer's own bank
+    assert strategy.stats()["prefill"]["per_layer"]["calls"] == [1, 0]
+    assert strategy.stats()["prefill_chunks"] == {"demand": 1, "stream": 1}
+
+
+@pytest.mark.parametrize("threshold, on_demand", [(0, []), (2, [1, 2])])
+def test_threshold_picks_the_chunks(threshold, on_demand):
+    policy = PrefillPolicy(threshold)
+    assert [n for n in (1, 2, 3, 96) if policy.begin(n).demand] == on_demand
+
+
+def test_auto_takes_short_chunks_on_demand_and_streams_chunks_that_need_every_expert():
+    strategy = _strategy("auto")
+    gen = torch.Generator().manual_seed(2)
+    for tokens, expect_demand in [(1, True), (96, False)]:
+        hidden, weights, ids = _chunk(tokens, gen)
+        strategy.begin_forward(False, tokens)
+        assert strategy.decision.demand is None  # decided at the first MoE layer
+        strategy.forward(0, hidden, weights, ids, is_decode=False)
+        assert strategy.decision.demand is expect_demand, (tokens, strategy.decision)
+
+
+def test_demand_prefill_is_refused_without_gpu_offload_decode():
+    for strategy in ("gpu", "uva", "offload"):
+        ec = EngineConfig(device="cpu", moe_strategy=strategy, moe_prefill_demand_tokens=8)
+        with pytest.raises(ConfigError, match="needs GPU decode"):
+            validate_demand_prefill(ec)
+    validate_demand_prefill(EngineConfig(device="cpu", moe_prefill_demand_tokens=0))
+
+
+def test_flag_values():
+    assert parse_demand_tokens("auto") == "auto" and parse_demand_tokens("512") == 512
+    with pytest.raises(ConfigError, match="token count or 'auto'"):
+        parse_demand_tokens("lots")
+    with pytest.raises(ConfigError, match=">= 0"):
+        parse_demand_tokens(-1)
