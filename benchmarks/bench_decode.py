@@ -130,6 +130,9 @@ def main(argv=None) -> int:
                              f"{step_s / floor:.2f}x", hit, f"{d:.0f}"])
                 print(rows[-1], flush=True)
         del engine
+        import gc
+
+        gc.collect()  # the runner and its graphs hold each other: free the pinned banks now
         torch.cuda.empty_cache()
         if hasattr(torch._C, "_host_emptyCache"):  # give the pinned banks back before the next strategy pins its own
             torch._C._host_emptyCache()

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import logging
 import sys
+import types
 import typing
 
 from moeferry.config import ConfigError, EngineConfig
@@ -27,11 +28,11 @@ def _flag_type(field: dataclasses.Field):
 
         return parse_demand_tokens
     hint = typing.get_type_hints(EngineConfig)[field.name]
-    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
-    base = args[0]
-    if base is dict or typing.get_origin(base) is dict:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None: the flag parses X
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if hint is dict or typing.get_origin(hint) is dict:
         return json.loads
-    return base
+    return hint
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 
 import torch
 from tqdm import tqdm
@@ -69,6 +70,15 @@ class _ExpertWriter:
         return banks.w2[expert]
 
 
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _beyond_cut(name: str, num_layers: int) -> bool:
+    """A tensor of a layer past --hf-overrides' num_hidden_layers: the cut model skips it."""
+    m = _LAYER_INDEX.match(name)
+    return m is not None and int(m.group(1)) >= num_layers
+
+
 def load_safetensors(model, model_dir: str) -> None:
     from safetensors import safe_open
 
@@ -82,6 +92,8 @@ def load_safetensors(model, model_dir: str) -> None:
     for file in tqdm(files, desc="loading shards", unit="file", disable=len(files) < 2):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
+                if _beyond_cut(name, model.config.num_layers):
+                    continue
                 target = model.expert_tensor_target(name)
                 if target is not None:
                     layer_id, expert, kind = target

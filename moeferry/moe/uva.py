@@ -10,17 +10,41 @@ import torch
 from moeferry.kernels import ops
 from moeferry.moe.strategies import MoEStrategy
 
+BLOCK_ASSIGNMENTS = ("auto", "sorted", "naive")
+
 
 class UvaStrategy(MoEStrategy):
     """Invariants: the banks are pinned CPU tensors when the compute device is a GPU (plain
     host tensors on a CPU-only machine, where `uva` equals `gpu`); nothing is copied to the
-    device. Statistics: expert bytes read over PCIe, counted per distinct routed expert per
-    step, on the device (`collect_stats`)."""
+    device.
+
+    `block_assignment` ("auto" by default) overrides the kernel's choice, for benchmarks:
+    "naive" gives each (token, expert) route its own block wherever the small-batch rule
+    allows it (T * K * 4 <= E) and falls back to "sorted" elsewhere, so prefill and wide
+    decode stay legal. The choice depends on shapes only, so a captured CUDA graph keeps the
+    assignment it was captured with: recapture after changing it.
+
+    Statistics (`collect_stats`, decode forwards only, counted on the device so they hold
+    inside CUDA graphs): `expert_reads` counts expert weight reads over PCIe, one per
+    distinct routed expert per layer on the sorted path and one per route on the naive
+    path; `routes` counts (token, expert) routes, padded graph rows included.
+    """
 
     name = "uva"
 
-    def bank_device(self) -> torch.device:
-        return torch.device("cpu")
+    def __init__(self, engine_config, model_config):
+        super().__init__(engine_config, model_config)
+        self._block_assignment = "auto"
+
+    @property
+    def block_assignment(self) -> str:
+        return self._block_assignment
+
+    @block_assignment.setter
+    def block_assignment(self, value: str) -> None:
+        if value not in BLOCK_ASSIGNMENTS:
+            raise ValueError(f"block_assignment {value!r} not in {BLOCK_ASSIGNMENTS}")
+        self._block_assignment = value
 
     def finalize(self) -> None:
         layers = sorted(self.banks)
@@ -28,26 +52,47 @@ class UvaStrategy(MoEStrategy):
         e = self.model_config.num_experts
         self.read_counts = torch.zeros((len(layers), e), dtype=torch.int64, device=self.device)
         self.decode_steps = torch.zeros(len(layers), dtype=torch.int64, device=self.device)
+        self.route_counts = torch.zeros(len(layers), dtype=torch.int64, device=self.device)
         banks = self.banks[layers[0]]
         self.expert_bytes = (banks.w13[0].numel() + banks.w2[0].numel()) * banks.w13.element_size()
 
-    def _count_reads(self, layer_id: int, topk_ids: torch.Tensor) -> None:
-        e = self.model_config.num_experts
-        touched = torch.zeros(e, dtype=torch.int64, device=self.device)
-        touched.index_fill_(0, topk_ids.reshape(-1).long(), 1)
-        self.read_counts[self.moe_index[layer_id]] += touched
-        self.decode_steps[self.moe_index[layer_id]] += 1
+    def bank_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def _assignment(self, num_tokens: int, top_k: int, num_experts: int) -> str:
+        """The block assignment handed to the kernel: the override, "naive" only where allowed."""
+        if self._block_assignment != "naive":
+            return self._block_assignment
+        from moeferry.kernels.triton.fused_moe import naive_allowed
+
+        return "naive" if naive_allowed(num_tokens, top_k, num_experts) else "sorted"
+
+    def _count_reads(self, layer_id: int, topk_ids: torch.Tensor, naive: bool) -> None:
+        """Per expert: 1 if any route reads it (sorted), else its route count (naive)."""
+        i = self.moe_index[layer_id]
+        ids = topk_ids.reshape(-1).long()
+        if naive:
+            self.read_counts[i].index_add_(0, ids, torch.ones_like(ids))
+        else:
+            touched = torch.zeros(self.model_config.num_experts, dtype=torch.int64, device=self.device)
+            touched.index_fill_(0, ids, 1)
+            self.read_counts[i] += touched
+        self.decode_steps[i] += 1
+        self.route_counts[i] += ids.numel()
 
     def forward(self, layer_id, hidden, topk_weights, topk_ids, is_decode):
         banks = self.banks[layer_id]
+        assignment = self._assignment(topk_ids.shape[0], topk_ids.shape[1], banks.num_experts)
         if is_decode and self.engine_config.moe_collect_stats:
-            self._count_reads(layer_id, topk_ids)
+            self._count_reads(layer_id, topk_ids, naive=assignment == "naive")
         return ops.fused_moe(hidden, banks.w13, banks.w2, topk_weights, topk_ids,
-                             num_routed_experts=banks.num_experts)
+                             num_routed_experts=banks.num_experts, block_assignment=assignment)
 
     def stats(self) -> dict:
+        """Totals over decode forwards; a step is one decode forward of every MoE layer."""
         steps = int(self.decode_steps.max().item()) if self.decode_steps.numel() else 0
         reads = int(self.read_counts.sum().item())
-        return {"strategy": self.name, "decode_steps": steps, "expert_reads": reads,
-                "pcie_bytes_read": reads * self.expert_bytes,
+        return {"strategy": self.name, "block_assignment": self._block_assignment, "decode_steps": steps,
+                "expert_reads": reads, "routes": int(self.route_counts.sum().item()),
+                "expert_bytes": self.expert_bytes, "pcie_bytes_read": reads * self.expert_bytes,
                 "pcie_bytes_per_step": reads * self.expert_bytes / steps if steps else 0.0}

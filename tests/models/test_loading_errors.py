@@ -112,3 +112,9 @@ def test_dummy_load_needs_only_a_config(ckpt, tmp_path):
 def test_unknown_engine_option():
     with pytest.raises(ConfigError, match="unknown engine option.*no_such_flag"):
         LLM(None, no_such_flag=1)
+
+
+def test_hf_overrides_cut_a_real_checkpoint(ckpt):
+    llm = LLM(ckpt, dtype="float32", device="cpu", hf_overrides={"num_hidden_layers": 2})
+    assert len(llm.engine.runner.model.model.layers) == 2
+    assert len(llm.generate([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4

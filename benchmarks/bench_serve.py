@@ -1,0 +1,291 @@
+"""Serving through the HTTP API (issue 3): decode tokens/s at 1, 4 and 16 concurrent streaming
+requests and time to first token of a 512-token prompt, for a dummy Qwen3-30B-A3B-shaped
+model behind `moeferry serve`, with decode CUDA graphs and with `--disable-cuda-graph`.
+
+Each server runs as a subprocess on 127.0.0.1 (a free port) and is driven with httpx over
+/v1/completions, token-id prompts, `stream: true`, temperature 0, ignore_eos. Per request the
+client records the arrival time of every streamed token and the exact token count from the
+usage chunk. Decode tokens/s = sum over requests of (tokens - 1, those after its first token)
+/ (last token anywhere - first "first token" anywhere); mean inter-token latency = the same
+tokens' total time per request / their count. TTFT = request sent to first streamed token of
+a lone request, median of 3 different prompts. A warm-up round runs before any timing.
+
+The checkpoint directory holds config.json plus a synthetic word-level tokenizer over the
+whole vocabulary (id i <-> "t<i>"): without a tokenizer the server streams no text, hence no
+per-token events; with this one every token decodes to text, so each token is one SSE event.
+
+GPU only: without CUDA it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+
+from benchmarks.common import QWEN3_30B_DIR_CONFIG, markdown_table, report, write_config_dir
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# --allow-cpu: the same family at toy sizes, so the plumbing can be checked without a GPU.
+_TINY_OVERRIDES = {"vocab_size": 2048, "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "num_experts": 8,
+                   "num_experts_per_tok": 2, "eos_token_id": 2047, "bos_token_id": 2046}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=48)
+    p.add_argument("--requests", type=int, nargs="+", default=[1, 4, 16], help="concurrent streaming requests")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--ttft-prompt-len", type=int, default=512)
+    p.add_argument("--ttft-repeats", type=int, default=3)
+    p.add_argument("--skip-no-graph", action="store_true", help="measure with CUDA graphs only")
+    p.add_argument("--startup-timeout", type=float, default=420.0, help="seconds to wait for /health")
+    p.add_argument("--out", help="append the table to this file")
+    p.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# ---- the model directory -----------------------------------------------------------------------
+def make_model_dir(args) -> tuple[str, dict]:
+    # the layer count goes into config.json rather than --hf-overrides: the CLI hands that
+    # flag's JSON through as a string (cli._flag_type reads dict[str, Any] as str)
+    config = dict(QWEN3_30B_DIR_CONFIG, num_hidden_layers=args.layers)
+    if args.allow_cpu and not torch.cuda.is_available():
+        config.update(_TINY_OVERRIDES)
+    path = write_config_dir(os.path.join(tempfile.mkdtemp(prefix="bench_serve_"), "qwen3-30b-a3b-dummy"), config)
+    write_word_tokenizer(path, config["vocab_size"])
+    return path, config
+
+
+def write_word_tokenizer(path: str, vocab_size: int) -> None:
+    """A tokenizer in which every id decodes to its own word, so each streamed token is text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
+
+
+# ---- the server subprocess ---------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`moeferry serve` in a subprocess, its output in a log file. Invariant: once started,
+    `stop()` (also on any exception inside the `with`) leaves no process behind."""
+
+    def __init__(self, model_dir: str, args, graphs: bool):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, "-m", "moeferry.cli", "serve", "--model", model_dir, "--load-format", "dummy",
+                    "--moe-strategy", "gpu", "--max-running-requests", str(max(args.requests)), "--host", "127.0.0.1",
+                    "--port", str(self.port), "--log-interval", "30"]
+        if not graphs:
+            self.cmd.append("--disable-cuda-graph")
+        if not torch.cuda.is_available():
+            self.cmd += ["--device", "cpu", "--num-tokens", "8192"]
+        self.log_path = os.path.join(os.path.dirname(model_dir), f"server-{self.port}.log")
+        self.proc: subprocess.Popen | None = None
+        self.exit_code: int | None = None
+        self.startup_s = 0.0
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self, timeout: float) -> None:
+        import httpx
+
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
+        print("starting:", " ".join(self.cmd), flush=True)
+        t0 = time.perf_counter()
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
+        with httpx.Client(trust_env=False, timeout=5.0) as client:
+            while time.perf_counter() - t0 < timeout:
+                if self.proc.poll() is not None:
+                    self._fail(f"the server exited with status {self.proc.returncode} before /health answered")
+                try:
+                    if client.get(self.url + "/health").status_code == 200:
+                        self.startup_s = time.perf_counter() - t0
+                        print(f"server up in {self.startup_s:.1f} s", flush=True)
+                        return
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.5)
+        self._fail(f"/health did not answer within {timeout:.0f} s")
+
+    def _fail(self, why: str) -> None:
+        self.stop()
+        raise RuntimeError(f"{why}; server log ({self.log_path}), last lines:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, grace: float = 30.0) -> None:
+        """SIGINT (the server closes its streams and returns), then SIGKILL after `grace` s."""
+        if self.proc is None or self.exit_code is not None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                print(f"server ignored SIGINT for {grace:.0f} s: killing it", flush=True)
+                self.proc.kill()
+                self.proc.wait()
+        self.exit_code = self.proc.returncode
+
+
+# ---- the client --------------------------------------------------------------------------------
+@dataclass
+class Stream:
+    """What one streamed completion looked like from the client."""
+
+    sent: float
+    token_times: list[float]
+    completion_tokens: int
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.sent
+
+
+def random_prompt(seed: int, length: int, vocab: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(length)]
+
+
+async def stream_completion(client, prompt: list[int], max_tokens: int) -> Stream:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    sent, times, used = time.perf_counter(), [], None
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"/v1/completions answered {resp.status_code}: {(await resp.aread())[:500]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"stream error: {event['error']}")
+            if event.get("usage"):
+                used = event["usage"]["completion_tokens"]
+            if event.get("choices") and event["choices"][0].get("text"):
+                times.append(time.perf_counter())
+    if used is None or not times:
+        raise RuntimeError(f"a stream ended without tokens or usage (tokens seen {len(times)}, usage {used})")
+    return Stream(sent, times, used)
+
+
+async def run_concurrent(url: str, prompts: list[list[int]], max_tokens: int) -> list[Stream]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(prompts) + 4)
+    async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=httpx.Timeout(600.0), limits=limits) as client:
+        return await asyncio.gather(*(stream_completion(client, p, max_tokens) for p in prompts))
+
+
+def decode_stats(streams: list[Stream]) -> tuple[float, float, float]:
+    """(decode tokens/s, mean inter-token latency s, mean TTFT s) of one concurrent round."""
+    tokens = sum(s.completion_tokens - 1 for s in streams)
+    window = max(s.token_times[-1] for s in streams) - min(s.token_times[0] for s in streams)
+    busy = sum(s.token_times[-1] - s.token_times[0] for s in streams)
+    return tokens / window, busy / tokens, statistics.mean(s.ttft for s in streams)
+
+
+# ---- one server configuration ------------------------------------------------------------------
+def measure(server: ServerProcess, args, vocab: int) -> tuple[list[list], list[float]]:
+    """Decode rows for each concurrency, and the TTFT samples of the long prompt."""
+    # warm-up: each measured batch size decodes and the long prompt prefills once before any
+    # timing, so no Triton compile or first-use allocation lands in a measurement (eager mode
+    # compiles per shape; graph mode captured its sizes at start)
+    for n in args.requests:
+        asyncio.run(run_concurrent(server.url, [random_prompt(10_000 * n + i, args.prompt_len, vocab)
+                                                for i in range(n)], 4))
+    asyncio.run(run_concurrent(server.url, [random_prompt(20_000, args.ttft_prompt_len, vocab)], 1))
+    rows = []
+    for n in args.requests:
+        prompts = [random_prompt(1000 * n + i, args.prompt_len, vocab) for i in range(n)]
+        streams = asyncio.run(run_concurrent(server.url, prompts, args.max_tokens))
+        got = [s.completion_tokens for s in streams]
+        if any(g != args.max_tokens for g in got):
+            raise RuntimeError(f"asked {args.max_tokens} tokens per request, got {got}")
+        rate, itl, ttft = decode_stats(streams)
+        rows.append([n, f"{rate:.1f}", f"{rate / n:.1f}", f"{itl * 1e3:.2f}", f"{ttft * 1e3:.1f}"])
+        print(rows[-1], flush=True)
+    ttfts = []
+    for i in range(args.ttft_repeats):
+        [s] = asyncio.run(run_concurrent(server.url, [random_prompt(30_000 + i, args.ttft_prompt_len, vocab)], 1))
+        ttfts.append(s.ttft)
+    print(f"TTFT {args.ttft_prompt_len}-token prompt: {[f'{t * 1e3:.1f} ms' for t in ttfts]}", flush=True)
+    return rows, ttfts
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv if argv is not None else sys.argv[1:])
+    if not torch.cuda.is_available() and not args.allow_cpu:
+        print("bench_serve: no CUDA GPU, nothing measured")
+        return 0
+    model_dir, config = make_model_dir(args)
+    decode_rows, ttft_rows, notes = [], [], []
+    for graphs in [True] if args.skip_no_graph else [True, False]:
+        label = "on" if graphs else "off"
+        with ServerProcess(model_dir, args, graphs) as server:
+            server.start(args.startup_timeout)
+            try:
+                rows, ttfts = measure(server, args, config["vocab_size"])
+            except Exception:
+                print(f"server log, last lines:\n{server.log_tail()}", file=sys.stderr)
+                raise
+            server.stop()
+        decode_rows += [[label] + r for r in rows]
+        ttft_rows.append([label, f"{statistics.median(ttfts) * 1e3:.1f}", f"{min(ttfts) * 1e3:.1f}",
+                          f"{max(ttfts) * 1e3:.1f}"])
+        notes.append(f"graphs {label}: server up in {server.startup_s:.0f} s, exit status {server.exit_code} "
+                     f"after SIGINT")
+    decode = markdown_table(["CUDA graphs", "concurrent requests", "decode tok/s", "tok/s per request",
+                             "mean inter-token ms", f"mean TTFT ms ({args.prompt_len}-token prompts)"], decode_rows)
+    ttft = markdown_table(["CUDA graphs", f"TTFT ms, {args.ttft_prompt_len}-token prompt (median)", "min", "max"],
+                          ttft_rows)
+    shape = (f"{config['num_experts']} experts, top-{config['num_experts_per_tok']}, hidden {config['hidden_size']}"
+             if args.allow_cpu and not torch.cuda.is_available() else "Qwen3-30B-A3B shape (128 experts, top-8)")
+    text = (f"{args.layers} layers, {shape}, dummy weights, `--moe-strategy gpu`, max {max(args.requests)} running "
+            f"requests. Streaming /v1/completions over HTTP on 127.0.0.1 (httpx): {args.prompt_len}-token random "
+            f"prompts, {args.max_tokens} tokens each, greedy, ignore_eos. Decode tok/s counts the tokens after each "
+            f"request's first, over the time from the first first-token to the last token; TTFT is a lone request, "
+            f"median of {args.ttft_repeats}, after a warm-up. " + "; ".join(notes) + ".")
+    report("Serving through the HTTP API", "python -m benchmarks.bench_serve " + " ".join(argv or sys.argv[1:]),
+           decode + "\n\n" + ttft, text, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,292 @@
+"""UVA naive vs sorted block assignment (SPEC section 6.5, after background/pr-uva-sorted-path.txt):
+output tokens/s at 1, 2, 3, 4, 8 and 16 requests in flight for a dummy Qwen3-30B-A3B-shaped model.
+
+Rows: `uva` with the naive assignment (each (token, expert) route its own block: an expert
+routed to several tokens of a step crosses PCIe once per token; only where the rule allows
+it, T * top_k * 4 <= E, at the padded CUDA-graph batch T; "n/a" elsewhere), `uva` sorted
+(the default rule for host-resident banks: each routed expert crosses once per step), and
+`offload` at a 50% cache for comparison. Beside each: the floor, distinct experts read per
+step x expert bytes / measured pinned H2D bandwidth, and routes per step x expert bytes /
+H2D (what the naive path reads).
+
+Run twice: the dummy router as it is (near-uniform routing) and a skewed router (a fixed
+per-expert bias, log of Zipf(s) probabilities in a random per-layer order, added to the
+router logits by a forward hook, so a few experts are popular as in real models). Each
+engine is built once and reused across batch sizes, paths and routings; the decode CUDA
+graphs are recaptured whenever the path or the router changes.
+
+GPU only: without CUDA it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+from benchmarks.common import QWEN3_30B_DIR_CONFIG, h2d_bandwidth, markdown_table, report, write_config_dir
+
+ROUTINGS = ("uniform", "skewed")
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=48, help="num_hidden_layers (hf_overrides)")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 2, 3, 4, 8, 16], help="requests in flight")
+    p.add_argument("--steps", type=int, default=8, help="timed decode steps per batch size")
+    p.add_argument("--warmup", type=int, default=2, help="untimed decode steps before timing")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--routings", nargs="+", choices=ROUTINGS, default=list(ROUTINGS))
+    p.add_argument("--zipf", type=float, default=1.1, help="exponent s of the skewed router's popularity")
+    p.add_argument("--strategies", nargs="+", choices=["uva", "offload"], default=["uva", "offload"])
+    p.add_argument("--cache-frac", type=float, default=0.5, help="offload cache, share of all experts")
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--out", help="append the tables to this markdown file (benchmarks/RESULTS.md)")
+    args = p.parse_args(argv)
+    if min(args.batch) < 1 or args.steps < 1 or args.warmup < 0:
+        p.error("--batch, --steps must be positive and --warmup non-negative")
+    return args
+
+
+# --- engines ------------------------------------------------------------------------------
+
+def make_engine(model_dir: str, args, strategy: str, slots: int | None = None, **options):
+    """One engine for every batch size: max_running_requests = the widest batch."""
+    from moeferry.config import EngineConfig
+    from moeferry.engine.engine import Engine
+
+    ec = EngineConfig(model=model_dir, load_format="dummy", hf_overrides={"num_hidden_layers": args.layers},
+                      moe_strategy=strategy, moe_cache_slots=slots, moe_collect_stats=True,
+                      max_running_requests=max(args.batch),
+                      max_model_len=args.prompt_len + args.warmup + args.steps + 16,
+                      disable_cuda_graph=args.disable_cuda_graph,
+                      num_tokens=(args.prompt_len + 64) * max(args.batch) * 2, **options)
+    return Engine(ec)
+
+
+def free_engine() -> None:
+    """Give back device memory and the pinned banks before the next engine pins its own."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        if hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()
+
+
+def recapture(engine) -> None:
+    """Decode graphs bake in the block assignment and the router hooks: capture them again."""
+    from moeferry.engine.cuda_graph import DecodeGraphs
+
+    if engine.runner.graphs is not None:
+        engine.runner.graphs = None  # free the old graphs' pool first
+        engine.runner.graphs = DecodeGraphs(engine.runner)
+
+
+def padded_tokens(engine, batch: int) -> int:
+    """Rows the MoE kernels see at `batch` requests: the smallest captured size that fits."""
+    graphs = engine.runner.graphs
+    if graphs is None or not graphs.can_run(batch):
+        return batch
+    return next(s for s in graphs.sizes if s >= batch)
+
+
+def zipf_bias(num_experts: int, s: float, seed: int) -> torch.Tensor:
+    """log p[e] with p proportional to rank(e)^-s (ranks 1..E in a seeded random order); sums to 1 in p.
+
+    Added to router logits of about unit spread (dummy: N(0, 0.02) over 2048 inputs, std ~0.9),
+    top-k then follows roughly Zipf popularity: top-1 exactly if the logits were unit Gumbel."""
+    ranks = torch.randperm(num_experts, generator=torch.Generator().manual_seed(seed)) + 1
+    p = ranks.double().pow(-s)
+    return (p / p.sum()).log().float()
+
+
+def add_skew(engine, s: float) -> list:
+    """Forward hooks on every MoE gate adding a fixed per-layer zipf_bias; returns the handles."""
+    handles = []
+    model = engine.runner.model
+    for layer_id in engine.mc.moe_layer_ids:
+        gate = model.moe_block(layer_id).gate
+        bias = zipf_bias(engine.mc.num_experts, s, seed=layer_id).to(gate.weight.device, gate.weight.dtype)
+        handles.append(gate.register_forward_hook(lambda _m, _i, out, bias=bias: out + bias))
+    return handles
+
+
+# --- measuring ----------------------------------------------------------------------------
+
+def synchronize(engine) -> None:
+    if engine.runner.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def counters(engine) -> dict:
+    """Cumulative decode counters, summed over layers: expert reads over PCIe (uva; distinct
+    experts for offload), routes (uva only) and misses (offload only)."""
+    s = engine.runner.strategy.stats()
+    if s["strategy"] == "uva":
+        return {"reads": s["expert_reads"], "routes": s["routes"], "misses": 0}
+    total = s["decode"]["total"]
+    return {"reads": total["distinct"], "routes": 0, "misses": total["misses"]}
+
+
+def measure(engine, batch: int, args) -> dict:
+    """Tokens/s over `steps` decode steps of `batch` requests (after prefill and `warmup` steps),
+    with the per-step counters of exactly those steps. Prompts depend only on `batch`."""
+    from moeferry.sampling import SamplingParams
+
+    gen = torch.Generator().manual_seed(batch)
+    params = SamplingParams(temperature=0.0, max_tokens=args.warmup + args.steps + 1, ignore_eos=True)
+    vocab = engine.mc.vocab_size
+    reqs = [engine.add_request(torch.randint(vocab, (args.prompt_len,), generator=gen).tolist(), params)
+            for _ in range(batch)]
+    while any(r.in_prefill for r in reqs):
+        engine.step()
+    for _ in range(args.warmup):
+        engine.step()
+    synchronize(engine)
+    before = counters(engine)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    synchronize(engine)
+    dt = time.perf_counter() - t0
+    after = counters(engine)
+    while engine.has_work:
+        engine.step()
+    per_step = {k: (after[k] - before[k]) / args.steps for k in ("reads", "routes", "misses")}
+    return {"tok_s": batch * args.steps / dt, "step_s": dt / args.steps, **per_step}
+
+
+def run_uva(engine, args, routing: str, stale: bool) -> list[dict]:
+    """Both paths at every batch size; naive only where the rule allows it at the padded size.
+    Starts with the path the graphs hold now, so a routing costs one recapture, plus one
+    first if the graphs are `stale` (router hooks added since they were captured)."""
+    from moeferry.kernels.triton.fused_moe import naive_allowed
+
+    strategy, mc = engine.runner.strategy, engine.mc
+    order = ["auto", "naive"] if strategy.block_assignment == "auto" else ["naive", "auto"]
+    records = []
+    for assignment in order:
+        if stale or strategy.block_assignment != assignment:
+            strategy.block_assignment = assignment
+            recapture(engine)
+            stale = False
+        path = "sorted" if assignment == "auto" else "naive"
+        for b in args.batch:
+            rec = {"routing": routing, "strategy": f"uva {path}", "requests": b}
+            if path == "naive" and not naive_allowed(padded_tokens(engine, b), mc.top_k, mc.num_experts):
+                records.append(rec)  # n/a
+                continue
+            records.append({**rec, **measure(engine, b, args)})
+            print(records[-1], flush=True)
+    return records
+
+
+def run_offload(engine, args, routing: str, stale: bool) -> list[dict]:
+    if stale:
+        recapture(engine)
+    records = []
+    for b in args.batch:
+        records.append({"routing": routing, "strategy": f"offload {int(args.cache_frac * 100)}%", "requests": b,
+                        **measure(engine, b, args)})
+        print(records[-1], flush=True)
+    return records
+
+
+def run(model_dir: str, args) -> tuple[list[dict], int]:
+    """Every record for every strategy and routing, and the bytes of one expert.
+    Device-agnostic: on the CPU it runs the same logic through the reference kernels."""
+    from moeferry.config import ModelConfig
+
+    mc = ModelConfig.from_dir(model_dir, {"num_hidden_layers": args.layers})
+    records, expert_bytes = [], 0
+    for name in args.strategies:
+        slots = None
+        if name == "offload":
+            slots = max(mc.num_experts, int(args.cache_frac * len(mc.moe_layer_ids) * mc.num_experts))
+        engine = make_engine(model_dir, args, name, slots)
+        expert_bytes = engine.runner.strategy.expert_bytes
+        for routing in args.routings:
+            stale = routing == "skewed"
+            if stale:
+                add_skew(engine, args.zipf)
+            records += (run_uva if name == "uva" else run_offload)(engine, args, routing, stale)
+        del engine
+        free_engine()
+    return records, expert_bytes
+
+
+# --- the table ----------------------------------------------------------------------------
+
+HEADER = ["strategy", "requests", "tok/s", "ms/step", "distinct experts/step", "floor ms", "vs floor",
+          "routes/step", "routes x bytes ms", "offload misses/step", "misses x bytes ms", "sorted vs naive"]
+
+
+def table_rows(records: list[dict], routing: str, expert_bytes: int, h2d: float) -> list[list]:
+    """Rows of one routing. Distinct experts per step come from the sorted run of the same batch
+    (on the naive path the counters see one read per route); the floor is distinct x bytes / H2D."""
+    order = {"uva naive": 0, "uva sorted": 1}
+    mine = sorted((r for r in records if r["routing"] == routing),
+                  key=lambda r: (order.get(r["strategy"], 2), r["requests"]))
+    distinct = {r["requests"]: r["reads"] for r in mine if r["strategy"] == "uva sorted" and "reads" in r}
+    naive = {r["requests"]: r["tok_s"] for r in mine if r["strategy"] == "uva naive" and "tok_s" in r}
+
+    def ms(count):
+        return f"{count * expert_bytes / h2d * 1e3:.1f}"
+
+    rows = []
+    for r in mine:
+        b = r["requests"]
+        if "tok_s" not in r:
+            rows.append([r["strategy"], b] + ["n/a"] * (len(HEADER) - 2))
+            continue
+        is_offload = r["strategy"].startswith("offload")
+        d = r["reads"] if is_offload else distinct.get(b, math.nan)
+        floor = d * expert_bytes / h2d
+        routes = r["routes"] if r["routes"] else math.nan
+        speedup = f"{r['tok_s'] / naive[b]:.2f}x" if r["strategy"] == "uva sorted" and b in naive else "-"
+        rows.append([r["strategy"], b, f"{r['tok_s']:.1f}", f"{r['step_s'] * 1e3:.1f}", f"{d:.0f}", ms(d),
+                     f"{r['step_s'] / floor:.2f}x" if floor > 0 else "-",
+                     "-" if is_offload else f"{routes:.0f}", "-" if is_offload else ms(routes),
+                     f"{r['misses']:.0f}" if is_offload else "-", ms(r["misses"]) if is_offload else "-", speedup])
+    return rows
+
+
+def notes(args, h2d: float, expert_bytes: int, routing: str) -> str:
+    router = ("dummy router as is (near-uniform)" if routing == "uniform" else
+              f"dummy router + fixed per-expert bias log Zipf(s={args.zipf}) (skewed)")
+    return (f"{args.layers} layers, 128 experts, top-8, bf16, dummy weights, {router}; prompt {args.prompt_len} "
+            f"tokens, {args.warmup} warm-up + {args.steps} timed decode steps per batch size. Expert "
+            f"{expert_bytes / 1e6:.2f} MB; measured pinned H2D {h2d / 1e9:.1f} GB/s. Floor = distinct experts read per "
+            f"step (measured on the sorted path, all layers, padded graph rows included) x expert bytes / H2D; "
+            f"routes x bytes is what the naive path reads (an expert shared by n tokens crosses n times). Naive is "
+            f"n/a where T x 8 x 4 > 128 at the padded batch T. Offload: {int(args.cache_frac * 100)}% cache, its own "
+            f"distinct experts and misses per step; only misses cross PCIe.")
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_uva: no CUDA GPU, nothing measured")
+        return 0
+    h2d = h2d_bandwidth()
+    free_engine()
+    model_dir = write_config_dir(os.path.join(tempfile.mkdtemp(), "qwen3-30b-a3b"), QWEN3_30B_DIR_CONFIG)
+    t0 = time.perf_counter()
+    records, expert_bytes = run(model_dir, args)
+    for routing in args.routings:
+        report(f"UVA naive vs sorted block assignment, {routing} routing", "python -m benchmarks.bench_uva " +
+               " ".join(argv), markdown_table(HEADER, table_rows(records, routing, expert_bytes, h2d)),
+               notes(args, h2d, expert_bytes, routing), args.out)
+    print(f"bench_uva: {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
