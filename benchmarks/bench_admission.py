@@ -32,7 +32,7 @@ def parse_args(argv):
     p.add_argument("--slots", type=int, default=2100)
     p.add_argument("--top-k", type=int, default=10)
     p.add_argument("--replays", type=int, default=40)
-    p.add_argument("--policy", choices=("lru", "lrfu"), default="lru")
+    p.add_argument("--policy", choices=("lru", "lrfu", "layer_lru"), default="lru")
     p.add_argument("--miss-share", type=float, default=0.1)
     p.add_argument("--out", help="append the table to this file")
     return p.parse_args(argv)

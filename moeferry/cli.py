@@ -15,7 +15,7 @@ from moeferry.config import ConfigError, EngineConfig
 
 _CHOICES = {
     "moe_strategy": lambda: __import__("moeferry.moe.strategies", fromlist=["x"]).strategy_names(),
-    "moe_cache_policy": lambda: ["lru", "lrfu"],
+    "moe_cache_policy": lambda: ["lru", "lrfu", "layer_lru"],
     "load_format": lambda: ["auto", "safetensors", "dummy"],
     "dtype": lambda: ["auto", "float32", "bfloat16", "float16"],
     "device": lambda: ["auto", "cpu", "cuda"],

@@ -35,6 +35,16 @@ class SlotCache:
     free), ``last_used[S]`` int64, ``score[S]`` float32 (LRFU), ``clock[1]`` int64, the copy
     plan ``plan_src/plan_dst[P]`` int32 + ``plan_count[1]``, ``P = min(E, max_routes)``.
 
+    Policies (``policy``; exact victim order in kernels/reference/admission.py):
+    ``"lru"`` evicts the least recently used slot of any layer; ``"lrfu"`` the lowest
+    decayed-frequency score (``lrfu_decay``); ``"layer_lru"`` first the layer's own least
+    recently used slots, then other layers' MOST recently used ones. Layers are admitted
+    cyclically, so when one decode step needs more distinct experts over all layers than
+    there are slots, ``"lru"`` always evicts the layer admitted next and hits nothing;
+    ``"layer_lru"`` keeps each layer's share and takes any extra slots from the layer
+    admitted last (furthest from its next use): hits stay near the cached fraction of
+    the experts under uniform routing.
+
     Invariants: ``slot_of`` and ``owner_of`` are inverse maps; a slot used by an admission is
     never evicted by that admission (hence ``S >= E``); after ``copy_misses`` every occupied
     slot of the pool holds its owner's rows. Call ``copy_misses`` after each admission that

@@ -58,7 +58,7 @@ def random_routes(rng, num_experts, width, hot=None, dtype=torch.int64):
     return torch.from_numpy(rng.choice(pool, size=width)).to(dtype)
 
 
-@pytest.mark.parametrize("policy", ["lru", "lrfu"])
+@pytest.mark.parametrize("policy", ["lru", "lrfu", "layer_lru"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_kernel_matches_reference_on_random_sequences(policy, seed, device):
     rng = np.random.default_rng(seed)
@@ -123,7 +123,7 @@ def full_cache(num_layers, num_experts, num_slots, policy, rng, device="cpu"):
     return states
 
 
-@pytest.mark.parametrize("policy", ["lru", "lrfu"])
+@pytest.mark.parametrize("policy", ["lru", "lrfu", "layer_lru"])
 def test_wide_calls_over_a_32768_slot_cache(policy, device):
     rng = np.random.default_rng(11)
     num_layers, num_experts, num_slots = 66, 512, 32768
@@ -195,7 +195,7 @@ def test_decay_powers_follow_float32_squaring(decay):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("policy", ["lru", "lrfu"])
+@pytest.mark.parametrize("policy", ["lru", "lrfu", "layer_lru"])
 @pytest.mark.parametrize("num_slots", [2100, 32768])
 def test_kernel_matches_reference_at_real_sizes_on_gpu(policy, num_slots):
     rng = np.random.default_rng(3)

@@ -96,3 +96,58 @@ def test_strategies_generate_what_gpu_generates(options):
     ref = [o.token_ids for o in LLM(path, max_running_requests=4).generate(prompts, params)]
     got = [o.token_ids for o in LLM(path, max_running_requests=4, **options).generate(prompts, params)]
     assert got == ref
+
+
+@pytest.mark.parametrize("demand", [0, 256, 512, 1024, "auto"])
+def test_greedy_outputs_identical_at_every_demand_threshold(demand):
+    from moeferry import LLM, SamplingParams
+    from moeferry.default_model import ensure_default_model
+
+    path = ensure_default_model()
+    prompts = [list(range(1, 300)), [9, 8, 7], list(range(10, 50))]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ref = [o.token_ids for o in LLM(path, max_running_requests=4).generate(prompts, params)]
+    llm = LLM(path, max_running_requests=4, moe_strategy="offload", moe_cache_slots=24,
+              moe_prefill_demand_tokens=demand, moe_collect_stats=True)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == ref
+    chunks = llm.engine.runner.strategy.stats()["prefill_chunks"]
+    if demand == 0:
+        assert chunks["demand"] == 0
+    elif demand == 1024:
+        assert chunks["stream"] == 0
+
+
+def test_600_token_demand_chunk_equals_the_streamed_layer_bit_for_bit():
+    """After decode left other layers' experts resident, a 600-token, 1,200-route chunk through
+    the strategy's demand path equals its streamed path exactly, over 1,100 slots and over one layer's."""
+    from types import SimpleNamespace
+
+    from moeferry.config import EngineConfig
+    from moeferry.moe.offload import OffloadStrategy
+
+    gen = torch.Generator().manual_seed(3)
+    for slots in (1100, E):
+        ec = EngineConfig(moe_strategy="offload", moe_prefill_demand_tokens=600, moe_cache_slots=slots,
+                          moe_collect_stats=True, dtype="bfloat16")
+        mc = SimpleNamespace(num_experts=E, top_k=TOP_K, num_layers=4, max_position_embeddings=1024)
+        strategy = OffloadStrategy(ec, mc)
+        for layer in range(4):
+            banks = strategy.allocate_banks(layer, E, H, I)
+            banks.w13.copy_(torch.randn(banks.w13.shape, generator=gen) * 0.05)
+            banks.w2.copy_(torch.randn(banks.w2.shape, generator=gen) * 0.05)
+        strategy.finalize()
+        for layer in (1, 2, 3):
+            hidden = torch.randn(8, H, generator=gen).to(torch.bfloat16).cuda()
+            weights, ids = _routes(gen, 8)
+            strategy.forward(layer, hidden, weights, ids, is_decode=True)
+        hidden = torch.randn(600, H, generator=gen).to(torch.bfloat16).cuda()
+        weights, ids = _routes(gen, 600)
+        strategy.begin_forward(False, 600)
+        demand = strategy.forward(0, hidden, weights, ids, is_decode=False)
+        strategy.policy.threshold = 0
+        strategy.begin_forward(False, 600)
+        streamed = strategy.forward(0, hidden, weights, ids, is_decode=False)
+        assert torch.equal(demand, streamed)
+        stats = strategy.stats()
+        assert stats["prefill"]["per_layer"]["calls"] == [1, 0, 0, 0]
+        assert stats["decode"]["per_layer"]["calls"] == [0, 1, 1, 1]

@@ -1,4 +1,5 @@
-"""SlotCache against an independent plain-Python model of LRU and LRFU, the wide-step
+"""SlotCache against an independent plain-Python model of LRU, LRFU and LAYER_LRU, the
+cyclic-layer thrash that LAYER_LRU avoids, the wide-step
 scenario of background/pr-wide-decode-admission.txt, statistics, and (GPU) graph capture.
 
 The model below uses dicts, lists and numpy float32 scalars only; it follows the documented
@@ -13,7 +14,9 @@ from moeferry.moe.slot_cache import SlotCache
 
 class PyCache:
     """The cache as the spec states it: LRU by (last_used, slot), LRFU by (decayed score,
-    slot) with free slots first; misses in ascending id take the candidates in order."""
+    slot) with free slots first; LAYER_LRU free slots, then the admitting layer's by
+    (last_used, slot), then other layers' by (-last_used, slot); misses in ascending id
+    take the candidates in order."""
 
     def __init__(self, num_layers, num_experts, num_slots, policy, decay):
         self.num_experts, self.policy, self.decay = num_experts, policy, np.float32(decay)
@@ -22,6 +25,7 @@ class PyCache:
         self.last = [-1] * num_slots
         self.score = [np.float32(0.0)] * num_slots
         self.clock = 0
+        self.evicted = {"own": 0, "other": 0}  # evictions by the victim's layer
 
     def decay_pow(self, dt):
         result, square = np.float32(1.0), self.decay
@@ -31,11 +35,15 @@ class PyCache:
             square, dt = np.float32(square * square), dt >> 1
         return result
 
-    def sort_key(self, slot):
+    def sort_key(self, slot, layer):
         if self.owner[slot] is None:
             return (0, 0.0, slot)
         if self.policy == "lru":
             return (1, self.last[slot], slot)
+        if self.policy == "layer_lru":
+            if self.owner[slot][0] == layer:
+                return (1, self.last[slot], slot)
+            return (2, -self.last[slot], slot)
         decayed = np.float32(self.score[slot] * self.decay_pow(self.clock - self.last[slot]))
         return (1, float(decayed), slot)
 
@@ -52,10 +60,11 @@ class PyCache:
                     decayed = np.float32(self.score[slot] * self.decay_pow(self.clock - self.last[slot]))
                     self.score[slot] = np.float32(decayed + np.float32(1.0))
                 self.last[slot] = self.clock
-        candidates = sorted((s for s in range(len(self.owner)) if s not in used), key=self.sort_key)
+        candidates = sorted((s for s in range(len(self.owner)) if s not in used), key=lambda s: self.sort_key(s, layer))
         victims = candidates[:len(misses)]
         for e, slot in zip(misses, victims):
             if self.owner[slot] is not None:
+                self.evicted["own" if self.owner[slot][0] == layer else "other"] += 1
                 del self.slot_of[self.owner[slot]]
             self.owner[slot] = (layer, e)
             self.slot_of[(layer, e)] = slot
@@ -106,9 +115,9 @@ def assert_slots_hold_their_owners(cache, host_banks, banks):
                 assert torch.equal(pool[slot].cpu(), source[owner % E].cpu()), f"slot {slot} owner {owner}"
 
 
-def run_against_model(use_triton, policy, seed, steps, device):
+def run_against_model(use_triton, policy, seed, steps, device, layers=(1, 4)):
     rng = np.random.default_rng(seed)
-    num_layers = int(rng.integers(1, 4))
+    num_layers = int(rng.integers(*layers))
     num_experts = int(rng.integers(4, 25))
     num_slots = int(rng.integers(max(8, num_experts), 41))
     cache = SlotCache(num_layers, num_experts, num_slots, policy=policy, lrfu_decay=0.75,
@@ -134,6 +143,7 @@ def run_against_model(use_triton, policy, seed, steps, device):
         total_misses += len(misses)
     snap = cache.stats.snapshot()["decode"]["total"]
     assert snap["misses"] == total_misses and snap["calls"] == steps
+    return model
 
 
 @pytest.mark.parametrize("policy", ["lru", "lrfu"])
@@ -146,6 +156,90 @@ def test_reference_path_follows_the_python_model(policy, seed):
 @pytest.mark.parametrize("seed", range(2))
 def test_triton_path_follows_the_python_model(policy, seed, device):
     run_against_model(use_triton=True, policy=policy, seed=100 + seed, steps=18, device=device)
+
+
+def test_reference_layer_lru_follows_the_python_model():
+    """Several layers, random routes: both kinds of eviction (a layer's own slots, other
+    layers' slots) happen, and every step matches the model."""
+    evicted = {"own": 0, "other": 0}
+    for seed in range(8):
+        model = run_against_model(use_triton=False, policy="layer_lru", seed=200 + seed,
+                                  steps=40, device="cpu", layers=(2, 5))
+        for kind, count in model.evicted.items():
+            evicted[kind] += count
+    assert evicted["own"] > 0 and evicted["other"] > 0, evicted
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_triton_layer_lru_follows_the_python_model(seed, device):
+    model = run_against_model(use_triton=True, policy="layer_lru", seed=301 + seed,
+                              steps=24, device=device, layers=(2, 5))
+    assert model.evicted["own"] > 0 and model.evicted["other"] > 0, model.evicted
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_layer_lru_takes_own_lru_slots_then_other_layers_mru_slots(use_triton, device):
+    device = device if use_triton else "cpu"
+    cache = SlotCache(3, 4, 6, policy="layer_lru", max_routes=8, use_triton=use_triton,
+                      device=device)
+    admit = lambda layer, ids: cache.admit(layer, torch.tensor(ids, device=device)).tolist()  # noqa: E731
+    assert admit(0, [0, 1]) == [0, 1]  # free slots first, in index order
+    assert admit(1, [0, 1]) == [2, 3]
+    assert admit(2, [0, 1]) == [4, 5]
+    # layer 0's own slots are hits: its misses take other layers' most recent slots
+    # (layer 2's, clock 3), not the least recent (layer 1's, clock 2) that LRU would take
+    assert admit(0, [0, 1, 2, 3]) == [0, 1, 4, 5]
+    # layer 1 hits expert 1 (slot 3); its miss takes its own idle slot 2 (expert 0)
+    assert admit(1, [3, 1]) == [2, 3]
+    # layer 2 owns nothing: the most recent other slots are layer 1's (clock 5), by index
+    assert admit(2, [2]) == [2]
+    # layer 1, three misses: its own slot 3 (clock 5) first, then other layers' by
+    # descending clock: slot 2 (layer 2, clock 6), then slot 0 (layer 0, clock 4, lowest index)
+    assert admit(1, [0, 2, 3]) == [3, 2, 0]
+    assert cache.owner_of.tolist() == [4 + 3, 1, 4 + 2, 4 + 0, 2, 3]
+    assert cache.plan_dst[:3].tolist() == [3, 2, 0]
+
+
+THRASH_LAYERS, THRASH_EXPERTS, THRASH_SLOTS = 4, 8, 16
+
+
+def thrash_routes(layer):
+    """Layer ``layer``'s fixed working set, 6 of its 8 experts, each routed twice."""
+    return [(layer + j) % THRASH_EXPERTS for j in range(6)] * 2
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_layer_lru_stops_the_cyclic_thrash_of_lru(use_triton, device):
+    """Every step admits the 4 layers in order, each with the same 6 experts: a working set
+    of 24 over 16 slots. LRU always evicts the layer admitted next and never hits after the
+    first step; LAYER_LRU settles, from the second step on, into a 3-step cycle of 16, 14
+    and 10 hits out of 24 (40 of 72: 5/9) that the model predicts exactly."""
+    device = device if use_triton else "cpu"
+    for policy, expected_hits in (("lru", 0), ("layer_lru", 80)):
+        cache = SlotCache(THRASH_LAYERS, THRASH_EXPERTS, THRASH_SLOTS, policy=policy,
+                          max_routes=16, use_triton=use_triton, device=device)
+        model = PyCache(THRASH_LAYERS, THRASH_EXPERTS, THRASH_SLOTS, policy, 0.5)
+        model_hits = []
+        for step in range(7):  # one warm-up step, then two periods of LAYER_LRU's cycle
+            if step == 1:
+                cache.stats.reset()
+            hits = 0
+            for layer in range(THRASH_LAYERS):
+                routes = thrash_routes(layer)
+                out = cache.admit(layer, torch.tensor(routes, device=device))
+                expected, misses, _, num_distinct = model.admit(layer, routes)
+                assert out.tolist() == expected, (policy, step, layer)
+                hits += num_distinct - len(misses)
+            model_hits.append(hits)
+        assert_matches_model(cache, model, policy)
+        total = cache.stats.snapshot()["decode"]["total"]
+        assert total["distinct"] == 6 * 24 and total["calls"] == 6 * THRASH_LAYERS
+        assert total["distinct"] - total["misses"] == sum(model_hits[1:]) == expected_hits
+        if policy == "lru":
+            assert model_hits == [0] * 7 and total["hit_rate"] == 0.0
+        else:
+            assert model_hits == [0, 16, 14, 10, 16, 14, 10]
+            assert total["hit_rate"] == pytest.approx(5 / 9) and total["hit_rate"] >= 0.4
 
 
 @pytest.mark.parametrize("use_triton", [False, True])

@@ -13,14 +13,31 @@ Admission of one call (``now`` is the clock after its increment):
 3. Candidates are the slots not refreshed by step 2 (``last_used != now``). Each is ranked
    by an int64 key: ``0`` for a free slot (owner -1); otherwise ``last_used + 1`` (LRU), or
    ``float32_bits(score * decay_pow(now - last_used)) + 1`` (LRFU; scores are >= 0 so their
-   bits order like the values). The i-th miss, in ascending expert id, takes the i-th
-   candidate in ascending ``(key, slot index)``. Its former owner's ``slot_of`` entry
+   bits order like the values), or for LAYER_LRU ``last_used + 1`` when the slot's owner
+   belongs to ``layer`` and ``2 * now - last_used`` when it belongs to another layer. The
+   i-th miss, in ascending expert id, takes the i-th candidate in ascending
+   ``(key, slot index)``. Its former owner's ``slot_of`` entry
    becomes -1; ``owner_of``, ``slot_of``, ``last_used = now`` and ``score = 1`` are set.
 4. The copy plan holds the misses: ``plan_src[i]`` expert id, ``plan_dst[i]`` slot,
    ``plan_count = #misses``; entries past the count are left as they were.
 5. ``slot_ids[r] = slot_of[layer, topk_ids[r]]`` after the update.
 6. Counters (optional): ``calls[layer] += 1``, ``distinct[layer] += |D|``,
    ``misses[layer] += #misses``, ``freq[layer, e] += 1`` per valid route (when present).
+
+LAYER_LRU, the order it gives: free slots first, then the layer's own slots by ascending
+``last_used`` (least recently used first), then other layers' slots by DESCENDING
+``last_used`` (most recently used first), ties by slot index. The key encodes exactly that
+because an occupied candidate has ``0 <= last_used < now`` (every fill or hit stamps the
+slot with its call's clock, and the clock only grows): own slots map into ``[1, now]``,
+other layers' into ``[now + 1, 2 * now]``. Why: MoE layers are admitted cyclically, so under
+plain LRU a step whose layers need more distinct experts than the cache holds evicts, at
+every call, the slots of the layer admitted next, and every call misses (0% hits; LRU on a
+loop larger than the cache). Under LAYER_LRU a layer first recycles its own least recently
+used experts, so it keeps its share; when it must take slots from other layers (its routed
+experts outnumber its own evictable slots), it takes them from the layer admitted most
+recently, i.e. the one whose next admission is furthest away (Belady's choice on a cycle),
+instead of from the layer admitted next. It is meant for decode steps that visit every
+layer in order; a layer that is never admitted again keeps its slots until others' fill up.
 
 ``decay_pow(dt)`` is exact in float32 and shared by every implementation: with
 ``pow2[k] = decay ** (2 ** k)`` built by repeated float32 squaring (``pow2[0] = decay``),
@@ -41,7 +58,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-POLICIES = ("lru", "lrfu")
+POLICIES = ("lru", "lrfu", "layer_lru")
 
 
 class AdmissionCounters(NamedTuple):
@@ -178,11 +195,14 @@ def decay_pow(dt: torch.Tensor, decay: DecayPowers) -> torch.Tensor:
     return torch.where((dt >> decay.bits) != 0, torch.full_like(result, decay.tail), result)
 
 
-def _slot_keys(state: SlotState, now: int) -> torch.Tensor:
+def _slot_keys(state: SlotState, layer: int, now: int) -> torch.Tensor:
     """Victim ranking keys of all slots, before excluding this call's slots."""
     if state.policy == "lrfu":
         decayed = state.score * decay_pow(now - state.last_used, state.decay)
         key = decayed.view(torch.int32).to(torch.int64) + 1
+    elif state.policy == "layer_lru":
+        own = torch.div(state.owner_of, state.num_experts, rounding_mode="floor") == layer
+        key = torch.where(own, state.last_used + 1, 2 * now - state.last_used)
     else:
         key = state.last_used + 1
     return torch.where(state.owner_of >= 0, key, torch.zeros_like(key))
@@ -195,9 +215,9 @@ def _refresh_hits(state: SlotState, hit_slots: torch.Tensor, now: int) -> None:
     state.last_used[hit_slots] = now
 
 
-def _choose_victims(state: SlotState, num_misses: int, now: int) -> torch.Tensor:
+def _choose_victims(state: SlotState, layer: int, num_misses: int, now: int) -> torch.Tensor:
     candidates = torch.nonzero(state.last_used != now).flatten()
-    keys = _slot_keys(state, now)[candidates]
+    keys = _slot_keys(state, layer, now)[candidates]
     order = torch.sort(keys, stable=True).indices  # candidates ascend by slot: ties by index
     return candidates[order[:num_misses]]
 
@@ -227,7 +247,7 @@ def admit(state: SlotState, layer: int, topk_ids: torch.Tensor,
     misses = distinct[slots < 0]
     num_misses = misses.numel()
     if num_misses:
-        victims = _choose_victims(state, num_misses, now)
+        victims = _choose_victims(state, layer, num_misses, now)
         _install(state, layer, misses, victims, now)
         state.plan_src[:num_misses] = misses.to(torch.int32)
         state.plan_dst[:num_misses] = victims.to(torch.int32)

@@ -23,10 +23,12 @@ A. mark each routed expert with the clock (``expert_mark[e] = now``): a mark arr
    atomic add per route.
 B. walk the E experts in order: marked & resident -> hit (refresh), marked & absent -> miss,
    listed in ascending id by a prefix sum into ``plan_src``.
-C. (only when there are misses) rank every candidate slot by an int64 key, find the key
-   ``T`` of the M-th smallest by a binary search of counts over the slots, take the slots
-   below ``T`` plus the first slots (by index) equal to ``T``, order those M victims by
-   counting comparisons in 64 x 64 tiles, and install the misses into them.
+C. (only when there are misses) rank every candidate slot by an int64 key (the policy's,
+   see the reference; LAYER_LRU's spans ``[0, 2 * now]``, one bisection step more than
+   LRU's ``[0, now]``), find the key ``T`` of the M-th smallest by a binary search of
+   counts over the slots, take the slots below ``T`` plus the first slots (by index) equal
+   to ``T``, order those M victims by counting comparisons in 64 x 64 tiles, and install
+   the misses into them.
 D. ``slot_ids`` = ``slot_of[layer, ids]``; counters.
 """
 from __future__ import annotations
@@ -92,8 +94,9 @@ def _refresh_hits_list_misses(num_experts, layer_base, now, mark_ptr, slot_of_pt
 
 
 @triton.jit
-def _write_slot_keys(num_slots, now, owner_of_ptr, last_used_ptr, score_ptr, key_ptr,
-                     decay_ptr, LRFU: tl.constexpr, POW_BITS: tl.constexpr,
+def _write_slot_keys(num_slots, now, layer_base, num_experts, owner_of_ptr, last_used_ptr,
+                     score_ptr, key_ptr, decay_ptr, LRFU: tl.constexpr,
+                     LAYER_LRU: tl.constexpr, POW_BITS: tl.constexpr,
                      POW_TAIL: tl.constexpr, BLOCK_S: tl.constexpr):
     """key[s] for candidates, _KEY_NONE for this call's slots; returns (min, max) key."""
     lo = tl.max(tl.full([BLOCK_S], _KEY_NONE, tl.int64), 0)
@@ -109,7 +112,12 @@ def _write_slot_keys(num_slots, now, owner_of_ptr, last_used_ptr, score_ptr, key
             decayed = score * _decay_pow(now - last, decay_ptr, POW_BITS, POW_TAIL)
             key = decayed.to(tl.int32, bitcast=True).to(tl.int64) + 1
         else:
-            key = last + 1
+            if LAYER_LRU:  # own slots in [1, now] by recency, others' in [now + 1, 2 now] MRU
+                flat = owner.to(tl.int64)
+                own = (flat >= layer_base) & (flat < layer_base + num_experts)
+                key = tl.where(own, last + 1, 2 * now - last)
+            else:
+                key = last + 1
         key = tl.where(owner >= 0, key, 0)
         key = tl.where(candidate, key, _KEY_NONE)
         tl.store(key_ptr + s, key, mask=in_range)
@@ -215,8 +223,8 @@ def _admit_kernel(
     plan_src_ptr, plan_dst_ptr, plan_count_ptr, out_ptr,
     mark_ptr, key_ptr, vkey_ptr, vslot_ptr, ordered_ptr, decay_ptr,
     calls_ptr, distinct_ptr, misses_ptr, freq_ptr,
-    LRFU: tl.constexpr, POW_BITS: tl.constexpr, POW_TAIL: tl.constexpr,
-    COUNT_STATS: tl.constexpr, COUNT_FREQ: tl.constexpr,
+    LRFU: tl.constexpr, LAYER_LRU: tl.constexpr, POW_BITS: tl.constexpr,
+    POW_TAIL: tl.constexpr, COUNT_STATS: tl.constexpr, COUNT_FREQ: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
     TILE: tl.constexpr,
 ):
@@ -231,8 +239,9 @@ def _admit_kernel(
         plan_src_ptr, decay_ptr, LRFU, POW_BITS, POW_TAIL, BLOCK_E)
     tl.debug_barrier()
     if num_misses > 0:
-        lo, hi = _write_slot_keys(num_slots, now, owner_of_ptr, last_used_ptr, score_ptr,
-                                  key_ptr, decay_ptr, LRFU, POW_BITS, POW_TAIL, BLOCK_S)
+        lo, hi = _write_slot_keys(num_slots, now, layer_base, num_experts, owner_of_ptr,
+                                  last_used_ptr, score_ptr, key_ptr, decay_ptr, LRFU,
+                                  LAYER_LRU, POW_BITS, POW_TAIL, BLOCK_S)
         tl.debug_barrier()
         threshold = _threshold_key(key_ptr, num_slots, lo, hi, num_misses, BLOCK_S)
         num_below = _count_keys_at_most(key_ptr, num_slots, threshold - 1, BLOCK_S)
@@ -275,7 +284,7 @@ def admit(state: SlotState, layer: int, topk_ids: torch.Tensor,
         state.expert_mark, state.slot_key, state.victim_key, state.victim_slot,
         state.ordered_victims, state.decay.table,
         stats[0], stats[1], stats[2], freq,
-        LRFU=state.policy == "lrfu", POW_BITS=state.decay.bits, POW_TAIL=state.decay.tail,
+        LRFU=state.policy == "lrfu", LAYER_LRU=state.policy == "layer_lru", POW_BITS=state.decay.bits, POW_TAIL=state.decay.tail,
         COUNT_STATS=count_stats, COUNT_FREQ=count_freq,
         BLOCK_R=_block(num_routes, 16, 1024), BLOCK_E=_block(state.num_experts, 16, 1024),
         BLOCK_S=_block(state.num_slots, 16, 4096), TILE=_VICTIM_TILE,

@@ -1,0 +1,46 @@
+"""RMSNorm, residual add + RMSNorm and rotary dispatch by device: the Triton kernels
+(kernels/triton/norm_rope.py) on CUDA tensors, the plain-torch reference
+(kernels/reference/norm_rope.py, the modules' own arithmetic) otherwise. ``use_triton`` forces
+either (Triton on CPU tensors needs TRITON_INTERPRET=1, set before triton is imported).
+Triton is imported lazily so CPU-only callers never pay for it. Both paths take the same
+arguments; see the Triton module for the full contract (shapes, dtypes, aliasing).
+"""
+from __future__ import annotations
+
+import torch
+
+from moeferry.kernels.reference import norm_rope as reference
+
+__all__ = ["apply_rotary", "fused_add_rms_norm", "rms_norm"]
+
+
+def _impl(use_triton: bool | None, tensor: torch.Tensor):
+    if tensor.is_cuda if use_triton is None else use_triton:
+        from moeferry.kernels.triton import norm_rope as impl
+
+        return impl
+    return reference
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None,
+             use_triton: bool | None = None) -> torch.Tensor:
+    """x [N, D] or [N, H, D], weight [D] -> weight * normalise(x) over the last dim, in
+    promote_types(weight.dtype, x.dtype)."""
+    return _impl(use_triton, x).rms_norm(x, weight, eps, out=out)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                       out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
+                       use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [N, D] -> (rms_norm(x + residual), x + residual); residual_out may be x or
+    residual (in place)."""
+    return _impl(use_triton, x).fused_add_rms_norm(x, residual, weight, eps, out=out,
+                                                   residual_out=residual_out)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, *, q_out: torch.Tensor | None = None, k_out: torch.Tensor | None = None,
+                 use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE of q [N, Hq, D] and k [N, Hkv, D] at positions [N] with cos/sin tables
+    [P, D] (fp32, cast to q's dtype); q_out/k_out may be q/k (in place)."""
+    return _impl(use_triton, q).apply_rotary(q, k, positions, cos, sin, q_out=q_out, k_out=k_out)
