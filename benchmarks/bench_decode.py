@@ -33,16 +33,17 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--policies", nargs="+", default=["lru"], help="slot cache policies to run offload with")
     p.add_argument("--out")
     return p.parse_args(argv)
 
 
-def make_engine(config_dir, args, strategy, slots=None):
+def make_engine(config_dir, args, strategy, slots=None, policy="lru"):
     from moeferry.config import EngineConfig
     from moeferry.engine.engine import Engine
 
     ec = EngineConfig(model=config_dir, load_format="dummy", hf_overrides={"num_hidden_layers": args.layers},
-                      moe_strategy=strategy, moe_cache_slots=slots, moe_collect_stats=True,
+                      moe_strategy=strategy, moe_cache_slots=slots, moe_collect_stats=True, moe_cache_policy=policy,
                       max_running_requests=max(args.batch), max_model_len=args.prompt_len + args.warmup + args.steps + 16,
                       disable_cuda_graph=args.disable_cuda_graph, num_tokens=(args.prompt_len + 64) * max(args.batch) * 2)
     return Engine(ec)
@@ -100,14 +101,15 @@ def main(argv=None) -> int:
     experts_total = args.layers * QWEN3_30B_DIR_CONFIG["num_experts"]
     order = [s for s in ("offload", "gpu", "uva") if s in args.strategies]
     for strategy in order:
-        fracs = args.cache_fracs if strategy == "offload" else [None]
+        configs = ([(f, pol) for f in sorted(args.cache_fracs, reverse=True) for pol in args.policies]
+                   if strategy == "offload" else [(None, None)])
         engine = None
-        for frac in sorted(fracs, reverse=True) if fracs[0] is not None else fracs:
+        for frac, policy in configs:
             slots = None if frac is None else max(QWEN3_30B_DIR_CONFIG["num_experts"], int(frac * experts_total))
             if engine is None:
-                engine = make_engine(cfg_dir, args, strategy, slots)
+                engine = make_engine(cfg_dir, args, strategy, slots, policy or "lru")
             elif slots is not None:
-                engine.runner.strategy.build_cache(slots)
+                engine.runner.strategy.build_cache(slots, policy)
                 if engine.runner.graphs is not None:
                     from moeferry.engine.cuda_graph import DecodeGraphs
 
@@ -125,7 +127,7 @@ def main(argv=None) -> int:
                 floor = m * ebytes / h2d + ((d - m if strategy == "offload" else (0 if strategy == "uva" else d)) * ebytes
                                            + dbytes) / hbm
                 hit = f"{1 - misses / distinct:.2f}" if strategy == "offload" and distinct else "-"
-                label = strategy if frac is None else f"offload {int(frac * 100)}%"
+                label = strategy if frac is None else f"offload {int(frac * 100)}% {policy}"
                 rows.append([label, b, f"{rate:.1f}", f"{step_s * 1e3:.2f}", f"{floor * 1e3:.2f}",
                              f"{step_s / floor:.2f}x", hit, f"{d:.0f}"])
                 print(rows[-1], flush=True)

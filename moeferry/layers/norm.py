@@ -3,6 +3,8 @@
 import torch
 from torch import nn
 
+from moeferry.kernels import norm_rope
+
 
 class RMSNorm(nn.Module):
     """y = w * (x / sqrt(mean(x^2) + eps)), normalised in float32, scaled in the input dtype."""
@@ -13,7 +15,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        """x [N, D] or [N, H, D] (each head normalised on its own); one kernel on CUDA."""
+        return norm_rope.rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(x + residual), x + residual), one launch on CUDA; x, residual [N, D]."""
+        return norm_rope.fused_add_rms_norm(x, residual, self.weight, self.eps)

@@ -7,6 +7,8 @@ llama3, ...), so every rope_scaling a config uses matches the reference implemen
 import torch
 from torch import nn
 
+from moeferry.kernels import norm_rope
+
 
 def _rope_parameters(hf_config) -> dict:
     params = getattr(hf_config, "rope_parameters", None)
@@ -47,14 +49,5 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
-    @staticmethod
-    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        q = q * cos + self._rotate_half(q) * sin
-        k = k * cos + self._rotate_half(k) * sin
-        return q, k
+        return norm_rope.apply_rotary(q, k, positions, self.cos, self.sin)

@@ -37,9 +37,17 @@ class DecoderLayer(nn.Module):
     def mlp_module(self) -> nn.Module:
         return getattr(self, self.mlp_name)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, kv)
-        return x + self.mlp_module(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
+                kv) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output (the embeddings at layer 0, with residual None);
+        residual: the stream it adds to. Returns this layer's (MLP output, stream before it):
+        each residual add is fused into the norm that follows it."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(h, batch, kv), residual)
+        return self.mlp_module(h), residual
 
 
 class DecoderBody(nn.Module):
@@ -73,10 +81,11 @@ class MoECausalLM(nn.Module):
         for layer in self.model.layers:
             layer.mlp_module.is_decode = batch.is_decode
         self.strategy.begin_forward(batch.is_decode, batch.num_rows)
-        x = self.model.embed_tokens(batch.input_ids)
+        x, residual = self.model.embed_tokens(batch.input_ids), None
         for layer in self.model.layers:
-            x = layer(x, batch, kv)
-        x = self.model.norm(x[batch.logits_rows])
+            x, residual = layer(x, residual, batch, kv)
+        rows = batch.logits_rows
+        x, _ = self.model.norm.add_and_norm(x[rows], residual[rows])
         return self.lm_head(x).float()
 
     def expert_tensor_target(self, name: str):

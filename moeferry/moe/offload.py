@@ -130,10 +130,12 @@ class OffloadStrategy(MoEStrategy):
             sample = self.banks[layer_ids[0]]
             self.stream = LayerStream(num_experts, sample.w13.shape[1:], sample.w2.shape[1:], self.dtype, self.device)
 
-    def build_cache(self, slots: int) -> None:
-        """(Re)build the slot cache and its pool at `slots` slots, empty. A captured decode graph
-        holds the old pool's pointers: recapture after calling this on a running engine."""
+    def build_cache(self, slots: int, policy: str | None = None) -> None:
+        """(Re)build the slot cache and its pool at `slots` slots, empty, under `policy` (default:
+        --moe-cache-policy). A captured decode graph holds the old pool's pointers: recapture
+        after calling this on a running engine."""
         ec, num_experts = self.engine_config, self.model_config.num_experts
+        policy = policy or ec.moe_cache_policy
         total = num_experts * len(self.moe_index)
         self.cache = self.pool = None
         if self.device.type == "cuda":
@@ -141,7 +143,7 @@ class OffloadStrategy(MoEStrategy):
         top_k = self.model_config.top_k
         demand_width = ec.max_prefill_tokens if self.policy.auto else self.policy.threshold
         widest = max(8192, ec.max_running_requests * top_k, demand_width * top_k)
-        self.cache = SlotCache(len(self.moe_index), num_experts, slots, device=self.device, policy=ec.moe_cache_policy,
+        self.cache = SlotCache(len(self.moe_index), num_experts, slots, device=self.device, policy=policy,
                                lrfu_decay=ec.moe_lrfu_decay, collect_stats=ec.moe_collect_stats,
                                expert_bytes=self.expert_bytes, max_routes=widest)
         sample = next(iter(self.banks.values()))
@@ -151,7 +153,7 @@ class OffloadStrategy(MoEStrategy):
         )
         logger.info("expert cache: %d slots of %d experts (%.1f%%), %.2f GiB on %s; policy %s; demand prefill: %s",
                     slots, total, 100.0 * slots / total, slots * self.expert_bytes / 2**30, self.device,
-                    ec.moe_cache_policy, self.policy.threshold)
+                    policy, self.policy.threshold)
 
     # ---- per forward -------------------------------------------------------------------------
     def begin_forward(self, is_decode: bool, num_tokens: int) -> None:

@@ -45,7 +45,25 @@ def norm_module(d, dtype, weight_dtype, generator):
     return module.to(weight_dtype or dtype)
 
 
-# The references are the modules' own arithmetic: bit-identical.
+# The references are the modules' arithmetic: bit-identical. The modules will call the
+# dispatchers, so their original code is kept here verbatim as the fixed point.
+
+def original_rms_norm(module, x):
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + module.eps)
+    return module.weight * x32.to(dtype)
+
+
+def original_rotary(rotary, positions, q, k):
+    def rotate_half(x):
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    cos = rotary.cos[positions].unsqueeze(1).to(q.dtype)
+    sin = rotary.sin[positions].unsqueeze(1).to(q.dtype)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("weight_dtype", [None, torch.float32])
@@ -54,10 +72,13 @@ def test_reference_norms_are_the_module_bit_for_bit(dtype, weight_dtype):
     module = norm_module(96, dtype, weight_dtype, g)
     for shape in [(17, 96), (5, 3, 96)]:
         x, r = randn(*shape, dtype=dtype, generator=g), randn(*shape, dtype=dtype, generator=g)
-        assert torch.equal(reference.rms_norm(x, module.weight, EPS), module(x))
-        assert torch.equal(ops.rms_norm(x, module.weight, EPS), module(x))  # CPU dispatch
+        expected = original_rms_norm(module, x)
+        assert torch.equal(reference.rms_norm(x, module.weight, EPS), expected)
+        assert torch.equal(ops.rms_norm(x, module.weight, EPS), expected)  # CPU dispatch
+        assert torch.equal(module(x), expected)
     normed, total = ops.fused_add_rms_norm(x[:, 0], r[:, 0], module.weight, EPS)
-    assert torch.equal(total, x[:, 0] + r[:, 0]) and torch.equal(normed, module(x[:, 0] + r[:, 0]))
+    assert torch.equal(total, x[:, 0] + r[:, 0])
+    assert torch.equal(normed, original_rms_norm(module, x[:, 0] + r[:, 0]))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -66,9 +87,9 @@ def test_reference_rotary_is_the_module_bit_for_bit(dtype):
     rotary = make_rotary(48, 64)
     q, k = randn(9, 4, 48, dtype=dtype, generator=g), randn(9, 2, 48, dtype=dtype, generator=g)
     positions = torch.randint(0, 64, (9,), generator=g)
-    expected = rotary(positions, q, k)
+    expected = original_rotary(rotary, positions, q, k)
     for got in (reference.apply_rotary(q, k, positions, rotary.cos, rotary.sin),
-                ops.apply_rotary(q, k, positions, rotary.cos, rotary.sin)):
+                ops.apply_rotary(q, k, positions, rotary.cos, rotary.sin), rotary(positions, q, k)):
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
@@ -81,77 +102,78 @@ def test_rms_norm_matches(dtype, weight_dtype, d):
     g = torch.Generator().manual_seed(d)
     module = norm_module(d, dtype, weight_dtype, g)
     out_dtype = torch.promote_types(module.weight.dtype, dtype)
+
+    def check(x, out):
+        expected = reference.rms_norm(x, module.weight, EPS)
+        assert torch.equal(expected, module(x))
+        got = ops.rms_norm(x, module.weight, EPS, out=out, use_triton=True)
+        assert out is None or got is out
+        assert_close(got, expected, dtype)
+
     for n in SIZES:
-        wide = randn(n, 3, d + 5, dtype=dtype, generator=g)
-        inputs = [randn(n, d, dtype=dtype, generator=g),  # hidden rows
-                  randn(n, 3, d, dtype=dtype, generator=g),  # per-head q/k norm
-                  wide[:, :, 2:d + 2],  # heads sliced out of a wider projection (strided)
-                  wide[:, 1, 1:d + 1]]  # strided rows
-        for x in inputs:
-            expected = reference.rms_norm(x, module.weight, EPS)
-            assert torch.equal(expected, module(x))
-            out = poisoned(x.shape, out_dtype)
-            got = ops.rms_norm(x, module.weight, EPS, out=out, use_triton=True)
-            assert got is out
-            assert_close(got, expected, dtype)
-            assert_close(ops.rms_norm(x, module.weight, EPS, use_triton=True), expected, dtype)
+        check(randn(n, d, dtype=dtype, generator=g), poisoned((n, d), out_dtype))
+    n = SIZES[-1]
+    wide = randn(n, 3, d + 5, dtype=dtype, generator=g)
+    check(randn(n, 3, d, dtype=dtype, generator=g), poisoned((n, 3, d), out_dtype))  # per-head q/k norm
+    check(wide[:, :, 2:d + 2], poisoned((n, 3, d), out_dtype))  # heads sliced from a wider projection
+    check(wide[:, 1, 1:d + 1], None)  # strided rows, output allocated
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [48, 96])
-@pytest.mark.parametrize("target", ["new", "buffer", "x", "residual"])
-def test_fused_add_rms_norm_matches(dtype, d, target):
+def test_fused_add_rms_norm_matches(dtype, d):
     g = torch.Generator().manual_seed(d)
     module = norm_module(d, dtype, None, g)
-    for n in SIZES:
-        x, residual = randn(n, d, dtype=dtype, generator=g), randn(n, d, dtype=dtype, generator=g)
+
+    def check(x, residual, target):
         expected_total = x + residual
         expected_normed = module(expected_total)
-        residual_out = {"new": None, "buffer": poisoned((n, d), dtype), "x": x, "residual": residual}[target]
-        normed, total = ops.fused_add_rms_norm(x, residual, module.weight, EPS, out=poisoned((n, d), dtype),
+        residual_out = {"new": None, "buffer": poisoned(x.shape, dtype), "x": x, "residual": residual}[target]
+        normed, total = ops.fused_add_rms_norm(x, residual, module.weight, EPS, out=poisoned(x.shape, dtype),
                                                residual_out=residual_out, use_triton=True)
         assert residual_out is None or total is residual_out
         assert torch.equal(total, expected_total)
         assert_close(normed, expected_normed, dtype)
 
-
-def test_fused_add_reads_strided_rows():
-    g = torch.Generator().manual_seed(5)
-    wide = randn(7, 2, 50, dtype=torch.float32, generator=g)
-    x, residual, weight = wide[:, 0, 1:49], wide[:, 1, :48], torch.randn(48, generator=g)
-    normed, total = ops.fused_add_rms_norm(x, residual, weight, EPS, use_triton=True)
-    expected_normed, expected_total = reference.fused_add_rms_norm(x, residual, weight, EPS)
-    assert torch.equal(total, expected_total)
-    assert_close(normed, expected_normed, torch.float32)
+    for n in SIZES:
+        check(randn(n, d, dtype=dtype, generator=g), randn(n, d, dtype=dtype, generator=g), "buffer")
+    for target in ("new", "x", "residual"):  # in place into either input
+        check(randn(5, d, dtype=dtype, generator=g), randn(5, d, dtype=dtype, generator=g), target)
+    wide = randn(5, 2, d + 2, dtype=dtype, generator=g)
+    check(wide[:, 0, 1:d + 1], wide[:, 1, :d], "new")  # strided rows
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim,hq,hkv", [(48, 4, 2), (96, 6, 1), (96, 3, 3)])
-@pytest.mark.parametrize("target", ["new", "buffer", "inplace"])
-def test_rotary_matches_bit_for_bit(dtype, head_dim, hq, hkv, target):
+@pytest.mark.parametrize("head_dim,hq,hkv", [(48, 4, 2), (96, 3, 1)])
+def test_rotary_matches_bit_for_bit(dtype, head_dim, hq, hkv):
     g = torch.Generator().manual_seed(head_dim + hq)
     rotary = make_rotary(head_dim, 40)
-    random_tables = (torch.randn(40, head_dim, generator=g), torch.randn(40, head_dim, generator=g))
+
+    def check(q, k, positions, tables=(rotary.cos, rotary.sin), target="buffer"):
+        expected = reference.apply_rotary(q, k, positions, *tables)
+        if tables[0] is rotary.cos:
+            module_q, module_k = rotary(positions, q, k)
+            assert torch.equal(module_q, expected[0]) and torch.equal(module_k, expected[1])
+        q_out, k_out = {"new": (None, None), "inplace": (q.clone(), k.clone()),
+                        "buffer": (poisoned(q.shape, dtype), poisoned(k.shape, dtype))}[target]
+        src_q, src_k = (q_out, k_out) if target == "inplace" else (q, k)
+        got = ops.apply_rotary(src_q, src_k, positions, *tables, q_out=q_out, k_out=k_out, use_triton=True)
+        assert q_out is None or (got[0] is q_out and got[1] is k_out)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+    def inputs(n):
+        return (randn(n, hq, head_dim, dtype=dtype, generator=g), randn(n, hkv, head_dim, dtype=dtype, generator=g),
+                torch.randint(0, 40, (n,), generator=g))
+
     for n in SIZES:
-        qkv = randn(n, (hq + 2 * hkv) * head_dim, dtype=dtype, generator=g)
-        q_strided = qkv[:, :hq * head_dim].view(n, hq, head_dim)  # slices of a fused projection
-        k_strided = qkv[:, hq * head_dim:(hq + hkv) * head_dim].view(n, hkv, head_dim)
-        positions = torch.randint(0, 40, (n,), generator=g)
-        for cos, sin in [(rotary.cos, rotary.sin), random_tables]:
-            for q, k in [(q_strided.contiguous(), k_strided.contiguous()), (q_strided, k_strided)]:
-                expected = reference.apply_rotary(q, k, positions, cos, sin)
-                if cos is rotary.cos:
-                    module_q, module_k = rotary(positions, q, k)
-                    assert torch.equal(module_q, expected[0]) and torch.equal(module_k, expected[1])
-                if target == "inplace" and not q.is_contiguous():
-                    continue
-                q_out, k_out = {"new": (None, None), "inplace": (q.clone(), k.clone()),
-                                "buffer": (poisoned(q.shape, dtype), poisoned(k.shape, dtype))}[target]
-                src_q, src_k = (q_out, k_out) if target == "inplace" else (q, k)
-                got = ops.apply_rotary(src_q, src_k, positions, cos, sin, q_out=q_out, k_out=k_out,
-                                       use_triton=True)
-                assert q_out is None or (got[0] is q_out and got[1] is k_out)
-                assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+        check(*inputs(n))
+    check(*inputs(6), tables=(torch.randn(40, head_dim, generator=g), torch.randn(40, head_dim, generator=g)))
+    check(*inputs(6), target="new")
+    check(*inputs(6), target="inplace")
+    qkv = randn(6, (hq + 2 * hkv) * head_dim, dtype=dtype, generator=g)  # slices of a fused projection
+    q = qkv[:, :hq * head_dim].view(6, hq, head_dim)
+    k = qkv[:, hq * head_dim:(hq + hkv) * head_dim].view(6, hkv, head_dim)
+    check(q, k, torch.randint(0, 40, (6,), generator=g))
 
 
 def test_empty_batches_and_refused_arguments():

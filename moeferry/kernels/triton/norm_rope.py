@@ -138,45 +138,36 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 
 @triton.jit
-def _rotate_heads(x_ptr, o_ptr, s0, s1, token, first_head, n_heads, c1, c2, s1v, s2v,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    heads = first_head + tl.arange(0, BLOCK_H)
+def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr, n_rows, HQ, HKV,
+                   q_s0, q_s1, k_s0, k_s1, table_stride,
+                   HALF: tl.constexpr, ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    # Row r is head r % (HQ + HKV) of token r // (HQ + HKV): its q heads, then its k heads.
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_HALF)
-    mask = (heads < n_heads)[:, None] & (cols < HALF)[None, :]
-    x_lo = x_ptr + token * s0 + heads.to(tl.int64)[:, None] * s1 + cols[None, :]
-    o_lo = o_ptr + (token * n_heads + heads.to(tl.int64))[:, None] * (2 * HALF) + cols[None, :]
-    dt = o_ptr.dtype.element_ty
-    x1 = tl.load(x_lo, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_lo + HALF, mask=mask, other=0.0).to(tl.float32)
-    # rotate_half(x) = cat(-x2, x1). Each product and the sum are rounded to q's dtype, as the
-    # torch ops round them; for bf16/fp16 the rounding also rules out an FMA contraction.
-    lo = _rounded(_rounded(x1 * c1, dt) + _rounded(-x2 * s1v, dt), dt)
-    hi = _rounded(_rounded(x2 * c2, dt) + _rounded(x1 * s2v, dt), dt)
-    tl.store(o_lo, lo.to(dt), mask=mask)
-    tl.store(o_lo + HALF, hi.to(dt), mask=mask)
-
-
-@triton.jit
-def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr,
-                   q_s0, q_s1, k_s0, k_s1, table_stride, HQ, HKV,
-                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    block = tl.program_id(1)
-    cols = tl.arange(0, BLOCK_HALF)
-    cmask = cols < HALF
-    row = tl.load(pos_ptr + token).to(tl.int64) * table_stride
+    live = rows < n_rows
+    mask = live[:, None] & (cols < HALF)[None, :]
+    token, head = (rows // (HQ + HKV)).to(tl.int64), (rows % (HQ + HKV)).to(tl.int64)
+    is_q = (head < HQ)[:, None]
+    src = tl.where(is_q, q_ptr + (token * q_s0 + head * q_s1)[:, None],
+                   k_ptr + (token * k_s0 + (head - HQ) * k_s1)[:, None]) + cols[None, :]
+    dst = tl.where(is_q, q_out_ptr + (token * HQ + head)[:, None] * (2 * HALF),
+                   k_out_ptr + (token * HKV + head - HQ)[:, None] * (2 * HALF)) + cols[None, :]
     dt = q_out_ptr.dtype.element_ty
-    c1 = _rounded(tl.load(cos_ptr + row + cols, mask=cmask, other=0.0).to(tl.float32), dt)[None, :]
-    c2 = _rounded(tl.load(cos_ptr + row + HALF + cols, mask=cmask, other=0.0).to(tl.float32), dt)[None, :]
-    s1 = _rounded(tl.load(sin_ptr + row + cols, mask=cmask, other=0.0).to(tl.float32), dt)[None, :]
-    s2 = _rounded(tl.load(sin_ptr + row + HALF + cols, mask=cmask, other=0.0).to(tl.float32), dt)[None, :]
-    q_blocks = tl.cdiv(HQ, BLOCK_H)
-    if block < q_blocks:
-        _rotate_heads(q_ptr, q_out_ptr, q_s0, q_s1, token, block * BLOCK_H, HQ, c1, c2, s1, s2,
-                      HALF, BLOCK_H, BLOCK_HALF)
-    else:
-        _rotate_heads(k_ptr, k_out_ptr, k_s0, k_s1, token, (block - q_blocks) * BLOCK_H, HKV,
-                      c1, c2, s1, s2, HALF, BLOCK_H, BLOCK_HALF)
+    table = (tl.load(pos_ptr + token, mask=live, other=0).to(tl.int64) * table_stride)[:, None] + cols[None, :]
+    c1 = _rounded(tl.load(cos_ptr + table, mask=mask, other=0.0), dt)
+    c2 = _rounded(tl.load(cos_ptr + table + HALF, mask=mask, other=0.0), dt)
+    s1 = _rounded(tl.load(sin_ptr + table, mask=mask, other=0.0), dt)
+    s2 = _rounded(tl.load(sin_ptr + table + HALF, mask=mask, other=0.0), dt)
+    # Both halves of an element pair are loaded and stored by the same thread (same offsets,
+    # same layout), which is what makes q_out = q in place safe.
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    # rotate_half(x) = cat(-x2, x1). Each product and the sum are rounded to q's dtype, as the
+    # torch ops round them.
+    lo = _rounded(_rounded(x1 * c1, dt) + _rounded(-x2 * s1, dt), dt)
+    hi = _rounded(_rounded(x2 * c2, dt) + _rounded(x1 * s2, dt), dt)
+    tl.store(dst, lo.to(dt), mask=mask)
+    tl.store(dst + HALF, hi.to(dt), mask=mask)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
@@ -190,8 +181,8 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos:
     ``0 <= positions < P`` (not checked: that would read back to the host; a position out of
     range reads outside the table). Writes q_out [N, Hq, D] and k_out [N, Hkv, D] (dtype of q,
     contiguous, allocated unless given); q_out may be q and k_out may be k (in place), no other
-    overlap. Grid (N, cdiv(Hq, BLOCK_H) + cdiv(Hkv, BLOCK_H)): a program rotates BLOCK_H heads
-    of one token, reading that token's cos/sin row once."""
+    overlap. A program rotates ROWS consecutive (token, head) rows of the N * (Hq + Hkv), q
+    heads and k heads alike, gathering each row's cos/sin (cached across a token's heads)."""
     n, hq, d = q.shape
     hkv = k.shape[1]
     if k.dtype != q.dtype or k.shape[0] != n or k.shape[2] != d or d % 2:
@@ -209,10 +200,10 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos:
         return q_out, k_out
     half = d // 2
     block_half = triton.next_power_of_2(half)
-    block_h = max(1, min(triton.next_power_of_2(max(hq, hkv)), _TILE // 2 // block_half))
-    grid = (n, triton.cdiv(hq, block_h) + triton.cdiv(hkv, block_h))
-    _rotary_kernel[grid](q, k, q_out, k_out, positions, cos, sin, q.stride(0), q.stride(1),
-                         k.stride(0), k.stride(1), cos.stride(0), hq, hkv,
-                         HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=4,
-                         enable_fp_fusion=False)
+    rows = max(1, _TILE // 2 // block_half)
+    n_rows = n * (hq + hkv)
+    _rotary_kernel[(triton.cdiv(n_rows, rows),)](
+        q, k, q_out, k_out, positions, cos, sin, n_rows, hq, hkv, q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), cos.stride(0), HALF=half, ROWS=rows, BLOCK_HALF=block_half,
+        num_warps=4, enable_fp_fusion=False)
     return q_out, k_out
