@@ -37,7 +37,7 @@ class EngineConfig:
     moe_strategy: str = "gpu"
     moe_cache_slots: int | None = None
     moe_cache_gb: float | None = None
-    moe_cache_policy: str = "lru"  # lru | lrfu | layer_lru (moe/slot_cache.py)
+    moe_cache_policy: str = "layer_lru"  # layer_lru | lru | lrfu (moe/slot_cache.py, docs/offload.md)
     moe_lrfu_decay: float = 0.5
     moe_collect_stats: bool = False
     moe_prefill_demand_tokens: int | str = 0  # a token count, or "auto"
