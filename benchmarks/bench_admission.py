@@ -21,6 +21,8 @@ import sys
 
 import torch
 
+from benchmarks.common import emit
+
 REQUESTS = (1, 4, 8, 12, 13, 16, 24, 32, 48, 128, 256, 410)
 
 
@@ -130,10 +132,7 @@ def main(argv=None) -> int:
         print(f"requests {requests}: {hits_us:.2f} us all hits, {miss_us:.2f} us with "
               f"{miss_rate:.1%} misses", file=sys.stderr)
     text = table(args, rows)
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write("\n" + text)
+    emit(text, args.out)
     return 0
 
 

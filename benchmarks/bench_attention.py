@@ -21,6 +21,8 @@ import sys
 
 import torch
 
+from benchmarks.common import emit
+
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 4, 128, 16
 BATCHES = (1, 4, 16, 64)
 CONTEXTS = (512, 2048, 8192)
@@ -95,7 +97,6 @@ def measure(batch: int, context: int, args) -> dict:
     row["triton"] = seconds_per_call(each_copy(triton_attn.decode_attention), iters, args.repeats)
     if not args.skip_reference:
         row["reference"] = seconds_per_call(each_copy(reference.decode_attention), iters, args.repeats)
-    del calls
     torch.cuda.empty_cache()
     return row
 
@@ -121,11 +122,7 @@ def main(argv=None) -> int:
                          f"| {rate / HBM_BYTES_PER_S:.0%} |")
             print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
-    print()
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write("\n" + text)
+    emit(text, args.out)
     return 0
 
 

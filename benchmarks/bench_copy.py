@@ -14,6 +14,8 @@ import sys
 
 import torch
 
+from benchmarks.common import emit
+
 BANKS = {"w13 6 MiB": (1536, 2048), "w2 3 MiB": (2048, 768)}
 MISSES = (8, 16, 32, 64)
 H2D_SIZES_MIB = (3, 6, 48, 192, 384)
@@ -80,10 +82,7 @@ def main(argv=None) -> int:
             lines.append(f"| {name} | {misses} | {nbytes >> 20} | {gather:.1f} | {h2d:.1f} "
                          f"| {gather / h2d:.0%} |")
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write("\n" + text)
+    emit(text, args.out)
     return 0
 
 

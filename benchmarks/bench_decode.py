@@ -16,11 +16,11 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 
 import torch
 
-from benchmarks.common import QWEN3_30B_DIR_CONFIG, h2d_bandwidth, hbm_bandwidth, markdown_table, report, write_config_dir
+from benchmarks.common import (QWEN3_30B_DIR_CONFIG, h2d_bandwidth, hbm_bandwidth, markdown_table, report,
+                               timed_decode, write_config_dir)
 
 
 def parse_args(argv):
@@ -49,41 +49,11 @@ def make_engine(config_dir, args, strategy, slots=None, policy="lru"):
     return Engine(ec)
 
 
-def decode_rate(engine, batch: int, args, gen) -> tuple[float, float]:
-    """(tokens/s, seconds per step) over `steps` decode steps of `batch` requests."""
-    from moeferry.sampling import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=args.warmup + args.steps + 1, ignore_eos=True)
-    vocab = engine.mc.vocab_size
-    reqs = [engine.add_request(torch.randint(vocab, (args.prompt_len,), generator=gen).tolist(), params)
-            for _ in range(batch)]
-    while any(r.in_prefill for r in reqs):
-        engine.step()
-    for _ in range(args.warmup):
-        engine.step()
-    torch.cuda.synchronize()
-    before = _snapshot(engine)
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        engine.step()
-    torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
-    after = _snapshot(engine)
-    while engine.has_work:
-        engine.step()
-    return batch * args.steps / dt, dt / args.steps, _delta(before, after)
-
-
-def _snapshot(engine):
+def decode_counters(engine) -> dict:
     s = engine.runner.strategy.stats()
-    if "decode" in s:
-        t = s["decode"]["total"]
-        return t["distinct"], t["misses"], t["calls"]
-    return 0, 0, 0
-
-
-def _delta(a, b):
-    return tuple(y - x for x, y in zip(a, b))
+    if "decode" not in s:
+        return {"distinct": 0, "misses": 0}
+    return {k: s["decode"]["total"][k] for k in ("distinct", "misses")}
 
 
 def dense_bytes(engine) -> int:
@@ -117,13 +87,12 @@ def main(argv=None) -> int:
             ebytes = QWEN3_30B_DIR_CONFIG["moe_intermediate_size"] * QWEN3_30B_DIR_CONFIG["hidden_size"] * 3 * 2
             dbytes = dense_bytes(engine)
             for b in args.batch:
-                gen = torch.Generator().manual_seed(b)
-                rate, step_s, (distinct, misses, calls) = decode_rate(engine, b, args, gen)
-                steps = args.steps
+                r = timed_decode(engine, b, args.prompt_len, args.warmup, args.steps, decode_counters)
+                rate, step_s, distinct, misses = r["tok_s"], r["step_s"], r["distinct"], r["misses"]
                 if strategy == "offload":
-                    distinct_per_step[b] = distinct / steps
+                    distinct_per_step[b] = distinct
                 d = distinct_per_step.get(b, 0.0)
-                m = misses / steps if strategy == "offload" else (d if strategy == "uva" else 0.0)
+                m = misses if strategy == "offload" else (d if strategy == "uva" else 0.0)
                 floor = m * ebytes / h2d + ((d - m if strategy == "offload" else (0 if strategy == "uva" else d)) * ebytes
                                            + dbytes) / hbm
                 hit = f"{1 - misses / distinct:.2f}" if strategy == "offload" and distinct else "-"

@@ -30,7 +30,8 @@ import time
 
 import torch
 
-from benchmarks.common import QWEN3_30B_DIR_CONFIG, h2d_bandwidth, markdown_table, report, write_config_dir
+from benchmarks.common import (QWEN3_30B_DIR_CONFIG, h2d_bandwidth, markdown_table, report, timed_decode,
+                               write_config_dir)
 
 ROUTINGS = ("uniform", "skewed")
 
@@ -119,11 +120,6 @@ def add_skew(engine, s: float) -> list:
 
 # --- measuring ----------------------------------------------------------------------------
 
-def synchronize(engine) -> None:
-    if engine.runner.device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def counters(engine) -> dict:
     """Cumulative decode counters, summed over layers: expert reads over PCIe (uva; distinct
     experts for offload), routes (uva only) and misses (offload only)."""
@@ -135,31 +131,9 @@ def counters(engine) -> dict:
 
 
 def measure(engine, batch: int, args) -> dict:
-    """Tokens/s over `steps` decode steps of `batch` requests (after prefill and `warmup` steps),
-    with the per-step counters of exactly those steps. Prompts depend only on `batch`."""
-    from moeferry.sampling import SamplingParams
-
-    gen = torch.Generator().manual_seed(batch)
-    params = SamplingParams(temperature=0.0, max_tokens=args.warmup + args.steps + 1, ignore_eos=True)
-    vocab = engine.mc.vocab_size
-    reqs = [engine.add_request(torch.randint(vocab, (args.prompt_len,), generator=gen).tolist(), params)
-            for _ in range(batch)]
-    while any(r.in_prefill for r in reqs):
-        engine.step()
-    for _ in range(args.warmup):
-        engine.step()
-    synchronize(engine)
-    before = counters(engine)
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        engine.step()
-    synchronize(engine)
-    dt = time.perf_counter() - t0
-    after = counters(engine)
-    while engine.has_work:
-        engine.step()
-    per_step = {k: (after[k] - before[k]) / args.steps for k in ("reads", "routes", "misses")}
-    return {"tok_s": batch * args.steps / dt, "step_s": dt / args.steps, **per_step}
+    """Tokens/s over `steps` decode steps of `batch` requests, with the per-step counters of
+    exactly those steps (benchmarks.common.timed_decode)."""
+    return timed_decode(engine, batch, args.prompt_len, args.warmup, args.steps, counters)
 
 
 def run_uva(engine, args, routing: str, stale: bool) -> list[dict]:

@@ -83,8 +83,45 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
 def report(title: str, command: str, table: str, notes: str = "", out: str | None = None) -> str:
     text = (f"\n### {title}\n\n{datetime.date.today().isoformat()}, {gpu_name()}, commit {commit()}\n\n"
             f"`{command}`\n\n{table}\n" + (f"\n{notes}\n" if notes else ""))
+    emit(text, out)
+    return text
+
+
+def emit(text: str, out: str | None) -> None:
+    """Print a benchmark's table and append it to `out` (benchmarks/RESULTS.md or $OUT/...)."""
     print(text)
     if out:
         with open(out, "a") as f:
-            f.write(text)
-    return text
+            f.write("\n" + text)
+
+
+def timed_decode(engine, batch: int, prompt_len: int, warmup: int, steps: int, counters) -> dict:
+    """Time `steps` whole engine steps of `batch` greedy requests with random prompts (fixed by
+    `batch`), after their prefill and `warmup` decode steps. Returns tok_s, step_s and the
+    per-step change of every value in the dict `counters(engine)` over exactly those steps."""
+    import time
+
+    from moeferry.sampling import SamplingParams
+
+    gen = torch.Generator().manual_seed(batch)
+    params = SamplingParams(temperature=0.0, max_tokens=warmup + steps + 1, ignore_eos=True)
+    vocab = engine.mc.vocab_size
+    reqs = [engine.add_request(torch.randint(vocab, (prompt_len,), generator=gen).tolist(), params)
+            for _ in range(batch)]
+    while any(r.in_prefill for r in reqs):
+        engine.step()
+    for _ in range(warmup):
+        engine.step()
+    sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
+    sync()
+    before = counters(engine)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    dt = time.perf_counter() - t0
+    after = counters(engine)
+    while engine.has_work:
+        engine.step()
+    per_step = {k: (after[k] - before[k]) / steps for k in before}
+    return {"tok_s": batch * steps / dt, "step_s": dt / steps, **per_step}

@@ -28,6 +28,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def model_cache(tmp_path_factory):
+    """Keep the built-in default model out of $HOME: an existing MOEFERRY_CACHE (CI sets one)
+    is reused, else a per-session temporary directory. Autouse: every test that reaches
+    ensure_default_model() builds it there, once."""
+    if not os.environ.get("MOEFERRY_CACHE"):
+        os.environ["MOEFERRY_CACHE"] = str(tmp_path_factory.mktemp("moeferry-cache"))
+    return os.environ["MOEFERRY_CACHE"]
+
+
 @pytest.fixture
 def device():
     return torch.device("cuda" if _HAS_CUDA else "cpu")
