@@ -47,3 +47,33 @@ def test_cache_smaller_than_a_layer_is_refused(ckpt):
     experts = getattr(config, "num_experts", None) or config.num_local_experts
     with pytest.raises(ConfigError, match=f"fewer than one layer's {experts}"):
         LLM(path, device="cpu", moe_strategy="offload", moe_cache_slots=experts - 1)
+
+
+def test_cache_sizing_from_slots_gigabytes_or_every_expert():
+    from types import SimpleNamespace
+
+    from moeferry.config import EngineConfig
+    from moeferry.moe.offload import plan_num_slots
+
+    mc = SimpleNamespace(num_experts=8, num_layers=3)
+    expert_bytes = 3 * 2**20
+    assert plan_num_slots(EngineConfig(device="cpu", moe_cache_slots=13), mc, 24, expert_bytes, "cpu") == 13
+    assert plan_num_slots(EngineConfig(device="cpu", moe_cache_gb=0.03), mc, 24, expert_bytes,
+                          __import__("torch").device("cpu")) == int(0.03 * 2**30 // expert_bytes)
+    assert plan_num_slots(EngineConfig(device="cpu"), mc, 24, expert_bytes, __import__("torch").device("cpu")) == 24
+
+
+def test_a_dense_model_resets_moe_flags_with_a_warning(tmp_path, caplog):
+    import transformers
+
+    from tests.tiny_checkpoints import COMMON
+
+    config = transformers.Qwen2MoeConfig(intermediate_size=48, moe_intermediate_size=16,
+                                         shared_expert_intermediate_size=24, num_experts=8, num_experts_per_tok=2,
+                                         mlp_only_layers=[0, 1, 2], **COMMON)
+    make_checkpoint(config, str(tmp_path))
+    with caplog.at_level("WARNING"):
+        llm = LLM(str(tmp_path), dtype="float32", device="cpu", moe_strategy="offload", moe_cache_slots=4)
+    assert llm.engine.ec.moe_strategy == "gpu" and llm.engine.ec.moe_cache_slots is None
+    assert "dense model: ignoring MoE option(s) --moe-strategy, --moe-cache-slots" in caplog.text
+    assert len(llm.generate([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3
