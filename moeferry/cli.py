@@ -84,13 +84,22 @@ def _cmd_serve(args) -> int:
     return serve(engine_config_from_args(args), args)
 
 
+_BENCHMARKS = ("admission", "copy", "decode", "fused_moe", "attention", "ttft", "uva", "serve", "parity")
+
+
 def _cmd_bench(args) -> int:
+    """Run benchmarks/bench_<which>.py. The benchmarks live beside the package in a source
+    checkout (they are not installed), so the checkout's root goes on sys.path."""
+    import os
     import runpy
 
-    script = {"admission": "bench_admission", "copy": "bench_copy", "decode": "bench_decode",
-              "fused_moe": "bench_fused_moe", "ttft": "bench_ttft", "uva": "bench_uva"}[args.which]
-    sys.argv = [script] + args.rest
-    runpy.run_module(f"benchmarks.{script}", run_name="__main__")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.isfile(os.path.join(root, "benchmarks", f"bench_{args.which}.py")):
+        print(f"moeferry bench needs a source checkout: {root}/benchmarks/ not found", file=sys.stderr)
+        return 2
+    sys.path.insert(0, root)
+    sys.argv = [f"bench_{args.which}"] + args.rest
+    runpy.run_module(f"benchmarks.bench_{args.which}", run_name="__main__")
     return 0
 
 
@@ -122,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=_cmd_serve)
 
     bench = sub.add_parser("bench", help="run a benchmark of SPEC section 6")
-    bench.add_argument("which", choices=["admission", "copy", "decode", "fused_moe", "ttft", "uva"])
+    bench.add_argument("which", choices=_BENCHMARKS)
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_cmd_bench)
     return parser
