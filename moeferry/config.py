@@ -218,8 +218,3 @@ class ModelConfig:
         if getattr(self.hf, "use_sliding_window", True) is False:
             return None
         return window
-
-    @property
-    def expert_bytes(self) -> int:
-        """Bytes of one routed expert (w13 + w2) at the given element size of 2 (bf16)."""
-        return 3 * self.hidden_size * self.moe_intermediate_size * 2

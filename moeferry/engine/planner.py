@@ -35,7 +35,7 @@ def plan_memory(ec, mc, runner) -> MemoryPlan:
         tokens = ec.num_tokens
     elif runner.device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(runner.device)
-        budget = free * ec.memory_ratio - ec.vram_reserve_mb * 2**20 - runner.strategy.reserved_device_bytes()
+        budget = free * ec.memory_ratio - ec.vram_reserve_mb * 2**20
         tokens = int(budget // per_token)
         if ec.kv_reserve_tokens is not None:
             tokens = min(tokens, ec.kv_reserve_tokens)

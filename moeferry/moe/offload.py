@@ -103,23 +103,15 @@ class OffloadStrategy(MoEStrategy):
         self.policy = PrefillPolicy(engine_config.moe_prefill_demand_tokens)
         self.cache: SlotCache | None = None
         self.stream: LayerStream | None = None
-        self.moe_index: dict[int, int] = {}
         self.decision = PrefillDecision(False)
         self.streamed_bytes = 0
 
     def bank_device(self) -> torch.device:
         return torch.device("cpu")
 
-    @property
-    def expert_bytes(self) -> int:
-        banks = next(iter(self.banks.values()))
-        return (banks.w13[0].numel() + banks.w2[0].numel()) * banks.w13.element_size()
-
     def finalize(self) -> None:
-        layer_ids = sorted(self.banks)
-        self.moe_index = {l: i for i, l in enumerate(layer_ids)}
         num_experts = self.model_config.num_experts
-        total = num_experts * len(layer_ids)
+        total = num_experts * len(self.moe_index)
         slots = plan_num_slots(self.engine_config, self.model_config, total, self.expert_bytes, self.device)
         if slots < num_experts:
             raise ConfigError(
@@ -127,7 +119,7 @@ class OffloadStrategy(MoEStrategy):
                 f"--moe-cache-slots/--moe-cache-gb (one layer needs {num_experts * self.expert_bytes / 2**30:.2f} GiB)")
         self.build_cache(slots)
         if self.device.type == "cuda":
-            sample = self.banks[layer_ids[0]]
+            sample = next(iter(self.banks.values()))
             self.stream = LayerStream(num_experts, sample.w13.shape[1:], sample.w2.shape[1:], self.dtype, self.device)
 
     def build_cache(self, slots: int, policy: str | None = None) -> None:

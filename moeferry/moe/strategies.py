@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from moeferry.config import ConfigError
+from moeferry.kernels import ops
 
 # name -> "module:Class"; imported only when chosen.
 _REGISTRY: dict[str, str] = {
@@ -45,13 +47,18 @@ class ExpertBanks:
     def num_experts(self) -> int:
         return self.w13.shape[0]
 
+    @property
+    def bytes_per_expert(self) -> int:
+        return (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
+
 
 class MoEStrategy:
     """Interface between the MoE layers and the place their experts live.
 
     Life cycle: `allocate_banks` once per MoE layer (the loader then fills the banks),
     `finalize` once after loading, then `forward` per layer per step. Every strategy gives
-    the output of `gpu` for the same inputs.
+    the output of `gpu` for the same inputs. The set of banks is fixed once loading starts,
+    so `moe_index` and `expert_bytes` are derived from it once.
     """
 
     name = "base"
@@ -74,15 +81,21 @@ class MoEStrategy:
         self.banks[layer_id] = ExpertBanks(w13, w2)
         return self.banks[layer_id]
 
+    @cached_property
+    def moe_index(self) -> dict[int, int]:
+        """Model layer id -> index among the MoE layers (0 .. number of MoE layers - 1)."""
+        return {layer: i for i, layer in enumerate(sorted(self.banks))}
+
+    @cached_property
+    def expert_bytes(self) -> int:
+        """Bytes of one routed expert over both banks (every layer's experts have one shape)."""
+        return next(iter(self.banks.values())).bytes_per_expert
+
     def finalize(self) -> None:
         """Called once after every bank is filled."""
 
     def begin_forward(self, is_decode: bool, num_tokens: int) -> None:
         """Called at the start of every model forward, before the first layer."""
-
-    def reserved_device_bytes(self) -> int:
-        """Device memory this strategy still means to take after the KV cache is planned."""
-        return 0
 
     def forward(self, layer_id: int, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 is_decode: bool) -> torch.Tensor:
@@ -98,8 +111,6 @@ class GpuStrategy(MoEStrategy):
     name = "gpu"
 
     def forward(self, layer_id, hidden, topk_weights, topk_ids, is_decode):
-        from moeferry.kernels import ops
-
         banks = self.banks[layer_id]
         return ops.fused_moe(hidden, banks.w13, banks.w2, topk_weights, topk_ids,
                              num_routed_experts=banks.num_experts)

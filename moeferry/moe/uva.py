@@ -8,9 +8,8 @@ from __future__ import annotations
 import torch
 
 from moeferry.kernels import ops
+from moeferry.kernels.triton.fused_moe import BLOCK_ASSIGNMENTS
 from moeferry.moe.strategies import MoEStrategy
-
-BLOCK_ASSIGNMENTS = ("auto", "sorted", "naive")
 
 
 class UvaStrategy(MoEStrategy):
@@ -47,14 +46,10 @@ class UvaStrategy(MoEStrategy):
         self._block_assignment = value
 
     def finalize(self) -> None:
-        layers = sorted(self.banks)
-        self.moe_index = {l: i for i, l in enumerate(layers)}
-        e = self.model_config.num_experts
-        self.read_counts = torch.zeros((len(layers), e), dtype=torch.int64, device=self.device)
-        self.decode_steps = torch.zeros(len(layers), dtype=torch.int64, device=self.device)
-        self.route_counts = torch.zeros(len(layers), dtype=torch.int64, device=self.device)
-        banks = self.banks[layers[0]]
-        self.expert_bytes = (banks.w13[0].numel() + banks.w2[0].numel()) * banks.w13.element_size()
+        layers, e = len(self.moe_index), self.model_config.num_experts
+        self.read_counts = torch.zeros((layers, e), dtype=torch.int64, device=self.device)
+        self.decode_steps = torch.zeros(layers, dtype=torch.int64, device=self.device)
+        self.route_counts = torch.zeros(layers, dtype=torch.int64, device=self.device)
 
     def bank_device(self) -> torch.device:
         return torch.device("cpu")
