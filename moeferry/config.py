@@ -90,6 +90,15 @@ class EngineConfig:
         return self.torch_device.type == "cuda" and not self.disable_cuda_graph
 
 
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+def resolve_max_model_len(ec: EngineConfig, mc: "ModelConfig") -> int:
+    """The context length served: --max-model-len, else the model's, capped at 8,192 tokens
+    (the rotary tables, page tables and KV plan are sized by it)."""
+    return ec.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+
+
 # Options that only mean something for a model with routed experts.
 _MOE_OPTION_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.name.startswith("moe_")}
 

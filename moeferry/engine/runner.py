@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from moeferry.config import EngineConfig, ModelConfig
+from moeferry.config import EngineConfig, ModelConfig, resolve_max_model_len
 from moeferry.engine.batch import ForwardBatch, PrefillSeq
 from moeferry.engine.cuda_graph import DecodeGraphs
 from moeferry.engine.loader import load_dummy, load_safetensors
@@ -29,7 +29,7 @@ class ModelRunner:
     def __init__(self, ec: EngineConfig, mc: ModelConfig):
         self.ec, self.mc = ec, mc
         self.device, self.dtype = ec.torch_device, ec.torch_dtype
-        self.max_model_len = ec.max_model_len or min(mc.max_position_embeddings, 8192)
+        self.max_model_len = resolve_max_model_len(ec, mc)
         torch.manual_seed(ec.seed)
         self.strategy = create_strategy(ec.moe_strategy, ec, mc)
         self.model = self._build_model()

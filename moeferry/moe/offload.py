@@ -13,10 +13,10 @@ import logging
 
 import torch
 
-from moeferry.config import ConfigError
+from moeferry.config import ConfigError, resolve_max_model_len
 from moeferry.kernels import ops
 from moeferry.moe.prefill_policy import PrefillDecision, PrefillPolicy
-from moeferry.moe.slot_cache import SlotCache
+from moeferry.moe.slot_cache import DEFAULT_MAX_ROUTES, SlotCache
 from moeferry.moe.strategies import ExpertBanks, MoEStrategy
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ def plan_num_slots(ec, mc, total_experts: int, expert_bytes: int, device: torch.
     from moeferry.kvcache.paged import PagedKVCache
 
     free, _ = torch.cuda.mem_get_info(device)
-    kv_tokens = ec.kv_reserve_tokens or ec.max_running_requests * min(mc.max_position_embeddings, 8192)
+    kv_tokens = ec.kv_reserve_tokens or ec.max_running_requests * resolve_max_model_len(ec, mc)
     kv_bytes = kv_tokens * PagedKVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, ec.torch_dtype)
     stream_bytes = 2 * mc.num_experts * expert_bytes
     budget = free * ec.memory_ratio - ec.vram_reserve_mb * 2**20 - kv_bytes - stream_bytes
@@ -134,7 +134,7 @@ class OffloadStrategy(MoEStrategy):
             torch.cuda.empty_cache()
         top_k = self.model_config.top_k
         demand_width = ec.max_prefill_tokens if self.policy.auto else self.policy.threshold
-        widest = max(8192, ec.max_running_requests * top_k, demand_width * top_k)
+        widest = max(DEFAULT_MAX_ROUTES, ec.max_running_requests * top_k, demand_width * top_k)
         self.cache = SlotCache(len(self.moe_index), num_experts, slots, device=self.device, policy=policy,
                                lrfu_decay=ec.moe_lrfu_decay, collect_stats=ec.moe_collect_stats,
                                expert_bytes=self.expert_bytes, max_routes=widest)
