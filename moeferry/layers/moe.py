@@ -51,11 +51,10 @@ class MoEBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(h, 1, bias=False)
         else:
             self.shared_expert = None
-        self.is_decode = False  # set by the model per forward
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, is_decode: bool) -> torch.Tensor:
         weights, ids = softmax_topk(self.gate(x), self.top_k, self.renormalize)
-        out = self.strategy.forward(self.layer_id, x, weights, ids, self.is_decode)
+        out = self.strategy.forward(self.layer_id, x, weights, ids, is_decode)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -30,7 +30,8 @@ class DecoderLayer(nn.Module):
             mlp = MoEBlock(mc, layer_id, strategy, spec.renormalize(mc.hf), spec.shared_expert)
         else:
             mlp = DenseMLP(mc.hidden_size, mc.hf.intermediate_size)
-        self.mlp_name = spec.moe_prefix if mc.is_moe_layer(layer_id) else "mlp"
+        self.is_moe = mc.is_moe_layer(layer_id)
+        self.mlp_name = spec.moe_prefix if self.is_moe else "mlp"
         self.add_module(self.mlp_name, mlp)
 
     @property
@@ -47,7 +48,8 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm.add_and_norm(x, residual)
         h, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(h, batch, kv), residual)
-        return self.mlp_module(h), residual
+        out = self.mlp_module(h, batch.is_decode) if self.is_moe else self.mlp_module(h)
+        return out, residual
 
 
 class DecoderBody(nn.Module):
@@ -78,8 +80,6 @@ class MoECausalLM(nn.Module):
         )
 
     def forward(self, batch: ForwardBatch, kv) -> torch.Tensor:
-        for layer in self.model.layers:
-            layer.mlp_module.is_decode = batch.is_decode
         self.strategy.begin_forward(batch.is_decode, batch.num_rows)
         x, residual = self.model.embed_tokens(batch.input_ids), None
         for layer in self.model.layers:

@@ -38,7 +38,6 @@ def make_block(strategy, device="cpu", dtype=torch.float32, seed=0):
     block.banks.w13.copy_(torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5)
     block.banks.w2.copy_(torch.randn(E, H, I, generator=gen) / I ** 0.25)
     block.strategy.finalize()
-    block.is_decode = True
     return block
 
 
@@ -94,7 +93,7 @@ def test_layer_path_follows_residency(monkeypatch, align_calls, kernel_calls, ho
     block = make_block("uva")
     simulate_host(monkeypatch, {"both": [block.banks.w13, block.banks.w2], "w2": [block.banks.w2], "none": []}[host])
     x = tokens(num_tokens, seed=num_tokens)
-    got = block(x)
+    got = block(x, is_decode=True)
     sorted_path = host != "none" or num_tokens * K * 4 > E
     assert kernel_calls == [num_tokens]
     assert len(align_calls) == (1 if sorted_path else 0)
@@ -111,7 +110,7 @@ def test_block_assignment_override(monkeypatch, align_calls, kernel_calls, overr
     simulate_host(monkeypatch, [block.banks.w13, block.banks.w2])
     block.strategy.block_assignment = override
     x = tokens(num_tokens, seed=num_tokens)
-    got = block(x)
+    got = block(x, is_decode=True)
     assert len(align_calls) == (1 if aligned else 0)
     assert rel_err(got, reference_out(block, x)) < 1e-5
     _, ids = softmax_topk(block.gate(x), K, True)
@@ -201,9 +200,9 @@ def test_pinned_banks_take_sorted_path_device_banks_naive(align_calls, num_token
     assert uva.banks.w13.is_pinned() and uva.banks.w2.is_pinned()
     assert triton_fused_moe.is_host_resident(uva.banks.w13) and gpu.banks.w13.is_cuda
     x = tokens(num_tokens, "cuda", torch.bfloat16, seed=num_tokens)
-    from_host = uva(x)
+    from_host = uva(x, is_decode=True)
     assert len(align_calls) == 1  # sorted over mapped host memory
-    on_device = gpu(x)
+    on_device = gpu(x, is_decode=True)
     assert len(align_calls) == 1  # the control: naive over device memory
     weights, ids = softmax_topk(gpu.gate(x), K, True)
     sorted_on_device = ops.fused_moe(x, gpu.banks.w13, gpu.banks.w2, weights, ids, num_routed_experts=E,
@@ -212,7 +211,7 @@ def test_pinned_banks_take_sorted_path_device_banks_naive(align_calls, num_token
     assert rel_err(on_device, reference_out(gpu, x)) < 2e-2
     assert len(align_calls) == 2  # the explicit sorted call above
     uva.strategy.block_assignment = "naive"
-    naive_from_host = uva(x)
+    naive_from_host = uva(x, is_decode=True)
     assert len(align_calls) == 2  # forced naive over host memory: no alignment
     assert rel_err(naive_from_host, reference_out(gpu, x)) < 2e-2
 
