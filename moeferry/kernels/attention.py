@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moeferry.kernels import implementation
 from moeferry.kernels.reference import attention as reference
 
 __all__ = ["decode_attention", "prefill_attention", "sdpa_prefill_attention"]
@@ -27,11 +28,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      use_triton: bool | None = None) -> torch.Tensor:
     """q [B, Hq, D]; caches [slots, Hkv, D]; page_table [B, P]; seq_lens [B] (new token included)
     -> [B, Hq, D]. Fixed shapes and no host sync on either path: CUDA-graph capturable."""
-    if q.is_cuda if use_triton is None else use_triton:
-        from moeferry.kernels.triton import attention as impl
-    else:
-        impl = reference
-    return impl.decode_attention(q, k_cache, v_cache, page_table, seq_lens, page_size, scale, window)
+    return implementation("attention", use_triton, q).decode_attention(q, k_cache, v_cache, page_table, seq_lens, page_size, scale, window)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float,

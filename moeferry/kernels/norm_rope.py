@@ -7,19 +7,15 @@ arguments; see the Triton module for the full contract (shapes, dtypes, aliasing
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from moeferry.kernels.reference import norm_rope as reference
+from moeferry.kernels import implementation
 
 __all__ = ["apply_rotary", "fused_add_rms_norm", "rms_norm"]
 
-
-def _impl(use_triton: bool | None, tensor: torch.Tensor):
-    if tensor.is_cuda if use_triton is None else use_triton:
-        from moeferry.kernels.triton import norm_rope as impl
-
-        return impl
-    return reference
+_impl = functools.partial(implementation, "norm_rope")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None,

@@ -4,11 +4,9 @@ TRITON_INTERPRET=1, set before triton is imported); use_triton=False forces the 
 Triton modules are imported lazily so CPU-only callers never pay for them."""
 import torch
 
+from moeferry.kernels import implementation
+
 __all__ = ["fused_moe", "moe_align_block_size"]
-
-
-def _runs_triton(use_triton: bool | None, device_tensor: torch.Tensor) -> bool:
-    return device_tensor.is_cuda if use_triton is None else use_triton
 
 
 def moe_align_block_size(
@@ -16,11 +14,7 @@ def moe_align_block_size(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group routes by expert into blocks: (sorted_route_ids [P], block_expert [P // block_size],
     num_routes_post_padded [1]), all int32. See moeferry.kernels.triton.moe_align."""
-    if _runs_triton(use_triton, topk_ids):
-        from moeferry.kernels.triton import moe_align
-    else:
-        from moeferry.kernels.reference import moe_align
-    return moe_align.moe_align_block_size(topk_ids, block_size, num_experts)
+    return implementation("moe_align", use_triton, topk_ids).moe_align_block_size(topk_ids, block_size, num_experts)
 
 
 def fused_moe(
@@ -41,15 +35,6 @@ def fused_moe(
     Triton runs when hidden is on CUDA (the weights may be pinned host memory, read in
     place). block_assignment applies to the Triton path; the reference always groups.
     See moeferry.kernels.triton.fused_moe for the full contract."""
-    if _runs_triton(use_triton, hidden):
-        from moeferry.kernels.triton import fused_moe as impl
-
-        return impl.fused_moe(hidden, w13, w2, topk_weights, topk_ids,
-                              num_routed_experts=num_routed_experts,
-                              block_assignment=block_assignment, out=out)
-    from moeferry.kernels.reference import fused_moe as ref
-
-    if block_assignment not in ("auto", "sorted", "naive"):
-        raise ValueError(f"unknown block_assignment {block_assignment!r}")
-    return ref.fused_moe(hidden, w13, w2, topk_weights, topk_ids,
-                         num_routed_experts=num_routed_experts, out=out)
+    return implementation("fused_moe", use_triton, hidden).fused_moe(
+        hidden, w13, w2, topk_weights, topk_ids, num_routed_experts=num_routed_experts,
+        block_assignment=block_assignment, out=out)

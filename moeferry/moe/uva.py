@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from moeferry.kernels import ops
-from moeferry.kernels.triton.fused_moe import BLOCK_ASSIGNMENTS
+from moeferry.kernels.reference.fused_moe import BLOCK_ASSIGNMENTS
 from moeferry.moe.strategies import MoEStrategy
 
 

@@ -27,6 +27,11 @@ def _route_groups(flat_ids: torch.Tensor) -> tuple[torch.Tensor, list[int], list
     return order, distinct.tolist(), counts.tolist()
 
 
+# How routes are assigned to GEMM blocks (the Triton kernel's choice; the reference always
+# groups by expert, whatever it is told).
+BLOCK_ASSIGNMENTS = ("auto", "sorted", "naive")
+
+
 def _expert_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)) for rows x [n, H] float32 of one expert, in float32."""
     gate_up = F.linear(x, w13.float())
@@ -42,10 +47,13 @@ def fused_moe(
     topk_ids: torch.Tensor,
     *,
     num_routed_experts: int | None = None,
+    block_assignment: str = "auto",
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference fused MoE; num_routed_experts is accepted for the dispatcher's signature
-    and unused (the reference has no tiles to size)."""
+    """Reference fused MoE, the same signature as the Triton kernel's; num_routed_experts and
+    block_assignment (validated) do not change its arithmetic: it has no tiles to size."""
+    if block_assignment not in BLOCK_ASSIGNMENTS:
+        raise ValueError(f"block_assignment {block_assignment!r} not in {BLOCK_ASSIGNMENTS}")
     num_tokens, hidden_size = hidden.shape
     top_k = topk_ids.shape[1]
     if out is None:

@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moeferry.kernels.reference.fused_moe import BLOCK_ASSIGNMENTS  # one list for both paths
 from moeferry.kernels.triton.moe_align import moe_align_block_size
 
 __all__ = [
@@ -50,7 +51,6 @@ __all__ = [
     "select_config",
 ]
 
-BLOCK_ASSIGNMENTS = ("auto", "sorted", "naive")
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
