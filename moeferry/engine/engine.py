@@ -131,7 +131,9 @@ class Engine:
                 text, reason = text[:cut], "stop"
                 break
         delta, req.text = text[len(req.text):], text
-        if reason is None and (len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.runner.max_model_len):
+        # The scheduler admitted prompt + max_tokens within the context limit, so max_tokens
+        # is the only length bound a request can reach.
+        if reason is None and len(req.output_ids) >= p.max_tokens:
             reason = "length"
         if reason is not None:
             self._finish(req, reason)
