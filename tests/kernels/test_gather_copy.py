@@ -1,5 +1,6 @@
 """Miss copy: Triton gather (interpreted on CPU) and its reference write exactly the planned
-slot rows, byte for byte, for any dtype; every other row keeps its poison."""
+slot rows, byte for byte, for any dtype; every other row keeps its poison. The banks' list
+mixes word sizes so that some banks launch alone and others share a launch in pairs."""
 import pytest
 import torch
 
@@ -12,6 +13,8 @@ BANK_SHAPES = [  # (row shape, dtype): words of 8, 4, 2 and 1 byte, masked and e
     ((2, 3), torch.int16),
     ((9000,), torch.float8_e4m3fn if hasattr(torch, "float8_e4m3fn") else torch.uint8),
     ((2, 16384), torch.uint8),
+    ((3, 12000), torch.bfloat16),  # with the next: a w13/w2-like pair in one launch, rows of
+    ((5, 7000), torch.bfloat16),   # two 64 KiB chunks each, the last chunk masked
 ]
 
 

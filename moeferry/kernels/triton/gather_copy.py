@@ -16,9 +16,10 @@ Contract
   evict them.
 
 How: each row is reinterpreted as the widest words (int64 down to bytes) that divide it and
-the bank pointers, and split into chunks of 64 KiB. One launch per bank with a fixed grid of
-``min(P * chunks, 4 * SMs)`` programs, each looping over work items ``(miss, chunk)`` up to
-``plan_count * chunks`` (so a call with no misses costs one wave of empty programs), and
+the bank pointers, and split into chunks of 64 KiB. One launch per pair of banks (w13 and w2
+of an expert: one launch per call) with a fixed grid of ``min(P * chunks, 4 * SMs)``
+programs, each looping over work items ``(miss, bank, chunk)`` up to ``plan_count * chunks``
+(so a call with no misses costs one wave of empty programs), and
 copying its chunk in wide vectors straight from host memory over PCIe (unified addressing:
 a pinned tensor's pointer is valid on the device).
 """
@@ -38,22 +39,39 @@ _WORD_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.
 
 
 @triton.jit
-def _gather_rows_kernel(src_ptr, dst_ptr, plan_src_ptr, plan_dst_ptr, plan_count_ptr,
-                        row_words, CHUNKS: tl.constexpr, CHUNK_WORDS: tl.constexpr,
-                        BLOCK: tl.constexpr, EVEN: tl.constexpr,
+def _copy_chunk(src_row, dst_row, first, row_words, CHUNK_WORDS: tl.constexpr,
+                BLOCK: tl.constexpr, EVEN: tl.constexpr):
+    for offset in range(0, CHUNK_WORDS, BLOCK):
+        w = first + offset + tl.arange(0, BLOCK)
+        if EVEN:
+            tl.store(dst_row + w, tl.load(src_row + w))
+        else:
+            tl.store(dst_row + w, tl.load(src_row + w, mask=w < row_words), mask=w < row_words)
+
+
+@triton.jit
+def _gather_rows_kernel(src0_ptr, dst0_ptr, src1_ptr, dst1_ptr, plan_src_ptr, plan_dst_ptr,
+                        plan_count_ptr, row_words0, row_words1,
+                        CHUNKS0: tl.constexpr, CHUNKS1: tl.constexpr,
+                        CHUNK_WORDS: tl.constexpr, BLOCK: tl.constexpr,
+                        EVEN0: tl.constexpr, EVEN1: tl.constexpr,
                         NUM_PROGRAMS: tl.constexpr):
+    """Work item w = miss * (CHUNKS0 + CHUNKS1) + c: chunk c of bank 0 when c < CHUNKS0,
+    else chunk c - CHUNKS0 of bank 1 (CHUNKS1 = 0: one bank)."""
     count = tl.load(plan_count_ptr)
-    for work in range(tl.program_id(0), count * CHUNKS, NUM_PROGRAMS):
-        miss = work // CHUNKS
-        first = (work - miss * CHUNKS).to(tl.int64) * CHUNK_WORDS
-        src_row = src_ptr + tl.load(plan_src_ptr + miss).to(tl.int64) * row_words
-        dst_row = dst_ptr + tl.load(plan_dst_ptr + miss).to(tl.int64) * row_words
-        for offset in range(0, CHUNK_WORDS, BLOCK):
-            w = first + offset + tl.arange(0, BLOCK)
-            if EVEN:
-                tl.store(dst_row + w, tl.load(src_row + w))
-            else:
-                tl.store(dst_row + w, tl.load(src_row + w, mask=w < row_words), mask=w < row_words)
+    per_miss = CHUNKS0 + CHUNKS1
+    for work in range(tl.program_id(0), count * per_miss, NUM_PROGRAMS):
+        miss = work // per_miss
+        chunk = work - miss * per_miss
+        src_expert = tl.load(plan_src_ptr + miss).to(tl.int64)
+        dst_slot = tl.load(plan_dst_ptr + miss).to(tl.int64)
+        if chunk < CHUNKS0:
+            _copy_chunk(src0_ptr + src_expert * row_words0, dst0_ptr + dst_slot * row_words0,
+                        chunk.to(tl.int64) * CHUNK_WORDS, row_words0, CHUNK_WORDS, BLOCK, EVEN0)
+        else:
+            _copy_chunk(src1_ptr + src_expert * row_words1, dst1_ptr + dst_slot * row_words1,
+                        (chunk - CHUNKS0).to(tl.int64) * CHUNK_WORDS, row_words1, CHUNK_WORDS,
+                        BLOCK, EVEN1)
 
 
 class HostPointer:
@@ -96,40 +114,62 @@ def _num_programs(work_items: int, device: torch.device) -> int:
     return max(1, min(work_items, 8))
 
 
-def _launch(src_words, dst_words, plan_src, plan_dst, plan_count, row_words: int) -> None:
-    word_size = src_words.element_size()
-    chunk_words = min(_CHUNK_BYTES // word_size, triton.next_power_of_2(row_words))
+def _launch(pairs, plan_src, plan_dst, plan_count) -> None:
+    """One launch copying the planned rows of one or two (src_words, dst_words, row_words)
+    bank pairs of one word size."""
+    row_words = [words for _, _, words in pairs]
+    pairs = [(src, dst) for src, dst, _ in pairs]
+    word_size = pairs[0][0].element_size()
+    chunk_words = min(_CHUNK_BYTES // word_size, triton.next_power_of_2(max(row_words)))
     block = min(_BLOCK_BYTES // word_size, chunk_words)
-    chunks = triton.cdiv(row_words, chunk_words)
-    num_programs = _num_programs(plan_src.numel() * chunks, dst_words.device)
-    needs_host_pointer = src_words.device.type == "cpu" and dst_words.device.type == "cuda"
+    chunks = [triton.cdiv(words, chunk_words) for words in row_words]
+    if len(pairs) == 1:  # no second bank: placeholders (never read; the interpreter copies
+        # every argument back after the launch, so no tensor may be passed twice)
+        unused = tuple(torch.empty(1, dtype=t.dtype, device=t.device) for t in pairs[0])
+        pairs, row_words, chunks = pairs + [unused], row_words + [1], chunks + [0]
+    (src0, dst0), (src1, dst1) = pairs
+    num_programs = _num_programs(plan_src.numel() * sum(chunks), dst0.device)
+    needs_host_pointer = src0.device.type == "cpu" and dst0.device.type == "cuda"
 
-    def run(src_arg):
+    def run(wrap):
         _gather_rows_kernel[(num_programs,)](
-            src_arg, dst_words, plan_src, plan_dst, plan_count, row_words,
-            CHUNKS=chunks, CHUNK_WORDS=chunk_words, BLOCK=block,
-            EVEN=row_words % chunk_words == 0, NUM_PROGRAMS=num_programs, num_warps=8)
+            wrap(src0), dst0, wrap(src1), dst1, plan_src, plan_dst, plan_count,
+            row_words[0], row_words[1], CHUNKS0=chunks[0], CHUNKS1=chunks[1],
+            CHUNK_WORDS=chunk_words, BLOCK=block,
+            EVEN0=row_words[0] % chunk_words == 0, EVEN1=row_words[1] % chunk_words == 0,
+            NUM_PROGRAMS=num_programs, num_warps=8)
 
     if needs_host_pointer and _HostArgumentMode.wrap:
-        run(HostPointer(src_words))
+        run(HostPointer)
         return
     try:
-        run(src_words)
+        run(lambda t: t)
     except (ValueError, RuntimeError, TypeError):
         if not needs_host_pointer:
             raise
-        run(HostPointer(src_words))
+        run(HostPointer)
         _HostArgumentMode.wrap = True
 
 
 def gather_copy(src_banks: list[torch.Tensor], dst_banks: list[torch.Tensor],
                 plan_src: torch.Tensor, plan_dst: torch.Tensor,
                 plan_count: torch.Tensor) -> None:
-    """Copy rows ``plan_src[:count]`` of each source bank into rows ``plan_dst[:count]``."""
+    """Copy rows ``plan_src[:count]`` of each source bank into rows ``plan_dst[:count]``.
+    Consecutive banks of one word size share a launch, two at a time (an expert's w13 and
+    w2: one launch per miss copy)."""
     check_banks(src_banks, dst_banks)
+    pending: list[tuple[torch.Tensor, torch.Tensor, int]] = []
     for src, dst in zip(src_banks, dst_banks):
         if src.shape[0] == 0 or row_bytes(src) == 0:
             continue
         src_words, dst_words = _word_views(src, dst)
-        row_words = row_bytes(src) // src_words.element_size()
-        _launch(src_words, dst_words, plan_src, plan_dst, plan_count, row_words)
+        words = (src_words, dst_words, row_bytes(src) // src_words.element_size())
+        if pending and pending[0][0].dtype != src_words.dtype:
+            _launch(pending, plan_src, plan_dst, plan_count)
+            pending = []
+        pending.append(words)
+        if len(pending) == 2:
+            _launch(pending, plan_src, plan_dst, plan_count)
+            pending = []
+    if pending:
+        _launch(pending, plan_src, plan_dst, plan_count)
