@@ -1,7 +1,8 @@
 """Decode CUDA graphs: one captured graph per padded batch size, replayed each decode step.
 
 Everything a graph reads lives in static buffers written before each replay: token ids,
-positions, output slots, page table, lengths. Rows past the live batch are padding: they
+positions, output slots, page table, lengths. They are staged in two pinned host buffers
+and reach the device in two copies per step. Rows past the live batch are padding: they
 read and write the KV cache's scratch page only, and their logits are ignored.
 """
 
@@ -37,14 +38,19 @@ class DecodeGraphs:
         self.runner = runner
         dev = runner.device
         self.sizes = capture_sizes(runner.ec.max_running_requests)
-        bmax = self.sizes[-1]
-        ps = runner.ec.page_size
-        scratch_slot = runner.scratch_page * ps
-        self.input_ids = torch.zeros(bmax, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(bmax, dtype=torch.int64, device=dev)
-        self.out_slots = torch.full((bmax,), scratch_slot, dtype=torch.int64, device=dev)
-        self.page_table = torch.full((bmax, runner.max_pages_per_req), runner.scratch_page, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.ones(bmax, dtype=torch.int32, device=dev)
+        bmax, pages = self.sizes[-1], runner.max_pages_per_req
+        self.scratch_slot = runner.scratch_page * runner.ec.page_size
+        # Staging: int64 rows (token ids, positions, output slots) and int32 (page table rows,
+        # then lengths), pinned on the host, mirrored on the device; the graph reads views.
+        self.host64 = torch.zeros((3, bmax), dtype=torch.int64, pin_memory=True)
+        self.host32 = torch.zeros(bmax * (pages + 1), dtype=torch.int32, pin_memory=True)
+        self.dev64 = torch.zeros_like(self.host64, device=dev)
+        self.dev32 = torch.zeros_like(self.host32, device=dev)
+        self.copied = torch.cuda.Event()  # the host buffers may be rewritten once it fired
+        self.input_ids, self.positions, self.out_slots = self.dev64
+        self.page_table = self.dev32[:bmax * pages].view(bmax, pages)
+        self.seq_lens = self.dev32[bmax * pages:]
+        self._stage([], bmax)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.batches: dict[int, ForwardBatch] = {}  # kept alive: a graph reads their tensors at every replay
         self.outputs: dict[int, torch.Tensor] = {}
@@ -72,14 +78,27 @@ class DecodeGraphs:
                 self.outputs[b] = model(batch, kv)
             self.pool = graph.pool()
             self.graphs[b] = graph
-        self._reset_padding(self.sizes[-1], 0)
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
-    def _reset_padding(self, bmax: int, live: int) -> None:
-        ps = self.runner.ec.page_size
-        self.out_slots[live:bmax].fill_(self.runner.scratch_page * ps)
-        self.page_table[live:bmax].fill_(self.runner.scratch_page)
-        self.seq_lens[live:bmax].fill_(1)
+    def _stage(self, reqs, b: int) -> None:
+        """Write rows [0, b) of the inputs for `reqs` (rows past them: padding) to the host
+        buffers and copy them to the device."""
+        n = len(reqs)
+        bmax, pages = self.host64.shape[1], self.runner.max_pages_per_req
+        h64, h32 = self.host64.numpy(), self.host32.numpy()
+        self.copied.synchronize()  # the previous step's copy has read the buffers
+        if n:
+            ids, pos, slots, lens, page_lists = self.runner.decode_inputs(reqs)
+            h64[0, :n], h64[1, :n], h64[2, :n] = ids, pos, slots
+            h32[bmax * pages:bmax * pages + n] = lens
+            self.runner.fill_page_table(h32[:bmax * pages].reshape(bmax, pages), page_lists)
+        h64[:2, n:b] = 0
+        h64[2, n:b] = self.scratch_slot
+        h32[:bmax * pages].reshape(bmax, pages)[n:b] = self.runner.scratch_page
+        h32[bmax * pages + n:bmax * pages + b] = 1
+        self.dev64.copy_(self.host64, non_blocking=True)
+        self.dev32.copy_(self.host32, non_blocking=True)
+        self.copied.record()
 
     def can_run(self, n: int) -> bool:
         return n <= self.sizes[-1]
@@ -87,12 +106,6 @@ class DecodeGraphs:
     def run(self, reqs) -> torch.Tensor:
         n = len(reqs)
         b = next(s for s in self.sizes if s >= n)
-        ids, pos, slots, table, lens = self.runner.decode_inputs(reqs)
-        self.input_ids[:n].copy_(torch.tensor(ids), non_blocking=True)
-        self.positions[:n].copy_(torch.tensor(pos), non_blocking=True)
-        self.out_slots[:n].copy_(torch.tensor(slots), non_blocking=True)
-        self.page_table[:n].copy_(table, non_blocking=True)
-        self.seq_lens[:n].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
-        self._reset_padding(b, n)
+        self._stage(reqs, b)
         self.graphs[b].replay()
         return self.outputs[b][:n]

@@ -72,20 +72,27 @@ class ModelRunner:
                             self._t(logits_rows), prefill_seqs=seqs)
 
     def decode_inputs(self, reqs):
-        """Host-side decode inputs: token ids, positions, output slots, page table rows, lengths."""
+        """Host-side decode inputs: token ids, positions, output slots, lengths (lists) and
+        each request's page list."""
         ids = [r.tokens[-1] for r in reqs]
         pos = [r.num_tokens - 1 for r in reqs]
         ps = self.ec.page_size
         slots = [r.pages[p // ps] * ps + p % ps for r, p in zip(reqs, pos)]
-        table = torch.full((len(reqs), self.max_pages_per_req), self.scratch_page, dtype=torch.int32)
-        for i, r in enumerate(reqs):
-            table[i, :len(r.pages)] = torch.tensor(r.pages, dtype=torch.int32)
         lens = [r.num_tokens for r in reqs]
-        return ids, pos, slots, table, lens
+        return ids, pos, slots, lens, [r.pages for r in reqs]
+
+    def fill_page_table(self, table, pages) -> None:
+        """Rows of `table` [>= len(pages), max_pages_per_req] (a numpy int32 array): each
+        request's pages, then the scratch page."""
+        table[:len(pages)] = self.scratch_page
+        for i, row in enumerate(pages):
+            table[i, :len(row)] = row
 
     def decode_batch(self, reqs) -> ForwardBatch:
-        ids, pos, slots, table, lens = self.decode_inputs(reqs)
+        ids, pos, slots, lens, pages = self.decode_inputs(reqs)
         n = len(reqs)
+        table = torch.empty((n, self.max_pages_per_req), dtype=torch.int32)
+        self.fill_page_table(table.numpy(), pages)
         return ForwardBatch(True, self._t(ids), self._t(pos), self._t(slots), torch.arange(n, device=self.device),
                             page_table=table.to(self.device), seq_lens=self._t(lens, torch.int32))
 
