@@ -91,7 +91,7 @@ def load_safetensors(model, model_dir: str) -> None:
     files = checkpoint_files(model_dir)
     for file in tqdm(files, desc="loading shards", unit="file", disable=len(files) < 2):
         with safe_open(file, framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 if _beyond_cut(name, model.config.num_layers):
                     continue
                 target = model.expert_tensor_target(name)

@@ -13,6 +13,7 @@ from moeferry.engine.cuda_graph import DecodeGraphs
 from moeferry.engine.loader import load_dummy, load_safetensors
 from moeferry.engine.planner import plan_memory
 from moeferry.kvcache.paged import PagedKVCache
+from moeferry.layers.attention import Attention
 from moeferry.models.decoder import MoECausalLM
 from moeferry.moe.strategies import create_strategy
 
@@ -50,6 +51,9 @@ class ModelRunner:
             load_dummy(model, self.ec.seed, self.device)
         else:
             load_safetensors(model, self.mc.path)
+        for module in model.modules():
+            if isinstance(module, Attention):
+                module.fuse_qkv()
         model.eval()
         return model
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from moeferry.engine.batch import ForwardBatch
@@ -16,6 +17,10 @@ class Attention(nn.Module):
 
     `qk_norm` is None, "head" (RMSNorm over each head, Qwen3) or "full" (RMSNorm over the whole
     projection before the head split, OLMoE). Names of the submodules follow the HF checkpoints.
+
+    After loading, `fuse_qkv` stacks the q/k/v weights (and biases) into one [q; k; v] matrix
+    and makes the three projections' parameters views of it: one GEMM per forward, no extra
+    memory, and the state dict unchanged.
     """
 
     def __init__(self, mc, layer_id: int, qk_norm: str | None, qkv_bias: bool, rotary: RotaryEmbedding):
@@ -37,10 +42,32 @@ class Attention(nn.Module):
         self.window = mc.sliding_window_of(layer_id)
         self.scale = d ** -0.5
         self.rotary = rotary
+        self.qkv_weight: torch.Tensor | None = None
+        self.qkv_bias: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def fuse_qkv(self) -> None:
+        """Stack q/k/v into one projection (call once the weights are loaded)."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_weight = torch.cat([p.weight for p in projections])
+        if self.q_proj.bias is not None:
+            self.qkv_bias = torch.cat([p.bias for p in projections])
+        for p, rows in zip(projections, self.qkv_weight.split(self._qkv_sizes())):
+            p.weight.data = rows
+        if self.qkv_bias is not None:
+            for p, part in zip(projections, self.qkv_bias.split(self._qkv_sizes())):
+                p.bias.data = part
+
+    def _qkv_sizes(self) -> list[int]:
+        d = self.head_dim
+        return [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor):
         n = x.shape[0]
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qkv_weight is not None:
+            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self._qkv_sizes(), dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
