@@ -123,9 +123,11 @@ class OffloadStrategy(MoEStrategy):
             self.stream = LayerStream(num_experts, sample.w13.shape[1:], sample.w2.shape[1:], self.dtype, self.device)
 
     def build_cache(self, slots: int, policy: str | None = None) -> None:
-        """(Re)build the slot cache and its pool at `slots` slots, empty, under `policy` (default:
-        --moe-cache-policy). A captured decode graph holds the old pool's pointers: recapture
-        after calling this on a running engine."""
+        """(Re)build the slot cache and its pool at `slots` slots under `policy` (default:
+        --moe-cache-policy), warm: filled with the first layers' experts in layer order (all
+        of them when they fit), so a cache that holds every expert never misses. A captured
+        decode graph holds the old pool's pointers: recapture after calling this on a running
+        engine."""
         ec, num_experts = self.engine_config, self.model_config.num_experts
         policy = policy or ec.moe_cache_policy
         total = num_experts * len(self.moe_index)
@@ -143,9 +145,11 @@ class OffloadStrategy(MoEStrategy):
             torch.zeros((slots, *sample.w13.shape[1:]), dtype=self.dtype, device=self.device),
             torch.zeros((slots, *sample.w2.shape[1:]), dtype=self.dtype, device=self.device),
         )
-        logger.info("expert cache: %d slots of %d experts (%.1f%%), %.2f GiB on %s; policy %s; demand prefill: %s",
-                    slots, total, 100.0 * slots / total, slots * self.expert_bytes / 2**30, self.device,
-                    policy, self.policy.threshold)
+        filled = self.cache.fill([[self.banks[l].w13, self.banks[l].w2] for l in sorted(self.banks)],
+                                 [self.pool.w13, self.pool.w2])
+        logger.info("expert cache: %d slots of %d experts (%.1f%%), %.2f GiB on %s; policy %s; demand prefill: %s; "
+                    "warm start with %d experts", slots, total, 100.0 * slots / total,
+                    slots * self.expert_bytes / 2**30, self.device, policy, self.policy.threshold, filled)
 
     # ---- per forward -------------------------------------------------------------------------
     def begin_forward(self, is_decode: bool, num_tokens: int) -> None:

@@ -104,6 +104,32 @@ class SlotCache:
         self.copy_misses(host_banks, slot_banks)
         return slot_ids
 
+    @torch.no_grad()
+    def fill(self, host_banks: list[list[torch.Tensor]], slot_banks: list[torch.Tensor]) -> int:
+        """Warm start of an EMPTY cache: layer l's experts ``host_banks[l]`` (one ``[E, ...]``
+        tensor per bank, layers in order) go to consecutive slots until the slots run out,
+        copied in one block per layer and bank. The maps then read as if every filled slot
+        had been used before the first admission (recency 0, LRFU score 0), so free slots
+        are still taken first. Not counted in the statistics. Returns the experts filled."""
+        s, num_experts = self.state, self.num_experts
+        if bool((s.owner_of >= 0).any()):
+            raise RuntimeError("fill() needs an empty cache: call reset() first")
+        filled = 0
+        for layer, banks in enumerate(host_banks[:self.num_layers]):
+            count = min(num_experts, self.num_slots - filled)
+            if count <= 0:
+                break
+            slots = torch.arange(filled, filled + count, dtype=torch.int32, device=s.slot_of.device)
+            s.slot_of[layer, :count] = slots
+            s.owner_of[filled:filled + count] = layer * num_experts + torch.arange(
+                count, dtype=torch.int32, device=s.owner_of.device)
+            for host, slot in zip(banks, slot_banks):
+                slot[filled:filled + count].copy_(host[:count], non_blocking=True)
+            filled += count
+        s.last_used[:filled] = 0
+        s.score[:filled] = 0.0
+        return filled
+
     def reset(self) -> None:
         """Empty the cache and zero the statistics, in place."""
         self.state.reset()

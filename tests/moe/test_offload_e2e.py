@@ -35,6 +35,37 @@ def test_offload_one_layer_cache_matches_gpu(ckpt):
     assert stats["prefill"]["total"]["calls"] == 0  # prefill streamed: no admissions
 
 
+def test_a_cache_of_every_expert_starts_warm_and_never_misses(ckpt):
+    name, config, path = ckpt
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    off = LLM(path, dtype="float32", device="cpu", moe_strategy="offload", moe_collect_stats=True)
+    strategy = off.engine.runner.strategy
+    assert strategy.cache.num_slots == strategy.cache.num_layers * strategy.cache.num_experts
+    off.generate(PROMPTS, params)
+    decode = strategy.stats()["decode"]["total"]
+    assert decode["calls"] > 0 and decode["distinct"] > 0 and decode["misses"] == 0
+
+
+def test_a_partial_cache_starts_with_the_first_layers_resident(ckpt):
+    import torch
+
+    name, config, path = ckpt
+    experts = getattr(config, "num_experts", None) or config.num_local_experts
+    slots = experts + experts // 2 + 1
+    strategy = LLM(path, dtype="float32", device="cpu", moe_strategy="offload",
+                   moe_cache_slots=slots).engine.runner.strategy
+    cache, pool = strategy.cache, strategy.pool
+    owners = cache.owner_of.tolist()
+    assert all(o >= 0 for o in owners)  # every slot filled
+    for slot, owner in enumerate(owners):
+        layer, expert = divmod(owner, experts)
+        assert cache.slot_of[layer, expert] == slot
+        host = strategy.banks[sorted(strategy.banks)[layer]]
+        assert torch.equal(pool.w13[slot], host.w13[expert]) and torch.equal(pool.w2[slot], host.w2[expert])
+    assert int((cache.slot_of >= 0).sum()) == slots  # inverse maps: nothing else resident
+    assert (cache.slot_of[0] >= 0).all() and (cache.slot_of[1, : slots - experts] >= 0).all()
+
+
 @pytest.mark.parametrize("strategy", ["gpu", "uva", "offload"])
 def test_demand_prefill_needs_gpu_decode_with_offload(ckpt, strategy):
     name, config, path = ckpt
