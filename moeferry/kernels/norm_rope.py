@@ -1,5 +1,5 @@
-"""RMSNorm, residual add + RMSNorm and rotary dispatch by device: the Triton kernels
-(kernels/triton/norm_rope.py) on CUDA tensors, the plain-torch reference
+"""RMSNorm, residual add + RMSNorm, rotary, and q/k norm + rotary + KV-cache store dispatch by
+device: the Triton kernels (kernels/triton/norm_rope.py) on CUDA tensors, the plain-torch reference
 (kernels/reference/norm_rope.py, the modules' own arithmetic) otherwise. ``use_triton`` forces
 either (Triton on CPU tensors needs TRITON_INTERPRET=1, set before triton is imported).
 Triton is imported lazily so CPU-only callers never pay for it. Both paths take the same
@@ -13,7 +13,7 @@ import torch
 
 from moeferry.kernels import implementation
 
-__all__ = ["apply_rotary", "fused_add_rms_norm", "rms_norm"]
+__all__ = ["apply_rotary", "fused_add_rms_norm", "qk_norm_rope_store", "rms_norm"]
 
 _impl = functools.partial(implementation, "norm_rope")
 
@@ -40,3 +40,17 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos:
     """Rotate-half RoPE of q [N, Hq, D] and k [N, Hkv, D] at positions [N] with cos/sin tables
     [P, D] (fp32, cast to q's dtype); q_out/k_out may be q/k (in place)."""
     return _impl(use_triton, q).apply_rotary(q, k, positions, cos, sin, q_out=q_out, k_out=k_out)
+
+
+def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                       cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       out_slots: torch.Tensor, *, q_norm_weight: torch.Tensor | None = None,
+                       k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                       q_out: torch.Tensor | None = None,
+                       use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, Hq, D], k, v [N, Hkv, D] -> (q_rot, k_rot): per-head rms_norm of q and k when both
+    weights are given, apply_rotary at positions [N], then k_cache[out_slots] = k_rot and
+    v_cache[out_slots] = v (caches [slots, Hkv, D], in place); q_out may be q (in place)."""
+    return _impl(use_triton, q).qk_norm_rope_store(q, k, v, positions, cos, sin, k_cache, v_cache, out_slots,
+                                                   q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight,
+                                                   eps=eps, q_out=q_out)

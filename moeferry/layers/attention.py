@@ -8,6 +8,7 @@ from torch import nn
 
 from moeferry.engine.batch import ForwardBatch
 from moeferry.kernels import attention as attn_ops
+from moeferry.kernels import norm_rope
 from moeferry.layers.norm import RMSNorm
 from moeferry.layers.rotary import RotaryEmbedding
 
@@ -62,7 +63,9 @@ class Attention(nn.Module):
         d = self.head_dim
         return [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
 
-    def _project(self, x: torch.Tensor, positions: torch.Tensor):
+    def _project(self, x: torch.Tensor):
+        """q [N, Hq, D], k, v [N, Hkv, D] before the per-head norm and rotary (views of one
+        fused projection once `fuse_qkv` ran)."""
         n = x.shape[0]
         if self.qkv_weight is not None:
             q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self._qkv_sizes(), dim=-1)
@@ -72,19 +75,19 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return q, k, v
+        return (q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim),
+                v.view(n, self.num_kv_heads, self.head_dim))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv) -> torch.Tensor:
-        q, k, v = self._project(x, batch.positions)
+        q, k, v = self._project(x)
         k_cache, v_cache = kv.k[self.layer_id], kv.v[self.layer_id]
-        k_cache.index_copy_(0, batch.out_slots, k)
-        v_cache.index_copy_(0, batch.out_slots, v)
+        head_norm = self.qk_norm == "head"
+        # per-head q/k norm, rotary, and the K/V store at the tokens' slots: one launch on CUDA
+        q, _ = norm_rope.qk_norm_rope_store(
+            q, k, v, batch.positions, self.rotary.cos, self.rotary.sin, k_cache, v_cache, batch.out_slots,
+            q_norm_weight=self.q_norm.weight if head_norm else None,
+            k_norm_weight=self.k_norm.weight if head_norm else None,
+            eps=self.q_norm.eps if head_norm else 1e-6)
         if batch.is_decode:
             out = attn_ops.decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, kv.page_size,
                                        self.scale, self.window)

@@ -195,6 +195,140 @@ def test_empty_batches_and_refused_arguments():
                          torch.zeros(4, 47), torch.zeros(4, 47), use_triton=True)
 
 
+# q/k norm + rotary + KV-cache store in one launch (the attention prologue of a decode step).
+
+def qkv_step(n, hq, hkv, d, dtype, generator, device="cpu", max_pos=64, cache_dtype=None):
+    """q, k, v as per-head views of one fused qkv projection, positions, distinct shuffled out
+    slots, and caches pre-filled with random values."""
+    qkv = randn(n, (hq + 2 * hkv) * d, dtype=dtype, generator=generator, device=device)
+    slots = 2 * n + 5
+    return {"q": qkv[:, :hq * d].view(n, hq, d), "k": qkv[:, hq * d:(hq + hkv) * d].view(n, hkv, d),
+            "v": qkv[:, (hq + hkv) * d:].view(n, hkv, d),
+            "positions": torch.randint(0, max_pos, (n,), generator=generator).to(device),
+            "out_slots": torch.randperm(slots, generator=generator)[:n].to(device),
+            "k_cache": randn(slots, hkv, d, dtype=cache_dtype or dtype, generator=generator, device=device),
+            "v_cache": randn(slots, hkv, d, dtype=dtype, generator=generator, device=device)}
+
+
+def norm_weights(d, dtype, generator, device="cpu"):
+    return {name: (1 + 0.5 * torch.randn(d, generator=generator)).to(device, dtype)
+            for name in ("q_norm_weight", "k_norm_weight")}
+
+
+def run_store(t, rotary, weights, q_out=None, use_triton=None):
+    """The op on copies of t's caches, the written slots poisoned with NaN first:
+    (q_rot, k_rot, k_cache, v_cache)."""
+    k_cache, v_cache = t["k_cache"].clone(), t["v_cache"].clone()
+    k_cache[t["out_slots"]] = float("nan")
+    v_cache[t["out_slots"]] = float("nan")
+    q_rot, k_rot = ops.qk_norm_rope_store(t["q"], t["k"], t["v"], t["positions"], rotary.cos, rotary.sin,
+                                          k_cache, v_cache, t["out_slots"], **weights, eps=EPS, q_out=q_out,
+                                          use_triton=use_triton)
+    assert q_out is None or q_rot is q_out
+    return q_rot, k_rot, k_cache, v_cache
+
+
+def assert_stored(t, k_rot, k_cache, v_cache):
+    """Written slots hold k_rot and v exactly; every other slot is untouched."""
+    slots = t["out_slots"]
+    assert torch.equal(k_cache[slots], k_rot) and torch.equal(v_cache[slots], t["v"])
+    untouched = torch.ones(k_cache.shape[0], dtype=torch.bool, device=k_cache.device)
+    untouched[slots] = False
+    assert torch.equal(k_cache[untouched], t["k_cache"][untouched])
+    assert torch.equal(v_cache[untouched], t["v_cache"][untouched])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", [False, True])
+def test_reference_qk_norm_rope_store_is_the_module_steps(dtype, norm):
+    g = torch.Generator().manual_seed(7)
+    rotary, d = make_rotary(64, 64), 64
+    t = qkv_step(5, 4, 2, d, dtype, g)
+    weights = norm_weights(d, dtype, g) if norm else {}
+    q, k = t["q"], t["k"]
+    if norm:  # the attention layer's own steps: q_norm, k_norm, rotary, index_copy_
+        q = original_rms_norm(SimpleNamespace(weight=weights["q_norm_weight"], eps=EPS), q)
+        k = original_rms_norm(SimpleNamespace(weight=weights["k_norm_weight"], eps=EPS), k)
+    e_q, e_k = original_rotary(rotary, t["positions"], q, k)
+    e_k_cache, e_v_cache = t["k_cache"].clone(), t["v_cache"].clone()
+    e_k_cache.index_copy_(0, t["out_slots"], e_k)
+    e_v_cache.index_copy_(0, t["out_slots"], t["v"])
+    for use_triton in (False, None):  # the reference, and the CPU dispatch
+        q_rot, k_rot, k_cache, v_cache = run_store(t, rotary, weights, use_triton=use_triton)
+        for got, expected in ((q_rot, e_q), (k_rot, e_k), (k_cache, e_k_cache), (v_cache, e_v_cache)):
+            assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (8, 1)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_qk_norm_rope_store_matches(dtype, norm, hq, hkv, d):
+    g = torch.Generator().manual_seed(d + hq)
+    rotary = make_rotary(d, 64)
+    weights = norm_weights(d, dtype, g) if norm else {}
+    for n in (1, 3, 17):
+        t = qkv_step(n, hq, hkv, d, dtype, g)
+        e_q, e_k, _, _ = run_store(t, rotary, weights, use_triton=False)
+        q_rot, k_rot, k_cache, v_cache = run_store(t, rotary, weights, q_out=poisoned((n, hq, d), dtype),
+                                                   use_triton=True)
+        if norm:  # the norms' reduction order and rsqrt; rotary and stores exact given them
+            assert_close(q_rot, e_q, dtype)
+            assert_close(k_rot, e_k, dtype)
+        else:  # rotary alone is exact
+            assert torch.equal(q_rot, e_q) and torch.equal(k_rot, e_k)
+        assert_stored(t, k_rot, k_cache, v_cache)
+
+
+def test_qk_norm_rope_store_in_place_and_promoted_weights():
+    g = torch.Generator().manual_seed(11)
+    rotary, d = make_rotary(64, 64), 64
+    # q_out = q in place (q contiguous), int32 positions and slots.
+    t = qkv_step(6, 4, 2, d, torch.bfloat16, g)
+    weights = norm_weights(d, torch.bfloat16, g)
+    e_q, e_k, _, _ = run_store(t, rotary, weights, use_triton=False)
+    t.update(q=t["q"].contiguous(), positions=t["positions"].int(), out_slots=t["out_slots"].int())
+    q_rot, k_rot, k_cache, v_cache = run_store(t, rotary, weights, q_out=t["q"], use_triton=True)
+    assert_close(q_rot, e_q, torch.bfloat16)
+    assert_close(k_rot, e_k, torch.bfloat16)
+    t["out_slots"] = t["out_slots"].long()
+    assert_stored(t, k_rot, k_cache, v_cache)
+    # fp32 weights on bf16 heads: normed heads, rotary and k_cache in fp32, v stays bf16.
+    t = qkv_step(5, 4, 2, d, torch.bfloat16, g, cache_dtype=torch.float32)
+    weights = norm_weights(d, torch.float32, g)
+    e_q, e_k, _, _ = run_store(t, rotary, weights, use_triton=False)
+    q_rot, k_rot, k_cache, v_cache = run_store(t, rotary, weights, use_triton=True)
+    assert q_rot.dtype == k_rot.dtype == torch.float32
+    assert_close(q_rot, e_q, torch.bfloat16)
+    assert_close(k_rot, e_k, torch.bfloat16)
+    assert_stored(t, k_rot, k_cache, v_cache)
+
+
+def test_qk_norm_rope_store_empty_batch_and_refused_arguments():
+    g = torch.Generator().manual_seed(12)
+    rotary = make_rotary(64, 64)
+    t = qkv_step(0, 4, 2, 64, torch.float32, g)
+    q_rot, k_rot, k_cache, v_cache = run_store(t, rotary, {}, use_triton=True)
+    assert q_rot.shape == (0, 4, 64) and k_rot.shape == (0, 2, 64)
+    assert torch.equal(k_cache, t["k_cache"]) and torch.equal(v_cache, t["v_cache"])
+
+    def refused(use_triton=True, **change):
+        t = qkv_step(3, 4, 2, 64, torch.float32, torch.Generator().manual_seed(13))
+        weights = change.pop("weights", {})
+        t.update(change)
+        with pytest.raises(ValueError):
+            run_store(t, rotary, weights, use_triton=use_triton)
+
+    for use_triton in (True, False):  # one weight without the other
+        refused(use_triton, weights={"q_norm_weight": torch.ones(64)})
+    refused(k_cache=torch.zeros(11, 2, 64, dtype=torch.bfloat16))  # cache dtype is not k_rot's
+    refused(v_cache=torch.zeros(11, 64, 2).transpose(1, 2))  # cache without a unit last stride
+    refused(k_cache=torch.zeros(11, 1, 64))  # cache heads
+    refused(v=torch.zeros(3, 2, 64, dtype=torch.bfloat16))  # v in another dtype
+    refused(weights={"q_norm_weight": torch.ones(32), "k_norm_weight": torch.ones(32)})
+    refused(out_slots=torch.zeros(2, dtype=torch.int64))
+
+
 # Real sizes on the GPU (Qwen3-30B-A3B: hidden 2048, 32 q heads, 4 kv heads, head_dim 128).
 
 HIDDEN, HQ, HKV, HEAD_DIM, MAX_POS = 2048, 32, 4, 128, 8192
@@ -282,3 +416,57 @@ def test_cuda_graph_replays_with_new_inputs(n):
         assert_close(normed, expected[0], torch.bfloat16)
         assert_close(q_rot, expected[4], torch.bfloat16)
         assert_close(k_rot, expected[5], torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 7, 64])
+def test_qk_norm_rope_store_real_sizes_on_gpu(n):
+    g = torch.Generator().manual_seed(200 + n)
+    rotary = make_rotary(HEAD_DIM, MAX_POS, theta=1e6, device="cuda")
+    weights = norm_weights(HEAD_DIM, torch.bfloat16, g, device="cuda")
+
+    def step(generator):
+        return qkv_step(n, HQ, HKV, HEAD_DIM, torch.bfloat16, generator, device="cuda", max_pos=MAX_POS)
+
+    t = step(g)
+    e_q, e_k, _, _ = run_store(t, rotary, weights, use_triton=False)
+    q_rot, k_rot, k_cache, v_cache = run_store(t, rotary, weights, q_out=poisoned((n, HQ, HEAD_DIM), torch.bfloat16,
+                                                                                  "cuda"))
+    assert_close(q_rot, e_q, torch.bfloat16)
+    assert_close(k_rot, e_k, torch.bfloat16)
+    assert_stored(t, k_rot, k_cache, v_cache)
+
+    # Captured in a CUDA graph, replayed with new values in the same buffers (one qkv output).
+    static = step(g)
+    qkv = torch.cat([static[name].reshape(n, -1) for name in ("q", "k", "v")], dim=1)
+    static.update(q=qkv[:, :HQ * HEAD_DIM].view(n, HQ, HEAD_DIM),
+                  k=qkv[:, HQ * HEAD_DIM:(HQ + HKV) * HEAD_DIM].view(n, HKV, HEAD_DIM),
+                  v=qkv[:, (HQ + HKV) * HEAD_DIM:].view(n, HKV, HEAD_DIM))
+    k_cache, v_cache = static["k_cache"], static["v_cache"]
+    q_out = torch.empty(n, HQ, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+
+    def op():
+        return ops.qk_norm_rope_store(static["q"], static["k"], static["v"], static["positions"], rotary.cos,
+                                      rotary.sin, k_cache, v_cache, static["out_slots"], **weights, eps=EPS,
+                                      q_out=q_out)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        op()  # compiles the kernel outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _, k_rot = op()
+    for seed in (1, 2):
+        fresh = step(torch.Generator().manual_seed(1000 * seed + n))
+        for name in ("q", "k", "v", "positions", "out_slots"):
+            static[name].copy_(fresh[name])
+        k_cache.copy_(fresh["k_cache"])
+        v_cache.copy_(fresh["v_cache"])
+        graph.replay()
+        torch.cuda.synchronize()
+        e_q, e_k, _, _ = run_store(fresh, rotary, weights, use_triton=False)
+        assert_close(q_out, e_q, torch.bfloat16)
+        assert_close(k_rot, e_k, torch.bfloat16)
+        assert_stored(fresh, k_rot, k_cache, v_cache)

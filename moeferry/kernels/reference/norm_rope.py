@@ -1,5 +1,6 @@
-"""RMSNorm, residual add + RMSNorm, and rotate-half RoPE in plain torch: the oracle for
-kernels/triton/norm_rope.py and the CPU path of layers/norm.py and layers/rotary.py.
+"""RMSNorm, residual add + RMSNorm, rotate-half RoPE, and q/k norm + RoPE + KV-cache store in
+plain torch: the oracle for kernels/triton/norm_rope.py and the CPU path of layers/norm.py,
+layers/rotary.py and the attention prologue.
 
 The arithmetic is the modules' own, op for op (normalise in fp32, cast to the input dtype,
 multiply by the weight; cos/sin cast to q's dtype, then q * cos + rotate_half(q) * sin), so
@@ -52,4 +53,23 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos:
         q_rot = q_out.copy_(q_rot)
     if k_out is not None:
         k_rot = k_out.copy_(k_rot)
+    return q_rot, k_rot
+
+
+def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                       cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       out_slots: torch.Tensor, *, q_norm_weight: torch.Tensor | None = None,
+                       k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                       q_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention prologue of one layer: per-head rms_norm of q and k when the weights are
+    given (both or neither), apply_rotary, then k_cache[out_slots] = k_rot and
+    v_cache[out_slots] = v (index_copy_). Returns (q_rot, k_rot); q_rot is copied to ``q_out``
+    (which may be q itself) when given."""
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("q_norm_weight and k_norm_weight: give both or neither")
+    if q_norm_weight is not None:
+        q, k = rms_norm(q, q_norm_weight, eps), rms_norm(k, k_norm_weight, eps)
+    q_rot, k_rot = apply_rotary(q, k, positions, cos, sin, q_out=q_out)
+    k_cache.index_copy_(0, out_slots, k_rot)
+    v_cache.index_copy_(0, out_slots, v)
     return q_rot, k_rot

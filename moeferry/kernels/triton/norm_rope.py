@@ -1,9 +1,12 @@
-"""RMSNorm, residual add + RMSNorm, and rotate-half RoPE as single Triton launches.
+"""RMSNorm, residual add + RMSNorm, rotate-half RoPE, and q/k norm + RoPE + KV-cache store as
+single Triton launches.
 
-``rms_norm``, ``fused_add_rms_norm`` and ``apply_rotary`` have the signatures and the results
-(to the rounding of the fp32 row reduction and rsqrt) of ``kernels/reference/norm_rope.py``,
-which replace the ~7 small torch kernels of an fp32 RMSNorm, the add before it, and the ~12
-of rotary on q and k during a decode step.
+``rms_norm``, ``fused_add_rms_norm``, ``apply_rotary`` and ``qk_norm_rope_store`` have the
+signatures and the results (to the rounding of the fp32 row reduction and rsqrt) of
+``kernels/reference/norm_rope.py``, which replace the ~7 small torch kernels of an fp32
+RMSNorm, the add before it, and the ~12 of rotary on q and k during a decode step;
+``qk_norm_rope_store`` does the per-head q/k norms, the rotary and both KV-cache stores of an
+attention layer in one launch.
 
 Common contract
 - Every call reads only tensor shapes, strides and dtypes on the host: the grid is fixed by
@@ -205,5 +208,148 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos:
     _rotary_kernel[(triton.cdiv(n_rows, rows),)](
         q, k, q_out, k_out, positions, cos, sin, n_rows, hq, hkv, q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), cos.stride(0), HALF=half, ROWS=rows, BLOCK_HALF=block_half,
+        num_warps=4, enable_fp_fusion=False)
+    return q_out, k_out
+
+
+@triton.jit
+def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr,
+                               q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr, n_rows, HQ, HKV, eps,
+                               q_s0, q_s1, k_s0, k_s1, v_s0, v_s1, kc_s0, kc_s1, vc_s0, vc_s1,
+                               table_stride,
+                               NORM: tl.constexpr, HALF: tl.constexpr, ROWS: tl.constexpr,
+                               BLOCK_HALF: tl.constexpr):
+    # Row r is head r % (HQ + 2 HKV) of token r // (HQ + 2 HKV): its q heads, k heads, v heads.
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_HALF)
+    live = rows < n_rows
+    col_ok = cols < HALF
+    mask = live[:, None] & col_ok[None, :]
+    token, head = (rows // (HQ + 2 * HKV)).to(tl.int64), (rows % (HQ + 2 * HKV)).to(tl.int64)
+    is_q = head < HQ
+    is_v = head >= HQ + HKV
+    is_k = ~is_q & ~is_v
+    kv_head = tl.where(is_v, head - HQ - HKV, head - HQ)  # k or v head; unused on q rows
+    src = tl.where(is_q[:, None], q_ptr + (token * q_s0 + head * q_s1)[:, None],
+                   tl.where(is_k[:, None], k_ptr + (token * k_s0 + kv_head * k_s1)[:, None],
+                            v_ptr + (token * v_s0 + kv_head * v_s1)[:, None])) + cols[None, :]
+    # Both halves of an element pair are loaded and stored by the same thread (same offsets,
+    # same layout), which is what makes q_out = q in place safe.
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+
+    dt = q_out_ptr.dtype.element_ty
+    if NORM:
+        # rms_norm of each q/k head: normalised row rounded to the input dtype, then the weight
+        # product rounded to the output dtype (v rows compute it too, unused).
+        inv = tl.rsqrt(tl.sum(x1 * x1 + x2 * x2, axis=1) / (2 * HALF) + eps)[:, None]
+        qw1 = tl.load(qw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        qw2 = tl.load(qw_ptr + cols + HALF, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        kw1 = tl.load(kw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        kw2 = tl.load(kw_ptr + cols + HALF, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        xdt = q_ptr.dtype.element_ty
+        y1 = _rounded(tl.where(is_q[:, None], qw1, kw1) * _rounded(x1 * inv, xdt), dt)
+        y2 = _rounded(tl.where(is_q[:, None], qw2, kw2) * _rounded(x2 * inv, xdt), dt)
+    else:
+        y1 = x1
+        y2 = x2
+
+    # Rotary of the q/k rows, exactly as _rotary_kernel: cos/sin rounded to the output dtype,
+    # each product and the sum rounded to it, no FMA.
+    qk_mask = mask & ~is_v[:, None]
+    table = (tl.load(pos_ptr + token, mask=live & ~is_v, other=0).to(tl.int64) * table_stride)[:, None] + cols[None, :]
+    c1 = _rounded(tl.load(cos_ptr + table, mask=qk_mask, other=0.0), dt)
+    c2 = _rounded(tl.load(cos_ptr + table + HALF, mask=qk_mask, other=0.0), dt)
+    s1 = _rounded(tl.load(sin_ptr + table, mask=qk_mask, other=0.0), dt)
+    s2 = _rounded(tl.load(sin_ptr + table + HALF, mask=qk_mask, other=0.0), dt)
+    lo = _rounded(_rounded(y1 * c1, dt) + _rounded(-y2 * s1, dt), dt)
+    hi = _rounded(_rounded(y2 * c2, dt) + _rounded(y1 * s2, dt), dt)
+
+    dst = tl.where(is_q[:, None], q_out_ptr + (token * HQ + head)[:, None] * (2 * HALF),
+                   k_out_ptr + (token * HKV + kv_head)[:, None] * (2 * HALF)) + cols[None, :]
+    tl.store(dst, lo.to(dt), mask=qk_mask)
+    tl.store(dst + HALF, hi.to(dt), mask=qk_mask)
+    # The cache rows: k_rot into k_cache[slot], v unchanged into v_cache[slot].
+    slot = tl.load(slot_ptr + token, mask=live & ~is_q, other=0).to(tl.int64)
+    k_mask = mask & is_k[:, None]
+    kc = k_cache_ptr + (slot * kc_s0 + kv_head * kc_s1)[:, None] + cols[None, :]
+    tl.store(kc, lo.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
+    tl.store(kc + HALF, hi.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
+    v_mask = mask & is_v[:, None]
+    vc = v_cache_ptr + (slot * vc_s0 + kv_head * vc_s1)[:, None] + cols[None, :]
+    tl.store(vc, x1.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
+    tl.store(vc + HALF, x2.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
+
+
+def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                       cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       out_slots: torch.Tensor, *, q_norm_weight: torch.Tensor | None = None,
+                       k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                       q_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of q and k (when the weights are given), rotary, and the KV-cache store
+    of k and v, one launch: rms_norm, rms_norm, apply_rotary and the two index_copy_ of a
+    decode step's attention prologue.
+
+    q [N, Hq, D], k and v [N, Hkv, D]: one dtype (bf16|fp16|fp32), D even, unit last stride,
+    any token/head strides (slices of a fused qkv projection). positions and out_slots [N]
+    int64 (or int32); cos, sin [P, D] float32 as for apply_rotary. q_norm_weight and
+    k_norm_weight [D]: both or neither; the normed heads are in
+    ``promote_types(weight.dtype, q.dtype)`` (q's dtype without norm), the same for q and k,
+    and that is the dtype of q_rot, k_rot and k_cache. k_cache, v_cache [slots, Hkv, D] with
+    a unit last stride (any slot/head strides), v_cache in v's dtype; written in place.
+
+    Writes q_rot into ``q_out`` [N, Hq, D] (contiguous, allocated unless given; may be q itself
+    when q is contiguous, no other overlap), k_rot into a new [N, Hkv, D], k_rot into
+    k_cache[out_slots] and v into v_cache[out_slots]; returns (q_rot, k_rot). Invariants
+    expected of the caller, not checked (that would read back to the host): ``0 <= positions
+    < P`` and ``0 <= out_slots < slots``. Rows sharing a slot (the padding rows of a captured
+    batch all write the scratch slot) race for it: the slot ends up holding garbage, as with
+    index_copy_, and every other slot is exact. A program handles ROWS consecutive (token, head)
+    rows of the N * (Hq + 2 Hkv), q, k and v heads alike."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected [N, H, D]")
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    if (k.dtype != q.dtype or v.dtype != q.dtype or k.shape != v.shape or k.shape[0] != n
+            or k.shape[2] != d or d % 2):
+        raise ValueError(f"q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)} "
+                         f"{v.dtype}: need one dtype, the same N, k and v alike and an even head_dim")
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("q_norm_weight and k_norm_weight: give both or neither")
+    norm = q_norm_weight is not None
+    dtype = q.dtype
+    if norm:
+        if q_norm_weight.shape != (d,) or k_norm_weight.shape != (d,):
+            raise ValueError(f"norm weights {tuple(q_norm_weight.shape)}, {tuple(k_norm_weight.shape)} "
+                             f"for head_dim {d}")
+        dtype = torch.promote_types(q_norm_weight.dtype, q.dtype)
+        if torch.promote_types(k_norm_weight.dtype, k.dtype) != dtype:
+            raise ValueError(f"q_norm_weight {q_norm_weight.dtype} and k_norm_weight {k_norm_weight.dtype} "
+                             f"give q and k different dtypes")
+    if cos.shape != sin.shape or cos.shape[-1] != d or cos.stride() != sin.stride():
+        raise ValueError(f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)} for head_dim {d}")
+    for name, cache, want in (("k_cache", k_cache, dtype), ("v_cache", v_cache, v.dtype)):
+        if cache.dim() != 3 or tuple(cache.shape[1:]) != (hkv, d) or cache.dtype != want or cache.stride(-1) != 1:
+            raise ValueError(f"{name}: expected [slots, {hkv}, {d}] {want} with a unit last stride, got "
+                             f"{tuple(cache.shape)} {cache.dtype} strides {cache.stride()}")
+    if positions.shape != (n,) or out_slots.shape != (n,):
+        raise ValueError(f"positions {tuple(positions.shape)} and out_slots {tuple(out_slots.shape)} for N={n}")
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
+    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    q_out = _output(q_out, q.shape, dtype, q.device, "q_out")
+    k_out = torch.empty(k.shape, dtype=dtype, device=k.device)
+    if n == 0:
+        return q_out, k_out
+    half = d // 2
+    block_half = triton.next_power_of_2(half)
+    n_rows = n * (hq + 2 * hkv)
+    rows = max(1, _TILE // 2 // block_half)
+    weights = (q_norm_weight.contiguous(), k_norm_weight.contiguous()) if norm else (q_out, q_out)
+    _qk_norm_rope_store_kernel[(triton.cdiv(n_rows, rows),)](
+        q, k, v, *weights, positions, cos, sin, out_slots, q_out, k_out, k_cache, v_cache,
+        n_rows, hq, hkv, eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), cos.stride(0),
+        NORM=norm, HALF=half, ROWS=rows, BLOCK_HALF=block_half,
         num_warps=4, enable_fp_fusion=False)
     return q_out, k_out
