@@ -1,11 +1,14 @@
-"""The MoE block: router (scores, top-k, normalisation), optional shared expert, and the
-routed experts computed by the engine's MoE strategy."""
+"""The MoE block: router (scores, top-k, normalisation: kernels/router.py, one Triton launch on
+CUDA), optional shared expert, and the routed experts computed by the engine's MoE strategy."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# softmax_topk is also imported from here by callers that route with a block's gate.
+from moeferry.kernels.router import softmax_topk
 
 
 class DenseMLP(nn.Module):
@@ -19,16 +22,6 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over all experts in float32, top-k, optional renormalisation of the k weights.
-    Weights are rounded through the logits' dtype as the reference models do."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(logits.dtype).float(), ids.to(torch.int32)
 
 
 class MoEBlock(nn.Module):
