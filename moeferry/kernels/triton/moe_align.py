@@ -15,6 +15,8 @@ block_size) alone and nothing is read back to the host, so a call is CUDA-graph 
 The result is deterministic: counts use integer atomics (order-free), positions do not.
 
 How, for N = T * K routes cut into chunks of ROUTE_CHUNK routes (C chunks):
+    0. _init_kernel           (all)     the sentinel, -1 and zero fills of the outputs and
+                                        chunk_counts, in one launch
     1. _count_chunk_kernel    (routes)  chunk_counts[c, e] = routes of expert e in chunk c
     2. _chunk_prefix_kernel   (experts) chunk_counts[c, e] -> routes of e in chunks < c;
                                         expert_counts[e] = routes of e; padded total of
@@ -38,6 +40,17 @@ __all__ = ["moe_align_block_size", "padded_route_capacity"]
 ROUTE_BLOCK = 64  # routes per program; _place_routes_kernel compares [64, 64] tiles
 ROUTE_CHUNK = 1024  # a multiple of ROUTE_BLOCK: one route block never spans two chunks
 EXPERT_BLOCK = 1024
+INIT_BLOCK = 1024
+
+
+@triton.jit
+def _init_kernel(sorted_route_ptr, block_expert_ptr, chunk_counts_ptr, capacity, num_blocks,
+                 num_counts, sentinel, BLOCK: tl.constexpr):
+    """sorted_route_ids[:] = sentinel, block_expert[:] = -1, chunk_counts[:] = 0 (one launch)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(sorted_route_ptr + offs, tl.full([BLOCK], 0, tl.int32) + sentinel, mask=offs < capacity)
+    tl.store(block_expert_ptr + offs, tl.full([BLOCK], -1, tl.int32), mask=offs < num_blocks)
+    tl.store(chunk_counts_ptr + offs, tl.zeros([BLOCK], tl.int32), mask=offs < num_counts)
 
 
 @triton.jit
@@ -125,19 +138,24 @@ def moe_align_block_size(
         flat_ids = flat_ids.contiguous()
     num_routes = flat_ids.numel()
     capacity = padded_route_capacity(num_routes, num_experts, block_size)
-    sorted_route_ids = torch.full((capacity,), num_routes, dtype=torch.int32, device=device)
-    block_expert = torch.full((capacity // block_size,), -1, dtype=torch.int32, device=device)
-    num_post_padded = torch.zeros(1, dtype=torch.int32, device=device)
     if num_routes == 0:
-        return sorted_route_ids, block_expert, num_post_padded
-
+        return (torch.full((capacity,), num_routes, dtype=torch.int32, device=device),
+                torch.full((capacity // block_size,), -1, dtype=torch.int32, device=device),
+                torch.zeros(1, dtype=torch.int32, device=device))
+    sorted_route_ids = torch.empty(capacity, dtype=torch.int32, device=device)
+    block_expert = torch.empty(capacity // block_size, dtype=torch.int32, device=device)
+    num_post_padded = torch.empty(1, dtype=torch.int32, device=device)  # written by _expert_start
     num_chunks = triton.cdiv(num_routes, ROUTE_CHUNK)
-    chunk_counts = torch.zeros((num_chunks, num_experts), dtype=torch.int32, device=device)
+    chunk_counts = torch.empty((num_chunks, num_experts), dtype=torch.int32, device=device)
     expert_blocks = triton.cdiv(num_experts, EXPERT_BLOCK)
     expert_counts = torch.empty(num_experts, dtype=torch.int32, device=device)
     block_padded = torch.empty(expert_blocks, dtype=torch.int32, device=device)
     expert_start = torch.empty(num_experts, dtype=torch.int32, device=device)
 
+    init_size = max(capacity, chunk_counts.numel())
+    _init_kernel[(triton.cdiv(init_size, INIT_BLOCK),)](
+        sorted_route_ids, block_expert, chunk_counts, capacity, block_expert.numel(),
+        chunk_counts.numel(), num_routes, BLOCK=INIT_BLOCK)
     route_grid = (triton.cdiv(num_routes, ROUTE_BLOCK),)
     _count_chunk_kernel[route_grid](flat_ids, chunk_counts, num_routes, num_experts,
                                     ROUTE_CHUNK=ROUTE_CHUNK, BLOCK_R=ROUTE_BLOCK)
