@@ -2,7 +2,8 @@
 dummy Qwen3-30B-A3B-shaped model, with the floor of each step beside it.
 
 Floor per step = bytes of missed experts / measured pinned H2D bandwidth
-               + (bytes of the distinct experts the step reads + dense weights) / measured HBM bandwidth.
+               + (bytes of the distinct experts the step reads + dense weights) / measured HBM bandwidth
+(dense weights: every parameter but an untied input embedding, of which a step reads a row per token).
 A dummy router routes near-uniformly, so the hit rate follows the cache fraction: this
 measures the machinery, not the policy. Every configuration decodes the same prompts from
 the same weights; the whole engine step is timed (scheduler, graph replay, sampling).
@@ -33,7 +34,7 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--disable-cuda-graph", action="store_true")
-    p.add_argument("--policies", nargs="+", default=["lru"], help="slot cache policies to run offload with")
+    p.add_argument("--policies", nargs="+", default=["layer_lru"], help="slot cache policies to run offload with")
     p.add_argument("--out")
     return p.parse_args(argv)
 
@@ -57,7 +58,14 @@ def decode_counters(engine) -> dict:
 
 
 def dense_bytes(engine) -> int:
-    return sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    """Bytes a decode step reads from the dense weights: every parameter (parameters() counts a
+    tied embedding once) but an untied input embedding, of which a step reads a few rows."""
+    model = engine.runner.model
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not model.tie_word_embeddings:
+        embed = model.model.embed_tokens.weight
+        total -= embed.numel() * embed.element_size()
+    return total
 
 
 def main(argv=None) -> int:
@@ -77,7 +85,7 @@ def main(argv=None) -> int:
         for frac, policy in configs:
             slots = None if frac is None else max(QWEN3_30B_DIR_CONFIG["num_experts"], int(frac * experts_total))
             if engine is None:
-                engine = make_engine(cfg_dir, args, strategy, slots, policy or "lru")
+                engine = make_engine(cfg_dir, args, strategy, slots, policy or "layer_lru")
             elif slots is not None:
                 engine.runner.strategy.build_cache(slots, policy)
                 if engine.runner.graphs is not None:

@@ -20,7 +20,9 @@ run() {  # name, command...
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' >> "$OUT/gpu.txt" 2>&1
-has tests && run pytest-gpu python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/moe tests/models ${KEXPR:+-k "$KEXPR"}
+# GPU_TESTS narrows the test stage to some files (the whole GPU suite takes about 6 minutes)
+has tests && run pytest-gpu python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 \
+  ${GPU_TESTS:-tests/kernels tests/moe tests/models} ${KEXPR:+-k "$KEXPR"}
 if has kernels; then
   run bench-copy python3 -m benchmarks.bench_copy --out "$RESULTS"
   run bench-admission python3 -m benchmarks.bench_admission --out "$RESULTS"
