@@ -7,9 +7,13 @@ model in tests/moe/test_slot_cache.py.
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from moeferry.kernels.reference import admission as reference
-from moeferry.kernels.reference.admission import AdmissionCounters, DecayPowers, SlotState
+from moeferry.kernels.reference.admission import (POLICIES, AdmissionCounters, DecayPowers,
+                                                  SlotState)
+from moeferry.kernels.triton.admission import _threshold_key
 
 STATE_FIELDS = ("slot_of", "owner_of", "last_used", "score", "clock",
                 "plan_src", "plan_dst", "plan_count")
@@ -176,6 +180,114 @@ def test_too_many_routes_is_refused(device):
             admit(state, 0, torch.zeros(17, dtype=torch.int64, device=device))
         with pytest.raises(ValueError, match="layer"):
             admit(state, 1, torch.zeros(2, dtype=torch.int64, device=device))
+
+
+@triton.jit
+def _threshold_probe(key_ptr, num_slots, args_ptr, out_ptr, RADIX: tl.constexpr,
+                     RADIX_BITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    lo, hi = tl.load(args_ptr), tl.load(args_ptr + 1)  # int64, as in the kernel
+    num_misses = tl.load(args_ptr + 2).to(tl.int32)
+    threshold, below = _threshold_key(key_ptr, num_slots, lo, hi, num_misses, RADIX,
+                                      RADIX_BITS, BLOCK_S)
+    tl.store(out_ptr, threshold)
+    tl.store(out_ptr + 1, below.to(tl.int64))
+
+
+KEY_NONE = 2 ** 63 - 1
+
+
+def search_keys(rng, kind, n):
+    """int64 slot keys of one distribution; about a tenth are not candidates (KEY_NONE)."""
+    if kind == "all_equal":
+        keys = np.full(n, 7)
+    elif kind == "heavy_ties":
+        keys = rng.integers(0, 5, size=n)
+    elif kind == "clock":  # LRU / LAYER_LRU-like: free slots at 0, recency up to 2 * now
+        keys = np.where(rng.random(n) < 0.05, 0, rng.integers(1, 4200, size=n))
+    elif kind == "float_bits":  # LRFU-like
+        keys = rng.uniform(0.0, 30.0, size=n).astype(np.float32).view(np.int32) + 1
+    elif kind == "clusters":  # most keys tiny, a few near 2**62
+        keys = np.where(rng.random(n) < 0.8, rng.integers(0, 9, size=n),
+                        2 ** 62 - rng.integers(0, 3, size=n))
+    else:  # "huge": anywhere in [0, 2**62]
+        keys = rng.integers(0, 2 ** 62, size=n, endpoint=True)
+    keys = keys.astype(np.int64)
+    keys[rng.random(n) < 0.1] = KEY_NONE
+    keys[rng.integers(n)] = min(keys.min(), 2 ** 62)  # at least one candidate
+    return keys
+
+
+@pytest.mark.parametrize("num_slots, radix_bits, block", [
+    (1, 8, 16), (37, 8, 64), (37, 8, 16), (37, 2, 64), (37, 3, 32), (2100, 8, 4096),
+    (2100, 5, 1024)])
+def test_threshold_search_finds_the_mth_smallest_key(num_slots, radix_bits, block, device):
+    """_threshold_key alone against a sort: T = M-th smallest candidate key, and #{key < T},
+    over spans from 0 to 2**62, ties at T, blocks not dividing the slot count."""
+    rng = np.random.default_rng(num_slots * 10 + radix_bits)
+    out = torch.zeros(2, dtype=torch.int64, device=device)
+    for kind in ("all_equal", "heavy_ties", "clock", "float_bits", "clusters", "huge"):
+        keys = search_keys(rng, kind, num_slots)
+        candidates = np.sort(keys[keys != KEY_NONE])
+        num_candidates = len(candidates)
+        picks = {1, num_candidates // 2, num_candidates - 1, num_candidates}
+        picks |= set(rng.integers(1, num_candidates, size=1, endpoint=True).tolist())
+        for num_misses in sorted(m for m in picks if 1 <= m <= num_candidates):
+            args = torch.tensor([keys.min(), candidates[-1], num_misses], device=device)
+            _threshold_probe[(1,)](torch.from_numpy(keys).to(device), num_slots, args, out,
+                                   RADIX=1 << radix_bits, RADIX_BITS=radix_bits, BLOCK_S=block)
+            threshold = int(candidates[num_misses - 1])
+            expected = [threshold, int((keys < threshold).sum())]
+            assert out.tolist() == expected, f"{kind}, M={num_misses}"
+
+
+def spread_cache(num_layers, num_experts, num_slots, policy, rng, clock, device="cpu"):
+    """Twin states, mostly full, a few free slots; recency spread over ``clock`` calls with
+    ties; LRFU scores spread too. Every slot is a candidate of the next call."""
+    states = twin_states(num_layers, num_experts, num_slots, 512, policy, 0.999, device)
+    owners = rng.permutation(num_layers * num_experts)[:num_slots]
+    owners[rng.random(num_slots) < 0.03] = -1
+    stamps = rng.integers(0, clock, size=num_slots // 3 + 1)  # about 3 slots per stamp
+    last_used = np.where(owners >= 0, rng.choice(stamps, size=num_slots), -1)
+    score = np.where(owners >= 0, rng.uniform(1.0, 40.0, size=num_slots), 0.0)
+    for state in states:
+        state.owner_of.copy_(torch.from_numpy(owners).to(torch.int32))
+        held = torch.from_numpy(owners[owners >= 0]).to(device)
+        state.slot_of.view(-1)[held] = torch.from_numpy(
+            np.flatnonzero(owners >= 0)).to(torch.int32).to(device)
+        state.last_used.copy_(torch.from_numpy(last_used))
+        state.score.copy_(torch.from_numpy(score.astype(np.float32)) if policy == "lrfu"
+                          else torch.zeros(num_slots))
+        state.clock.fill_(clock)
+    return states
+
+
+def candidate_key_span(state, layer):
+    now = int(state.clock) + 1
+    keys = reference._slot_keys(state, layer, now)[state.last_used != now]
+    return int(keys.max() - keys.min())
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("num_layers, num_experts, num_slots", [(3, 30, 37), (100, 64, 2100)])
+def test_victim_search_over_wide_key_ranges(policy, num_layers, num_experts, num_slots,
+                                            device):
+    """Misses into caches whose keys span thousands of calls (and, after clock jumps written
+    into both states, beyond 2**34): maps and plans bit-identical after every call."""
+    rng = np.random.default_rng(num_slots)
+    ref_state, tri_state = spread_cache(num_layers, num_experts, num_slots, policy, rng,
+                                        clock=3000, device=device)
+    spans, num_misses = [], 0
+    for step, jump in enumerate([0, 1, 2500, 0, 7, 2 ** 34, 3, 0, 40000, 1]):
+        for state in (ref_state, tri_state):
+            state.clock.add_(jump)
+        layer = int(rng.integers(num_layers))
+        spans.append(candidate_key_span(ref_state, layer))
+        ids = random_routes(rng, num_experts, int(rng.integers(num_experts // 2, 3 * num_experts)))
+        run_both(ref_state, tri_state, layer, ids.to(device))
+        assert_same_state(ref_state, tri_state, f"step {step}")
+        num_misses += int(ref_state.plan_count)
+    assert num_misses >= 3 * num_experts
+    assert max(spans) >= (2 ** 30 if policy == "lrfu" else 2 ** 34)  # 4+ sweeps
 
 
 @pytest.mark.parametrize("decay", [0.5, 0.9, 0.999, 1.0])

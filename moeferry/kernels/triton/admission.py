@@ -24,11 +24,18 @@ A. mark each routed expert with the clock (``expert_mark[e] = now``): a mark arr
 B. walk the E experts in order: marked & resident -> hit (refresh), marked & absent -> miss,
    listed in ascending id by a prefix sum into ``plan_src``.
 C. (only when there are misses) rank every candidate slot by an int64 key (the policy's,
-   see the reference; LAYER_LRU's spans ``[0, 2 * now]``, one bisection step more than
-   LRU's ``[0, now]``), find the key ``T`` of the M-th smallest by a binary search of
-   counts over the slots, take the slots below ``T`` plus the first slots (by index) equal
-   to ``T``, order those M victims by counting comparisons in 64 x 64 tiles, and install
-   the misses into them.
+   see the reference; LRU's lie in ``[0, now]``, LAYER_LRU's in ``[0, 2 * now]``, LRFU's
+   are float32 bits, below ``2 ** 31``) and find the key ``T`` of the M-th smallest (the
+   smallest ``T`` with ``#{key <= T} >= M``) by a radix select over ``[lo, hi]``, the
+   candidates' smallest and largest key: each sweep over the slots takes a histogram of
+   the digits ``(key - lo) >> shift`` over ``RADIX = 2 ** RADIX_BITS`` buckets of the
+   bracket, whose prefix sums are the counts at ``RADIX`` bounds, and narrows the bracket to
+   the bucket holding ``T``; ``RADIX_BITS`` bits of ``T - lo`` per sweep where a binary
+   search of counts gets one, and ``#{key < T}`` comes out of the same counts. Take the
+   slots below ``T`` plus the first slots (by index) equal to ``T`` (one more sweep), order
+   those M victims by counting comparisons in 64 x 64 tiles, and install the misses into
+   them. Sweeps over the slots: ``2 + ceil(bits(hi - lo) / RADIX_BITS)`` (keys, search,
+   victims), so 4 for LRU and LAYER_LRU while ``2 * now < 65536``.
 D. ``slot_ids`` = ``slot_of[layer, ids]``; counters.
 """
 from __future__ import annotations
@@ -42,6 +49,7 @@ from moeferry.kernels.reference.admission import AdmissionCounters, SlotState, c
 _KEY_NONE = tl.constexpr(9223372036854775807)  # int64 max: "not a candidate"
 _NUM_WARPS = 8
 _VICTIM_TILE = 64
+_RADIX_BITS = 8  # threshold search: key bits resolved per sweep over the slots
 
 
 @triton.jit
@@ -127,24 +135,53 @@ def _write_slot_keys(num_slots, now, layer_base, num_experts, owner_of_ptr, last
 
 
 @triton.jit
-def _count_keys_at_most(key_ptr, num_slots, bound, BLOCK_S: tl.constexpr):
-    count = tl.sum(tl.zeros([BLOCK_S], tl.int32), 0)
+def _bucket_counts(key_ptr, num_slots, lo, shift, RADIX: tl.constexpr,
+                   BLOCK_S: tl.constexpr):
+    """hist[j] = #{key : (key - lo) >> shift == j} for j < RADIX, in one sweep.
+
+    Digits outside ``[0, RADIX)`` (keys below ``lo``, keys past the last bucket, padding
+    ``_KEY_NONE``) are masked out, and zeroed before the cast to the histogram's int32."""
+    hist = tl.zeros([RADIX], tl.int32)
     for start in range(0, num_slots, BLOCK_S):
         s = start + tl.arange(0, BLOCK_S)
         key = tl.load(key_ptr + s, mask=s < num_slots, other=_KEY_NONE)
-        count += tl.sum((key <= bound).to(tl.int32), 0)
-    return count
+        digit = (key - lo) >> shift
+        inside = (digit >= 0) & (digit < RADIX)
+        hist += tl.histogram(tl.where(inside, digit, 0).to(tl.int32), RADIX, mask=inside)
+    return hist
 
 
 @triton.jit
-def _threshold_key(key_ptr, num_slots, lo, hi, num_misses, BLOCK_S: tl.constexpr):
-    """Smallest key T with #{key <= T} >= num_misses (T in [lo, hi])."""
+def _threshold_key(key_ptr, num_slots, lo, hi, num_misses, RADIX: tl.constexpr,
+                   RADIX_BITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """(T, #{key < T}): T the smallest key with #{key <= T} >= num_misses, T in [lo, hi].
+
+    Takes ``lo`` = the smallest key and ``hi`` = the largest candidate key, so that
+    ``#{key <= hi} >= num_misses`` (the module contract's ``S >= E``). Keeps ``T`` in
+    ``[lo, hi]``, ``below = #{key < lo}`` and ``hi - lo < RADIX << shift``: a sweep counts
+    the keys at most each bound ``lo + (j + 1) * 2**shift - 1`` (``below`` plus a prefix
+    sum of the buckets), moves to the first bucket whose bound has enough (``hi`` itself
+    when no bound below ``hi`` has), and lowers ``shift`` by RADIX_BITS, so the sweep at
+    ``shift == 0`` ends with ``lo == hi``. Same T as a bisection over the same counts, in
+    ``ceil(bits(hi - lo) / RADIX_BITS)`` sweeps instead of ``bits(hi - lo)``.
+    """
+    below = num_misses * 0  # #{key < lo}: nothing is below the smallest key
+    shift = num_misses * 0
+    while ((hi - lo) >> shift) >= RADIX:  # multiples of RADIX_BITS: the last sweep has 0
+        shift += RADIX_BITS
+    rows = tl.arange(0, RADIX)
     while lo < hi:
-        mid = lo + ((hi - lo) >> 1)
-        enough = _count_keys_at_most(key_ptr, num_slots, mid, BLOCK_S) >= num_misses
-        hi = tl.where(enough, mid, hi)
-        lo = tl.where(enough, lo, mid + 1)
-    return lo
+        hist = _bucket_counts(key_ptr, num_slots, lo, shift, RADIX, BLOCK_S)
+        counts = below + tl.cumsum(hist, 0)  # #{key <= lo + (j + 1) * 2**shift - 1}
+        # Bound j lies strictly below hi exactly when j < top (no overflow: top < RADIX).
+        top = (hi - lo) >> shift
+        short = (rows < top) & (counts < num_misses)  # a prefix: counts grow with j
+        k = tl.sum(short.to(tl.int32), 0).to(tl.int64)  # T's bucket
+        below = tl.maximum(below, tl.max(tl.where(short, counts, 0), 0))
+        hi = tl.where(k < top, lo + ((k + 1) << shift) - 1, hi)  # <= hi - lo: no overflow
+        lo = lo + (k << shift)
+        shift -= RADIX_BITS
+    return lo, below
 
 
 @triton.jit
@@ -226,6 +263,7 @@ def _admit_kernel(
     LRFU: tl.constexpr, LAYER_LRU: tl.constexpr, POW_BITS: tl.constexpr,
     POW_TAIL: tl.constexpr, COUNT_STATS: tl.constexpr, COUNT_FREQ: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
+    RADIX: tl.constexpr, RADIX_BITS: tl.constexpr,
     TILE: tl.constexpr,
 ):
     now = tl.load(clock_ptr) + 1
@@ -243,8 +281,8 @@ def _admit_kernel(
                                   last_used_ptr, score_ptr, key_ptr, decay_ptr, LRFU,
                                   LAYER_LRU, POW_BITS, POW_TAIL, BLOCK_S)
         tl.debug_barrier()
-        threshold = _threshold_key(key_ptr, num_slots, lo, hi, num_misses, BLOCK_S)
-        num_below = _count_keys_at_most(key_ptr, num_slots, threshold - 1, BLOCK_S)
+        threshold, num_below = _threshold_key(key_ptr, num_slots, lo, hi, num_misses,
+                                              RADIX, RADIX_BITS, BLOCK_S)
         _collect_victims(key_ptr, num_slots, threshold, num_misses - num_below,
                          vkey_ptr, vslot_ptr, BLOCK_S)
         tl.debug_barrier()
@@ -287,7 +325,8 @@ def admit(state: SlotState, layer: int, topk_ids: torch.Tensor,
         LRFU=state.policy == "lrfu", LAYER_LRU=state.policy == "layer_lru", POW_BITS=state.decay.bits, POW_TAIL=state.decay.tail,
         COUNT_STATS=count_stats, COUNT_FREQ=count_freq,
         BLOCK_R=_block(num_routes, 16, 1024), BLOCK_E=_block(state.num_experts, 16, 1024),
-        BLOCK_S=_block(state.num_slots, 16, 4096), TILE=_VICTIM_TILE,
+        BLOCK_S=_block(state.num_slots, 16, 4096), RADIX=1 << _RADIX_BITS,
+        RADIX_BITS=_RADIX_BITS, TILE=_VICTIM_TILE,
         num_warps=_NUM_WARPS, enable_fp_fusion=False,
     )
     return state.slot_ids[:num_routes].view(topk_ids.shape)
