@@ -124,8 +124,9 @@ def _launch(pairs, plan_src, plan_dst, plan_count) -> None:
     block = min(_BLOCK_BYTES // word_size, chunk_words)
     chunks = [triton.cdiv(words, chunk_words) for words in row_words]
     if len(pairs) == 1:  # no second bank: placeholders (never read; the interpreter copies
-        # every argument back after the launch, so no tensor may be passed twice)
-        unused = tuple(torch.empty(1, dtype=t.dtype, device=t.device) for t in pairs[0])
+        # every argument back after the launch, so no tensor may be passed twice); on the
+        # destination's device, where any launcher accepts them
+        unused = tuple(torch.empty(1, dtype=t.dtype, device=pairs[0][1].device) for t in pairs[0])
         pairs, row_words, chunks = pairs + [unused], row_words + [1], chunks + [0]
     (src0, dst0), (src1, dst1) = pairs
     num_programs = _num_programs(plan_src.numel() * sum(chunks), dst0.device)
