@@ -108,9 +108,10 @@ class SlotCache:
     def fill(self, host_banks: list[list[torch.Tensor]], slot_banks: list[torch.Tensor]) -> int:
         """Warm start of an EMPTY cache: layer l's experts ``host_banks[l]`` (one ``[E, ...]``
         tensor per bank, layers in order) go to consecutive slots until the slots run out,
-        copied in one block per layer and bank. The maps then read as if every filled slot
-        had been used before the first admission (recency 0, LRFU score 0), so free slots
-        are still taken first. Not counted in the statistics. Returns the experts filled."""
+        copied in one block per layer and bank. A filled slot keeps ``last_used`` -1 (and
+        LRFU score 0) until an admission uses it: until then it ranks as a victim like a free
+        slot, so experts the warm start guessed wrong go before any expert in use. Not
+        counted in the statistics. Returns the experts filled."""
         s, num_experts = self.state, self.num_experts
         if bool((s.owner_of >= 0).any()):
             raise RuntimeError("fill() needs an empty cache: call reset() first")
@@ -126,7 +127,7 @@ class SlotCache:
             for host, slot in zip(banks, slot_banks):
                 slot[filled:filled + count].copy_(host[:count], non_blocking=True)
             filled += count
-        s.last_used[:filled] = 0
+        s.last_used[:filled] = -1
         s.score[:filled] = 0.0
         return filled
 

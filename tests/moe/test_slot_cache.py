@@ -35,8 +35,18 @@ class PyCache:
             square, dt = np.float32(square * square), dt >> 1
         return result
 
+    def fill(self, num_layers):
+        """The warm start: layers' experts in order into consecutive slots, never used."""
+        slot = 0
+        for layer in range(num_layers):
+            for e in range(self.num_experts):
+                if slot == len(self.owner):
+                    return
+                self.owner[slot], self.slot_of[(layer, e)] = (layer, e), slot
+                slot += 1
+
     def sort_key(self, slot, layer):
-        if self.owner[slot] is None:
+        if self.owner[slot] is None or self.last[slot] == -1:  # free, or filled and unused
             return (0, 0.0, slot)
         if self.policy == "lru":
             return (1, self.last[slot], slot)
@@ -115,7 +125,7 @@ def assert_slots_hold_their_owners(cache, host_banks, banks):
                 assert torch.equal(pool[slot].cpu(), source[owner % E].cpu()), f"slot {slot} owner {owner}"
 
 
-def run_against_model(use_triton, policy, seed, steps, device, layers=(1, 4)):
+def run_against_model(use_triton, policy, seed, steps, device, layers=(1, 4), warm=False):
     rng = np.random.default_rng(seed)
     num_layers = int(rng.integers(*layers))
     num_experts = int(rng.integers(4, 25))
@@ -125,6 +135,11 @@ def run_against_model(use_triton, policy, seed, steps, device, layers=(1, 4)):
     model = PyCache(num_layers, num_experts, num_slots, policy, 0.75)
     host = encoded_banks(num_layers, num_experts, device)
     banks = slot_banks(host, num_slots, device)
+    if warm:
+        assert cache.fill(host, banks) == min(num_slots, num_layers * num_experts)
+        model.fill(num_layers)
+        assert_matches_model(cache, model, f"seed {seed} after fill")
+        assert_slots_hold_their_owners(cache, host, banks)
     total_misses = 0
     for step in range(steps):
         layer = int(rng.integers(num_layers))
@@ -175,6 +190,34 @@ def test_triton_layer_lru_follows_the_python_model(seed, device):
     model = run_against_model(use_triton=True, policy="layer_lru", seed=301 + seed,
                               steps=24, device=device, layers=(2, 5))
     assert model.evicted["own"] > 0 and model.evicted["other"] > 0, model.evicted
+
+
+@pytest.mark.parametrize("policy", ["lru", "lrfu", "layer_lru"])
+def test_from_a_warm_start_the_reference_follows_the_python_model(policy):
+    """Filled slots rank like free ones until used: a warm start never keeps an expert it
+    guessed over one in use (the model's sort key says so independently)."""
+    for seed in range(4):
+        run_against_model(use_triton=False, policy=policy, seed=400 + seed, steps=30, device="cpu",
+                          layers=(2, 5), warm=True)
+
+
+@pytest.mark.parametrize("policy", ["lru", "layer_lru"])
+def test_from_a_warm_start_the_triton_path_follows_the_python_model(policy, device):
+    run_against_model(use_triton=True, policy=policy, seed=500, steps=14, device=device, layers=(2, 5),
+                      warm=True)
+
+
+def test_a_warm_expert_never_used_is_evicted_before_one_in_use():
+    cache = SlotCache(2, 4, 6, policy="layer_lru", use_triton=False)
+    host = encoded_banks(2, 4)
+    banks = slot_banks(host, 6)
+    cache.fill(host, banks)  # slots 0-3: layer 0's experts, 4-5: layer 1's experts 0 and 1
+    cache.admit(1, torch.tensor([0]))  # layer 1's expert 0 (slot 4) is now in use
+    assert cache.admit(0, torch.tensor([0])).tolist() == [0]  # a hit on a warm slot
+    # layer 1 misses expert 3: the first never-used slot goes (slot 1: layer 0's expert 1),
+    # not slot 4 nor slot 0, both in use
+    assert cache.admit(1, torch.tensor([3])).tolist() == [1]
+    assert cache.slot_of[0, 1] == -1 and cache.slot_of[1, 0] == 4 and cache.slot_of[0, 0] == 0
 
 
 @pytest.mark.parametrize("use_triton", [False, True])

@@ -11,7 +11,8 @@ Admission of one call (``now`` is the clock after its increment):
    ``score = 1 + score * decay_pow(now - last_used)`` first (product, then sum, both
    rounded to float32; no fused multiply-add).
 3. Candidates are the slots not refreshed by step 2 (``last_used != now``). Each is ranked
-   by an int64 key: ``0`` for a free slot (owner -1); otherwise ``last_used + 1`` (LRU), or
+   by an int64 key: ``0`` for a free slot (owner -1) and for a slot filled by the warm start
+   and never used since (``last_used`` -1, see SlotCache.fill); otherwise ``last_used + 1`` (LRU), or
    ``float32_bits(score * decay_pow(now - last_used)) + 1`` (LRFU; scores are >= 0 so their
    bits order like the values), or for LAYER_LRU ``last_used + 1`` when the slot's owner
    belongs to ``layer`` and ``2 * now - last_used`` when it belongs to another layer. The
@@ -205,7 +206,8 @@ def _slot_keys(state: SlotState, layer: int, now: int) -> torch.Tensor:
         key = torch.where(own, state.last_used + 1, 2 * now - state.last_used)
     else:
         key = state.last_used + 1
-    return torch.where(state.owner_of >= 0, key, torch.zeros_like(key))
+    occupied_and_used = (state.owner_of >= 0) & (state.last_used >= 0)
+    return torch.where(occupied_and_used, key, torch.zeros_like(key))
 
 
 def _refresh_hits(state: SlotState, hit_slots: torch.Tensor, now: int) -> None:

@@ -126,7 +126,7 @@ def _write_slot_keys(num_slots, now, layer_base, num_experts, owner_of_ptr, last
                 key = tl.where(own, last + 1, 2 * now - last)
             else:
                 key = last + 1
-        key = tl.where(owner >= 0, key, 0)
+        key = tl.where((owner >= 0) & (last >= 0), key, 0)  # free, or warm-filled and unused
         key = tl.where(candidate, key, _KEY_NONE)
         tl.store(key_ptr + s, key, mask=in_range)
         lo = tl.minimum(lo, tl.min(key, 0))
