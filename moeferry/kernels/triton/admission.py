@@ -44,7 +44,11 @@ import torch
 import triton
 import triton.language as tl
 
-from moeferry.kernels.reference.admission import AdmissionCounters, SlotState, check_call
+from moeferry.kernels.reference.admission import (
+    AdmissionCounters,
+    SlotState,
+    check_call,
+)
 
 _KEY_NONE = tl.constexpr(9223372036854775807)  # int64 max: "not a candidate"
 _NUM_WARPS = 8

@@ -153,7 +153,7 @@ def _merge_kernel(
     tl.store(out_ptr + b64 * stride_ob + h * stride_oh + offs_d, merged.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count

@@ -39,7 +39,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moeferry.kernels.reference.fused_moe import BLOCK_ASSIGNMENTS  # one list for both paths
+from moeferry.kernels.reference.fused_moe import (
+    BLOCK_ASSIGNMENTS,  # one list for both paths
+)
 from moeferry.kernels.triton.moe_align import moe_align_block_size
 
 __all__ = [

@@ -102,7 +102,7 @@ def _word_views(src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, tor
     raise AssertionError("unreachable: bytes always divide")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 

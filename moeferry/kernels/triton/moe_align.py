@@ -75,7 +75,7 @@ def _chunk_prefix_kernel(chunk_counts_ptr, expert_counts_ptr, block_padded_ptr, 
     experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     valid = experts < num_experts
     running = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for chunk in range(0, num_chunks):
+    for chunk in range(num_chunks):
         ptrs = chunk_counts_ptr + chunk * num_experts + experts
         count = tl.load(ptrs, mask=valid, other=0)
         tl.store(ptrs, running, mask=valid)

@@ -28,21 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from moeferry.kernels.triton.rounding import rounded
+
 _TILE = 2048  # elements per program for short rows (per-head q/k norm, rotary heads)
-
-
-@triton.jit
-def _rounded(x, dt):
-    """fp32 x rounded to the nearest dt value (ties to even), returned as fp32. bf16 is rounded
-    on the bits: the same result as the GPU's cvt.rn, and correct under TRITON_INTERPRET, whose
-    fp32 -> bf16 cast truncates."""
-    if dt == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = bits + (0x7FFF + ((bits >> 16) & 1))
-        y = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
-    else:
-        y = x.to(dt).to(tl.float32)
-    return y
 
 
 @triton.jit
@@ -59,12 +47,12 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, inner,
     if ADD:
         r_off = (outer * r_s0 + head * r_s1)[:, None] + cols[None, :]
         r = tl.load(res_ptr + r_off, mask=mask, other=0.0).to(tl.float32)
-        x = _rounded(x + r, res_out_ptr.dtype.element_ty)
+        x = rounded(x + r, res_out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + dense_off, x.to(res_out_ptr.dtype.element_ty), mask=mask)
     inv = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
-    xn = _rounded(x * inv[:, None], x_ptr.dtype.element_ty)
+    xn = rounded(x * inv[:, None], x_ptr.dtype.element_ty)
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
-    y = _rounded(w[None, :] * xn, out_ptr.dtype.element_ty)
+    y = rounded(w[None, :] * xn, out_ptr.dtype.element_ty)
     tl.store(out_ptr + dense_off, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -157,18 +145,18 @@ def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr
                    k_out_ptr + (token * HKV + head - HQ)[:, None] * (2 * HALF)) + cols[None, :]
     dt = q_out_ptr.dtype.element_ty
     table = (tl.load(pos_ptr + token, mask=live, other=0).to(tl.int64) * table_stride)[:, None] + cols[None, :]
-    c1 = _rounded(tl.load(cos_ptr + table, mask=mask, other=0.0), dt)
-    c2 = _rounded(tl.load(cos_ptr + table + HALF, mask=mask, other=0.0), dt)
-    s1 = _rounded(tl.load(sin_ptr + table, mask=mask, other=0.0), dt)
-    s2 = _rounded(tl.load(sin_ptr + table + HALF, mask=mask, other=0.0), dt)
+    c1 = rounded(tl.load(cos_ptr + table, mask=mask, other=0.0), dt)
+    c2 = rounded(tl.load(cos_ptr + table + HALF, mask=mask, other=0.0), dt)
+    s1 = rounded(tl.load(sin_ptr + table, mask=mask, other=0.0), dt)
+    s2 = rounded(tl.load(sin_ptr + table + HALF, mask=mask, other=0.0), dt)
     # Both halves of an element pair are loaded and stored by the same thread (same offsets,
     # same layout), which is what makes q_out = q in place safe.
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
     # rotate_half(x) = cat(-x2, x1). Each product and the sum are rounded to q's dtype, as the
     # torch ops round them.
-    lo = _rounded(_rounded(x1 * c1, dt) + _rounded(-x2 * s1, dt), dt)
-    hi = _rounded(_rounded(x2 * c2, dt) + _rounded(x1 * s2, dt), dt)
+    lo = rounded(rounded(x1 * c1, dt) + rounded(-x2 * s1, dt), dt)
+    hi = rounded(rounded(x2 * c2, dt) + rounded(x1 * s2, dt), dt)
     tl.store(dst, lo.to(dt), mask=mask)
     tl.store(dst + HALF, hi.to(dt), mask=mask)
 
@@ -248,8 +236,8 @@ def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, cos
         kw1 = tl.load(kw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         kw2 = tl.load(kw_ptr + cols + HALF, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         xdt = q_ptr.dtype.element_ty
-        y1 = _rounded(tl.where(is_q[:, None], qw1, kw1) * _rounded(x1 * inv, xdt), dt)
-        y2 = _rounded(tl.where(is_q[:, None], qw2, kw2) * _rounded(x2 * inv, xdt), dt)
+        y1 = rounded(tl.where(is_q[:, None], qw1, kw1) * rounded(x1 * inv, xdt), dt)
+        y2 = rounded(tl.where(is_q[:, None], qw2, kw2) * rounded(x2 * inv, xdt), dt)
     else:
         y1 = x1
         y2 = x2
@@ -258,12 +246,12 @@ def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, cos
     # each product and the sum rounded to it, no FMA.
     qk_mask = mask & ~is_v[:, None]
     table = (tl.load(pos_ptr + token, mask=live & ~is_v, other=0).to(tl.int64) * table_stride)[:, None] + cols[None, :]
-    c1 = _rounded(tl.load(cos_ptr + table, mask=qk_mask, other=0.0), dt)
-    c2 = _rounded(tl.load(cos_ptr + table + HALF, mask=qk_mask, other=0.0), dt)
-    s1 = _rounded(tl.load(sin_ptr + table, mask=qk_mask, other=0.0), dt)
-    s2 = _rounded(tl.load(sin_ptr + table + HALF, mask=qk_mask, other=0.0), dt)
-    lo = _rounded(_rounded(y1 * c1, dt) + _rounded(-y2 * s1, dt), dt)
-    hi = _rounded(_rounded(y2 * c2, dt) + _rounded(y1 * s2, dt), dt)
+    c1 = rounded(tl.load(cos_ptr + table, mask=qk_mask, other=0.0), dt)
+    c2 = rounded(tl.load(cos_ptr + table + HALF, mask=qk_mask, other=0.0), dt)
+    s1 = rounded(tl.load(sin_ptr + table, mask=qk_mask, other=0.0), dt)
+    s2 = rounded(tl.load(sin_ptr + table + HALF, mask=qk_mask, other=0.0), dt)
+    lo = rounded(rounded(y1 * c1, dt) + rounded(-y2 * s1, dt), dt)
+    hi = rounded(rounded(y2 * c2, dt) + rounded(y1 * s2, dt), dt)
 
     dst = tl.where(is_q[:, None], q_out_ptr + (token * HQ + head)[:, None] * (2 * HALF),
                    k_out_ptr + (token * HKV + kv_head)[:, None] * (2 * HALF)) + cols[None, :]

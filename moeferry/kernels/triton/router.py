@@ -29,9 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-# fp32 -> dtype -> fp32 rounding shared with the norm kernels: bf16 is rounded on the bits,
-# since the interpreter's fp32 -> bf16 cast truncates (Triton 3.9).
-from moeferry.kernels.triton.norm_rope import _rounded
+from moeferry.kernels.triton.rounding import rounded
 
 __all__ = ["MAX_EXPERTS", "softmax_topk"]
 
@@ -67,7 +65,7 @@ def _softmax_topk_kernel(logits_ptr, weights_ptr, ids_ptr, E, row_stride,
     w = tl.div_rn(tl.where(used, tl.exp(chosen_x - top), 0.0), total)
     if RENORMALIZE:
         w = tl.div_rn(w, tl.sum(w, axis=0))
-    w = _rounded(w, logits_ptr.dtype.element_ty)
+    w = rounded(w, logits_ptr.dtype.element_ty)
     out = row * K + slots
     tl.store(weights_ptr + out, w, mask=used)
     tl.store(ids_ptr + out, chosen_id, mask=used)
