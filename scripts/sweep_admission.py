@@ -1,6 +1,7 @@
 """Tuning sweep for the admission kernel: microseconds per call (benchmarks/bench_admission.py's
-measurement) by the kernel's warp count, at a few widths, all hits and with ~10% misses.
-  python3 scripts/sweep_admission.py [--warps 2 4 8 16] [--requests 1 16 128]"""
+measurement) by the kernel's warp count and radix digit width, at a few widths, all hits and
+with ~10% misses.
+  python3 scripts/sweep_admission.py [--warps 2 4 8 16] [--radix-bits 8] [--requests 1 16 128]"""
 import argparse
 
 import torch
@@ -10,16 +11,19 @@ from moeferry.kernels.triton import admission
 
 p = argparse.ArgumentParser()
 p.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8, 16])
+p.add_argument("--radix-bits", type=int, nargs="+", default=[8])
 p.add_argument("--requests", type=int, nargs="+", default=[1, 16, 128])
 p.add_argument("--policy", default="lru")
 args = p.parse_args()
 bench_args = bench_admission.parse_args(["--policy", args.policy])
 print(f"{torch.cuda.get_device_name()}, policy {args.policy}, {bench_args.slots} slots, {bench_args.layers} layers")
-print("| warps | requests | all hits (us) | with misses (us) | miss rate |")
-print("|---:|---:|---:|---:|---:|")
+print("| warps | radix bits | requests | all hits (us) | with misses (us) | miss rate |")
+print("|---:|---:|---:|---:|---:|---:|")
 for warps in args.warps:
-    admission._NUM_WARPS = warps  # read at every launch; each value compiles its own kernel
-    for requests in args.requests:
-        hits_us, _ = bench_admission.measure(bench_args, requests, with_misses=False)
-        miss_us, rate = bench_admission.measure(bench_args, requests, with_misses=True)
-        print(f"| {warps} | {requests} | {hits_us:.2f} | {miss_us:.2f} | {rate:.1%} |", flush=True)
+    for bits in args.radix_bits:
+        # both are read at every launch; each value compiles its own kernel
+        admission._NUM_WARPS, admission._RADIX_BITS = warps, bits
+        for requests in args.requests:
+            hits_us, _ = bench_admission.measure(bench_args, requests, with_misses=False)
+            miss_us, rate = bench_admission.measure(bench_args, requests, with_misses=True)
+            print(f"| {warps} | {bits} | {requests} | {hits_us:.2f} | {miss_us:.2f} | {rate:.1%} |", flush=True)
