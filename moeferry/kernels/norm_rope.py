@@ -1,5 +1,4 @@
-"""RMSNorm, residual add + RMSNorm, rotary, and q/k norm + rotary + KV-cache store dispatch by
-device: the Triton kernels (kernels/triton/norm_rope.py) on CUDA tensors, the plain-torch reference
+"""RMSNorm, residual add + RMSNorm, and q/k norm + rotary + KV-cache store dispatch by device: the Triton kernels (kernels/triton/norm_rope.py) on CUDA tensors, the plain-torch reference
 (kernels/reference/norm_rope.py, the modules' own arithmetic) otherwise. ``use_triton`` forces
 either (Triton on CPU tensors needs TRITON_INTERPRET=1, set before triton is imported).
 Triton is imported lazily so CPU-only callers never pay for it. Both paths take the same
@@ -13,7 +12,7 @@ import torch
 
 from moeferry.kernels import implementation
 
-__all__ = ["apply_rotary", "fused_add_rms_norm", "qk_norm_rope_store", "rms_norm"]
+__all__ = ["fused_add_rms_norm", "qk_norm_rope_store", "rms_norm"]
 
 _impl = functools.partial(implementation, "norm_rope")
 
@@ -32,14 +31,6 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     residual (in place)."""
     return _impl(use_triton, x).fused_add_rms_norm(x, residual, weight, eps, out=out,
                                                    residual_out=residual_out)
-
-
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, *, q_out: torch.Tensor | None = None, k_out: torch.Tensor | None = None,
-                 use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half RoPE of q [N, Hq, D] and k [N, Hkv, D] at positions [N] with cos/sin tables
-    [P, D] (fp32, cast to q's dtype); q_out/k_out may be q/k (in place)."""
-    return _impl(use_triton, q).apply_rotary(q, k, positions, cos, sin, q_out=q_out, k_out=k_out)
 
 
 def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

@@ -33,7 +33,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
-        eps = getattr(mc.hf, "rms_norm_eps", 1e-6)
+        eps = self.norm_eps = getattr(mc.hf, "rms_norm_eps", 1e-6)
         self.qk_norm = qk_norm
         if qk_norm == "head":
             self.q_norm, self.k_norm = RMSNorm(d, eps), RMSNorm(d, eps)
@@ -87,7 +87,7 @@ class Attention(nn.Module):
             q, k, v, batch.positions, self.rotary.cos, self.rotary.sin, k_cache, v_cache, batch.out_slots,
             q_norm_weight=self.q_norm.weight if head_norm else None,
             k_norm_weight=self.k_norm.weight if head_norm else None,
-            eps=self.q_norm.eps if head_norm else 1e-6)
+            eps=self.norm_eps)
         if batch.is_decode:
             out = attn_ops.decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, kv.page_size,
                                        self.scale, self.window)

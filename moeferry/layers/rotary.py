@@ -7,8 +7,6 @@ llama3, ...), so every rope_scaling a config uses matches the reference implemen
 import torch
 from torch import nn
 
-from moeferry.kernels import norm_rope
-
 
 def _rope_parameters(hf_config) -> dict:
     params = getattr(hf_config, "rope_parameters", None)
@@ -34,7 +32,8 @@ def inverse_frequencies(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies rotate-half RoPE to q and k [N, heads, head_dim] at integer positions [N].
+    """The cos/sin tables of rotate-half RoPE, one row per position; attention applies them with
+    kernels.norm_rope.qk_norm_rope_store.
 
     Invariant: the cos/sin tables cover positions [0, max_positions); they are buffers
     built once, so a captured graph reads the same storage at every replay.
@@ -48,6 +47,3 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        return norm_rope.apply_rotary(q, k, positions, self.cos, self.sin)

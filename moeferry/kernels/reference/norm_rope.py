@@ -1,6 +1,6 @@
 """RMSNorm, residual add + RMSNorm, rotate-half RoPE, and q/k norm + RoPE + KV-cache store in
-plain torch: the oracle for kernels/triton/norm_rope.py and the CPU path of layers/norm.py,
-layers/rotary.py and the attention prologue.
+plain torch: the oracle for kernels/triton/norm_rope.py and the CPU path of layers/norm.py and
+the attention prologue (``apply_rotary`` is the rotary part of ``qk_norm_rope_store``).
 
 The arithmetic is the modules' own, op for op (normalise in fp32, cast to the input dtype,
 multiply by the weight; cos/sin cast to q's dtype, then q * cos + rotate_half(q) * sin), so

@@ -1,12 +1,12 @@
-"""RMSNorm, residual add + RMSNorm, rotate-half RoPE, and q/k norm + RoPE + KV-cache store as
-single Triton launches.
+"""RMSNorm, residual add + RMSNorm, and q/k norm + rotate-half RoPE + KV-cache store as single
+Triton launches.
 
-``rms_norm``, ``fused_add_rms_norm``, ``apply_rotary`` and ``qk_norm_rope_store`` have the
-signatures and the results (to the rounding of the fp32 row reduction and rsqrt) of
-``kernels/reference/norm_rope.py``, which replace the ~7 small torch kernels of an fp32
-RMSNorm, the add before it, and the ~12 of rotary on q and k during a decode step;
-``qk_norm_rope_store`` does the per-head q/k norms, the rotary and both KV-cache stores of an
-attention layer in one launch.
+``rms_norm``, ``fused_add_rms_norm`` and ``qk_norm_rope_store`` have the signatures and the
+results (to the rounding of the fp32 row reduction and rsqrt) of
+``kernels/reference/norm_rope.py``. They replace the ~7 small torch kernels of an fp32 RMSNorm
+and the add before it; ``qk_norm_rope_store`` replaces an attention layer's per-head q/k
+norms, the ~12 kernels of rotary on q and k, and both KV-cache stores (rotary alone is that
+op without norm weights).
 
 Common contract
 - Every call reads only tensor shapes, strides and dtypes on the host: the grid is fixed by
@@ -30,7 +30,7 @@ import triton.language as tl
 
 from moeferry.kernels.triton.rounding import rounded
 
-_TILE = 2048  # elements per program for short rows (per-head q/k norm, rotary heads)
+_TILE = 2048  # elements per program for short rows (per-head q/k norm and rotary)
 
 
 @triton.jit
@@ -129,78 +129,6 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 
 @triton.jit
-def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr, n_rows, HQ, HKV,
-                   q_s0, q_s1, k_s0, k_s1, table_stride,
-                   HALF: tl.constexpr, ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    # Row r is head r % (HQ + HKV) of token r // (HQ + HKV): its q heads, then its k heads.
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_HALF)
-    live = rows < n_rows
-    mask = live[:, None] & (cols < HALF)[None, :]
-    token, head = (rows // (HQ + HKV)).to(tl.int64), (rows % (HQ + HKV)).to(tl.int64)
-    is_q = (head < HQ)[:, None]
-    src = tl.where(is_q, q_ptr + (token * q_s0 + head * q_s1)[:, None],
-                   k_ptr + (token * k_s0 + (head - HQ) * k_s1)[:, None]) + cols[None, :]
-    dst = tl.where(is_q, q_out_ptr + (token * HQ + head)[:, None] * (2 * HALF),
-                   k_out_ptr + (token * HKV + head - HQ)[:, None] * (2 * HALF)) + cols[None, :]
-    dt = q_out_ptr.dtype.element_ty
-    table = (tl.load(pos_ptr + token, mask=live, other=0).to(tl.int64) * table_stride)[:, None] + cols[None, :]
-    c1 = rounded(tl.load(cos_ptr + table, mask=mask, other=0.0), dt)
-    c2 = rounded(tl.load(cos_ptr + table + HALF, mask=mask, other=0.0), dt)
-    s1 = rounded(tl.load(sin_ptr + table, mask=mask, other=0.0), dt)
-    s2 = rounded(tl.load(sin_ptr + table + HALF, mask=mask, other=0.0), dt)
-    # Both halves of an element pair are loaded and stored by the same thread (same offsets,
-    # same layout), which is what makes q_out = q in place safe.
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    # rotate_half(x) = cat(-x2, x1). Each product and the sum are rounded to q's dtype, as the
-    # torch ops round them.
-    lo = rounded(rounded(x1 * c1, dt) + rounded(-x2 * s1, dt), dt)
-    hi = rounded(rounded(x2 * c2, dt) + rounded(x1 * s2, dt), dt)
-    tl.store(dst, lo.to(dt), mask=mask)
-    tl.store(dst + HALF, hi.to(dt), mask=mask)
-
-
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, *, q_out: torch.Tensor | None = None,
-                 k_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half RoPE of q and k in one launch.
-
-    q [N, Hq, D], k [N, Hkv, D]: one dtype (bf16|fp16|fp32), D even, unit last stride, any
-    token/head strides. positions [N] int64 (or int32) on the same device; cos, sin [P, D]
-    float32 with a unit last stride (the module's tables). Invariant expected of the caller:
-    ``0 <= positions < P`` (not checked: that would read back to the host; a position out of
-    range reads outside the table). Writes q_out [N, Hq, D] and k_out [N, Hkv, D] (dtype of q,
-    contiguous, allocated unless given); q_out may be q and k_out may be k (in place), no other
-    overlap. A program rotates ROWS consecutive (token, head) rows of the N * (Hq + Hkv), q
-    heads and k heads alike, gathering each row's cos/sin (cached across a token's heads)."""
-    n, hq, d = q.shape
-    hkv = k.shape[1]
-    if k.dtype != q.dtype or k.shape[0] != n or k.shape[2] != d or d % 2:
-        raise ValueError(f"q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype}: "
-                         "need one dtype, the same N and an even head_dim")
-    if cos.shape != sin.shape or cos.shape[-1] != d or cos.stride() != sin.stride():
-        raise ValueError(f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)} for head_dim {d}")
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    k = k if k.stride(-1) == 1 else k.contiguous()
-    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
-    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
-    q_out = _output(q_out, q.shape, q.dtype, q.device, "q_out")
-    k_out = _output(k_out, k.shape, q.dtype, q.device, "k_out")
-    if n == 0:
-        return q_out, k_out
-    half = d // 2
-    block_half = triton.next_power_of_2(half)
-    rows = max(1, _TILE // 2 // block_half)
-    n_rows = n * (hq + hkv)
-    _rotary_kernel[(triton.cdiv(n_rows, rows),)](
-        q, k, q_out, k_out, positions, cos, sin, n_rows, hq, hkv, q.stride(0), q.stride(1),
-        k.stride(0), k.stride(1), cos.stride(0), HALF=half, ROWS=rows, BLOCK_HALF=block_half,
-        num_warps=4, enable_fp_fusion=False)
-    return q_out, k_out
-
-
-@triton.jit
 def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr,
                                q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr, n_rows, HQ, HKV, eps,
                                q_s0, q_s1, k_s0, k_s1, v_s0, v_s1, kc_s0, kc_s1, vc_s0, vc_s1,
@@ -242,7 +170,7 @@ def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, cos
         y1 = x1
         y2 = x2
 
-    # Rotary of the q/k rows, exactly as _rotary_kernel: cos/sin rounded to the output dtype,
+    # Rotary of the q/k rows as the reference rounds it: cos/sin rounded to the output dtype,
     # each product and the sum rounded to it, no FMA.
     qk_mask = mask & ~is_v[:, None]
     table = (tl.load(pos_ptr + token, mask=live & ~is_v, other=0).to(tl.int64) * table_stride)[:, None] + cols[None, :]
@@ -280,7 +208,7 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positi
 
     q [N, Hq, D], k and v [N, Hkv, D]: one dtype (bf16|fp16|fp32), D even, unit last stride,
     any token/head strides (slices of a fused qkv projection). positions and out_slots [N]
-    int64 (or int32); cos, sin [P, D] float32 as for apply_rotary. q_norm_weight and
+    int64 (or int32); cos, sin [P, D] float32 tables (RotaryEmbedding's). q_norm_weight and
     k_norm_weight [D]: both or neither; the normed heads are in
     ``promote_types(weight.dtype, q.dtype)`` (q's dtype without norm), the same for q and k,
     and that is the dtype of q_rot, k_rot and k_cache. k_cache, v_cache [slots, Hkv, D] with
