@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# softmax_topk is also imported from here by callers that route with a block's gate.
 from moeferry.kernels.router import softmax_topk
 
 
