@@ -13,8 +13,8 @@ from moeferry import LLM, SamplingParams
 from moeferry.config import EngineConfig, ModelConfig
 from moeferry.kernels import ops
 from moeferry.kernels.reference import fused_moe as reference
-from moeferry.kernels.triton import fused_moe as triton_fused_moe
 from moeferry.kernels.router import softmax_topk
+from moeferry.kernels.triton import fused_moe as triton_fused_moe
 from moeferry.layers.moe import MoEBlock
 from moeferry.moe.strategies import create_strategy
 from tests.tiny_checkpoints import family_configs, make_checkpoint
