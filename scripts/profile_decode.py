@@ -37,7 +37,7 @@ runner = engine.runner
 reqs = list(engine.scheduler.running)
 t0 = time.perf_counter()
 for _ in range(20):
-    runner.graphs._stage(reqs, len(reqs)) if runner.graphs else runner.decode_inputs(reqs)
+    runner.graphs.inputs.write(*runner.decode_inputs(reqs), len(reqs)) if runner.graphs else runner.decode_inputs(reqs)
 print(f"decode_inputs host: {(time.perf_counter() - t0) / 20 * 1e3:.3f} ms")
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
     for _ in range(5):

@@ -41,3 +41,11 @@ class ForwardBatch:
     @property
     def num_rows(self) -> int:
         return self.input_ids.shape[0]
+
+
+def fill_page_table(table, pages: list[list[int]], scratch_page: int) -> None:
+    """Rows [0, len(pages)) of `table` (a numpy int32 [rows, max_pages] array): each request's
+    pages in position order, then the scratch page."""
+    table[:len(pages)] = scratch_page
+    for i, row in enumerate(pages):
+        table[i, :len(row)] = row

@@ -1,9 +1,8 @@
 """Decode CUDA graphs: one captured graph per padded batch size, replayed each decode step.
 
-Everything a graph reads lives in static buffers written before each replay: token ids,
-positions, output slots, page table, lengths. They are staged in two pinned host buffers
-and reach the device in two copies per step. Rows past the live batch are padding: they
-read and write the KV cache's scratch page only, and their logits are ignored.
+Everything a graph reads lives in static buffers written before each replay (StagedInputs):
+token ids, positions, output slots, page table, lengths. Rows past the live batch are
+padding: they read and write the KV cache's scratch page only, and their logits are ignored.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ import logging
 
 import torch
 
-from moeferry.engine.batch import ForwardBatch
+from moeferry.engine.batch import ForwardBatch, fill_page_table
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +25,51 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sizes
 
 
+def _split_int32(buffer: torch.Tensor, rows: int, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(page table [rows, pages], lengths [rows]): the two views of an int32 staging buffer."""
+    return buffer[:rows * pages].view(rows, pages), buffer[rows * pages:]
+
+
+class StagedInputs:
+    """The decode graphs' inputs for up to `rows` requests, as the graphs read them: int64
+    `input_ids`, `positions`, `out_slots` [rows] and int32 `page_table` [rows, pages],
+    `seq_lens` [rows] on the device. `write` puts a step's values into pinned host twins of
+    the two buffers (one per dtype) and copies each over: two copies per step.
+
+    Invariants: the device tensors never move (captured graphs hold their pointers); the host
+    twins are rewritten only once the previous copies from them finished (event `copied`);
+    rows past the live requests are padding: scratch slot, scratch page, length 1.
+    """
+
+    def __init__(self, rows: int, pages: int, device: torch.device, scratch_page: int, page_size: int):
+        pinned = device.type == "cuda"
+        self.scratch_page, self.scratch_slot = scratch_page, scratch_page * page_size
+        self.host64 = torch.zeros((3, rows), dtype=torch.int64, pin_memory=pinned)
+        self.host32 = torch.zeros(rows * (pages + 1), dtype=torch.int32, pin_memory=pinned)
+        self.dev64 = torch.zeros_like(self.host64, device=device)
+        self.dev32 = torch.zeros_like(self.host32, device=device)
+        self.copied = torch.cuda.Event() if pinned else None
+        self.input_ids, self.positions, self.out_slots = self.dev64
+        self.page_table, self.seq_lens = _split_int32(self.dev32, rows, pages)
+        self._ids, self._positions, self._slots = self.host64.numpy()
+        self._table, self._lens = (view.numpy() for view in _split_int32(self.host32, rows, pages))
+
+    def write(self, ids, positions, slots, lens, pages, rows: int) -> None:
+        """Rows [0, rows) for len(ids) live requests (their ids, positions, output slots,
+        lengths and page lists), the rest padding; then the two copies."""
+        n = len(ids)
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous step's copies have read the host twins
+        self._ids[:n], self._positions[:n], self._slots[:n], self._lens[:n] = ids, positions, slots, lens
+        fill_page_table(self._table, pages, self.scratch_page)
+        self._ids[n:rows], self._positions[n:rows], self._slots[n:rows] = 0, 0, self.scratch_slot
+        self._table[n:rows], self._lens[n:rows] = self.scratch_page, 1
+        self.dev64.copy_(self.host64, non_blocking=True)
+        self.dev32.copy_(self.host32, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
+
 class DecodeGraphs:
     """Captured decode forwards for batch sizes 1, 2, 4, ... up to max_running_requests.
 
@@ -36,21 +80,10 @@ class DecodeGraphs:
 
     def __init__(self, runner):
         self.runner = runner
-        dev = runner.device
         self.sizes = capture_sizes(runner.ec.max_running_requests)
-        bmax, pages = self.sizes[-1], runner.max_pages_per_req
-        self.scratch_slot = runner.scratch_page * runner.ec.page_size
-        # Staging: int64 rows (token ids, positions, output slots) and int32 (page table rows,
-        # then lengths), pinned on the host, mirrored on the device; the graph reads views.
-        self.host64 = torch.zeros((3, bmax), dtype=torch.int64, pin_memory=True)
-        self.host32 = torch.zeros(bmax * (pages + 1), dtype=torch.int32, pin_memory=True)
-        self.dev64 = torch.zeros_like(self.host64, device=dev)
-        self.dev32 = torch.zeros_like(self.host32, device=dev)
-        self.copied = torch.cuda.Event()  # the host buffers may be rewritten once it fired
-        self.input_ids, self.positions, self.out_slots = self.dev64
-        self.page_table = self.dev32[:bmax * pages].view(bmax, pages)
-        self.seq_lens = self.dev32[bmax * pages:]
-        self._stage([], bmax)
+        self.inputs = StagedInputs(self.sizes[-1], runner.max_pages_per_req, runner.device,
+                                   runner.scratch_page, runner.ec.page_size)
+        self.inputs.write([], [], [], [], [], self.sizes[-1])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.batches: dict[int, ForwardBatch] = {}  # kept alive: a graph reads their tensors at every replay
         self.outputs: dict[int, torch.Tensor] = {}
@@ -58,9 +91,10 @@ class DecodeGraphs:
         self._capture_all()
 
     def _batch(self, b: int) -> ForwardBatch:
-        return ForwardBatch(True, self.input_ids[:b], self.positions[:b], self.out_slots[:b],
-                            torch.arange(b, device=self.input_ids.device), page_table=self.page_table[:b],
-                            seq_lens=self.seq_lens[:b])
+        x = self.inputs
+        return ForwardBatch(True, x.input_ids[:b], x.positions[:b], x.out_slots[:b],
+                            torch.arange(b, device=x.input_ids.device), page_table=x.page_table[:b],
+                            seq_lens=x.seq_lens[:b])
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -80,32 +114,12 @@ class DecodeGraphs:
             self.graphs[b] = graph
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
-    def _stage(self, reqs, b: int) -> None:
-        """Write rows [0, b) of the inputs for `reqs` (rows past them: padding) to the host
-        buffers and copy them to the device."""
-        n = len(reqs)
-        bmax, pages = self.host64.shape[1], self.runner.max_pages_per_req
-        h64, h32 = self.host64.numpy(), self.host32.numpy()
-        self.copied.synchronize()  # the previous step's copy has read the buffers
-        if n:
-            ids, pos, slots, lens, page_lists = self.runner.decode_inputs(reqs)
-            h64[0, :n], h64[1, :n], h64[2, :n] = ids, pos, slots
-            h32[bmax * pages:bmax * pages + n] = lens
-            self.runner.fill_page_table(h32[:bmax * pages].reshape(bmax, pages), page_lists)
-        h64[:2, n:b] = 0
-        h64[2, n:b] = self.scratch_slot
-        h32[:bmax * pages].reshape(bmax, pages)[n:b] = self.runner.scratch_page
-        h32[bmax * pages + n:bmax * pages + b] = 1
-        self.dev64.copy_(self.host64, non_blocking=True)
-        self.dev32.copy_(self.host32, non_blocking=True)
-        self.copied.record()
-
     def can_run(self, n: int) -> bool:
         return n <= self.sizes[-1]
 
     def run(self, reqs) -> torch.Tensor:
         n = len(reqs)
         b = next(s for s in self.sizes if s >= n)
-        self._stage(reqs, b)
+        self.inputs.write(*self.runner.decode_inputs(reqs), b)
         self.graphs[b].replay()
         return self.outputs[b][:n]

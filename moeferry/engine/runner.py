@@ -8,7 +8,7 @@ import logging
 import torch
 
 from moeferry.config import EngineConfig, ModelConfig, resolve_max_model_len
-from moeferry.engine.batch import ForwardBatch, PrefillSeq
+from moeferry.engine.batch import ForwardBatch, PrefillSeq, fill_page_table
 from moeferry.engine.cuda_graph import DecodeGraphs
 from moeferry.engine.loader import load_dummy, load_safetensors
 from moeferry.engine.planner import plan_memory
@@ -77,7 +77,7 @@ class ModelRunner:
 
     def decode_inputs(self, reqs):
         """Host-side decode inputs: token ids, positions, output slots, lengths (lists) and
-        each request's page list."""
+        each request's page list, in the order StagedInputs.write takes them."""
         ids = [r.tokens[-1] for r in reqs]
         pos = [r.num_tokens - 1 for r in reqs]
         ps = self.ec.page_size
@@ -85,18 +85,11 @@ class ModelRunner:
         lens = [r.num_tokens for r in reqs]
         return ids, pos, slots, lens, [r.pages for r in reqs]
 
-    def fill_page_table(self, table, pages) -> None:
-        """Rows of `table` [>= len(pages), max_pages_per_req] (a numpy int32 array): each
-        request's pages, then the scratch page."""
-        table[:len(pages)] = self.scratch_page
-        for i, row in enumerate(pages):
-            table[i, :len(row)] = row
-
     def decode_batch(self, reqs) -> ForwardBatch:
         ids, pos, slots, lens, pages = self.decode_inputs(reqs)
         n = len(reqs)
         table = torch.empty((n, self.max_pages_per_req), dtype=torch.int32)
-        self.fill_page_table(table.numpy(), pages)
+        fill_page_table(table.numpy(), pages, self.scratch_page)
         return ForwardBatch(True, self._t(ids), self._t(pos), self._t(slots), torch.arange(n, device=self.device),
                             page_table=table.to(self.device), seq_lens=self._t(lens, torch.int32))
 
