@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeferry.kernels.triton.rounding import rounded
+from moeferry.kernels.triton.common import output_buffer, rounded
 
 _TILE = 2048  # elements per program for short rows (per-head q/k norm and rotary)
 
@@ -68,25 +68,16 @@ def _rows_view(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     raise ValueError(f"expected [N, D] or [N, H, D], got {tuple(x.shape)}")
 
 
-def _output(out: torch.Tensor | None, shape, dtype, device, name: str) -> torch.Tensor:
-    if out is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or not out.is_contiguous():
-        raise ValueError(f"{name}: expected contiguous {tuple(shape)} {dtype}, "
-                         f"got {tuple(out.shape)} {out.dtype} contiguous={out.is_contiguous()}")
-    return out
-
-
 def _norm_launch(x, residual, weight, eps, out, residual_out):
     x, inner, x_s0, x_s1 = _rows_view(x)
     d = x.shape[-1]
     if weight.shape != (d,):
         raise ValueError(f"weight {tuple(weight.shape)} for rows of {d}")
     n_rows = x.numel() // d if d else 0
-    out = _output(out, x.shape, torch.promote_types(weight.dtype, x.dtype), x.device, "out")
+    out = output_buffer(out, x.shape, torch.promote_types(weight.dtype, x.dtype), x.device, "out")
     if residual is not None:
         residual, _, r_s0, r_s1 = _rows_view(residual)
-        residual_out = _output(residual_out, x.shape, x.dtype, x.device, "residual_out")
+        residual_out = output_buffer(residual_out, x.shape, x.dtype, x.device, "residual_out")
     else:
         r_s0 = r_s1 = 0
     if n_rows == 0:
@@ -253,7 +244,7 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positi
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     cos = cos if cos.stride(-1) == 1 else cos.contiguous()
     sin = sin if sin.stride(-1) == 1 else sin.contiguous()
-    q_out = _output(q_out, q.shape, dtype, q.device, "q_out")
+    q_out = output_buffer(q_out, q.shape, dtype, q.device, "q_out")
     k_out = torch.empty(k.shape, dtype=dtype, device=k.device)
     if n == 0:
         return q_out, k_out

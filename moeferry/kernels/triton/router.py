@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeferry.kernels.triton.rounding import rounded
+from moeferry.kernels.triton.common import output_buffer, rounded
 
 __all__ = ["MAX_EXPERTS", "softmax_topk"]
 
@@ -71,16 +71,6 @@ def _softmax_topk_kernel(logits_ptr, weights_ptr, ids_ptr, E, row_stride,
     tl.store(ids_ptr + out, chosen_id, mask=used)
 
 
-def _output(out: torch.Tensor | None, shape, dtype, device, name: str) -> torch.Tensor:
-    if out is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    if (tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device
-            or not out.is_contiguous()):
-        raise ValueError(f"{name}: expected contiguous {tuple(shape)} {dtype} on {device}, got "
-                         f"{tuple(out.shape)} {out.dtype} on {out.device} contiguous={out.is_contiguous()}")
-    return out
-
-
 def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool, *,
                  weights_out: torch.Tensor | None = None,
                  ids_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,8 +85,8 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool, *,
         raise ValueError(f"top_k={top_k} out of 1..{e}")
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    weights_out = _output(weights_out, (t, top_k), torch.float32, logits.device, "weights_out")
-    ids_out = _output(ids_out, (t, top_k), torch.int32, logits.device, "ids_out")
+    weights_out = output_buffer(weights_out, (t, top_k), torch.float32, logits.device, "weights_out")
+    ids_out = output_buffer(ids_out, (t, top_k), torch.int32, logits.device, "ids_out")
     if t == 0:
         return weights_out, ids_out
     block_e = triton.next_power_of_2(e)
