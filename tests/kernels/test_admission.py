@@ -63,8 +63,13 @@ def random_routes(rng, num_experts, width, hot=None, dtype=torch.int64):
 
 
 @pytest.mark.parametrize("policy", ["lru", "lrfu", "layer_lru"])
-@pytest.mark.parametrize("seed", [0, 1])
-def test_kernel_matches_reference_on_random_sequences(policy, seed, device):
+@pytest.mark.parametrize("seed, max_block", [(0, 4096), (1, 4096), (2, 16)])
+def test_kernel_matches_reference_on_random_sequences(policy, seed, max_block, device,
+                                                      monkeypatch):
+    """max_block 4096: every pool is one block, keys in registers; 16: pools of up to 57
+    slots in several blocks, keys through the key buffer."""
+    from moeferry.kernels.triton import admission
+    monkeypatch.setattr(admission, "_MAX_BLOCK_S", max_block)
     rng = np.random.default_rng(seed)
     num_layers, num_experts, num_slots = 3, int(rng.integers(6, 20)), 0
     num_slots = num_experts + int(rng.integers(0, 2 * num_experts))
@@ -184,11 +189,14 @@ def test_too_many_routes_is_refused(device):
 
 @triton.jit
 def _threshold_probe(key_ptr, num_slots, args_ptr, out_ptr, RADIX: tl.constexpr,
-                     RADIX_BITS: tl.constexpr, BLOCK_S: tl.constexpr):
+                     RADIX_BITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                     KEYS_IN_REGISTERS: tl.constexpr):
     lo, hi = tl.load(args_ptr), tl.load(args_ptr + 1)  # int64, as in the kernel
     num_misses = tl.load(args_ptr + 2).to(tl.int32)
-    threshold, below = _threshold_key(key_ptr, num_slots, lo, hi, num_misses, RADIX,
-                                      RADIX_BITS, BLOCK_S)
+    s = tl.arange(0, BLOCK_S)
+    keys = tl.load(key_ptr + s, mask=s < num_slots, other=2 ** 63 - 1)  # the first block
+    threshold, below = _threshold_key(key_ptr, keys, num_slots, lo, hi, num_misses, RADIX,
+                                      RADIX_BITS, BLOCK_S, KEYS_IN_REGISTERS)
     tl.store(out_ptr, threshold)
     tl.store(out_ptr + 1, below.to(tl.int64))
 
@@ -222,7 +230,8 @@ def search_keys(rng, kind, n):
     (2100, 5, 1024)])
 def test_threshold_search_finds_the_mth_smallest_key(num_slots, radix_bits, block, device):
     """_threshold_key alone against a sort: T = M-th smallest candidate key, and #{key < T},
-    over spans from 0 to 2**62, ties at T, blocks not dividing the slot count."""
+    over spans from 0 to 2**62, ties at T, blocks not dividing the slot count; with the keys
+    read from memory at every sweep, and (where one block holds them) from registers."""
     rng = np.random.default_rng(num_slots * 10 + radix_bits)
     out = torch.zeros(2, dtype=torch.int64, device=device)
     for kind in ("all_equal", "heavy_ties", "clock", "float_bits", "clusters", "huge"):
@@ -233,11 +242,14 @@ def test_threshold_search_finds_the_mth_smallest_key(num_slots, radix_bits, bloc
         picks |= set(rng.integers(1, num_candidates, size=1, endpoint=True).tolist())
         for num_misses in sorted(m for m in picks if 1 <= m <= num_candidates):
             args = torch.tensor([keys.min(), candidates[-1], num_misses], device=device)
-            _threshold_probe[(1,)](torch.from_numpy(keys).to(device), num_slots, args, out,
-                                   RADIX=1 << radix_bits, RADIX_BITS=radix_bits, BLOCK_S=block)
             threshold = int(candidates[num_misses - 1])
             expected = [threshold, int((keys < threshold).sum())]
-            assert out.tolist() == expected, f"{kind}, M={num_misses}"
+            for in_registers in {False, num_slots <= block}:
+                out.fill_(-1)
+                _threshold_probe[(1,)](torch.from_numpy(keys).to(device), num_slots, args, out,
+                                       RADIX=1 << radix_bits, RADIX_BITS=radix_bits,
+                                       BLOCK_S=block, KEYS_IN_REGISTERS=in_registers)
+                assert out.tolist() == expected, f"{kind}, M={num_misses}, {in_registers}"
 
 
 def spread_cache(num_layers, num_experts, num_slots, policy, rng, clock, device="cpu"):

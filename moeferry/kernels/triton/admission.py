@@ -35,7 +35,9 @@ C. (only when there are misses) rank every candidate slot by an int64 key (the p
    slots below ``T`` plus the first slots (by index) equal to ``T`` (one more sweep), order
    those M victims by counting comparisons in 64 x 64 tiles, and install the misses into
    them. Sweeps over the slots: ``2 + ceil(bits(hi - lo) / RADIX_BITS)`` (keys, search,
-   victims), so 4 for LRU and LAYER_LRU while ``2 * now < 65536``.
+   victims), so 4 for LRU and LAYER_LRU while ``2 * now < 65536``. A pool of at most
+   ``_MAX_BLOCK_S`` slots is one block: its keys are computed once into registers and the
+   later sweeps read them there, with no trip through the key buffer or barrier between.
 D. ``slot_ids`` = ``slot_of[layer, ids]``; counters.
 """
 from __future__ import annotations
@@ -54,6 +56,8 @@ _KEY_NONE = tl.constexpr(9223372036854775807)  # int64 max: "not a candidate"
 _NUM_WARPS = 8
 _VICTIM_TILE = 64
 _RADIX_BITS = 8  # threshold search: key bits resolved per sweep over the slots
+_MAX_BLOCK_S = 4096  # slots per block; a pool of at most this many keeps its keys in registers
+_KEYS_IN_REGISTERS = True  # (False: through the key buffer whatever the size; for sweeps)
 
 
 @triton.jit
@@ -106,58 +110,87 @@ def _refresh_hits_list_misses(num_experts, layer_base, now, mark_ptr, slot_of_pt
 
 
 @triton.jit
+def _slot_keys(s, in_range, now, layer_base, num_experts, owner_of_ptr, last_used_ptr,
+               score_ptr, decay_ptr, LRFU: tl.constexpr, LAYER_LRU: tl.constexpr,
+               POW_BITS: tl.constexpr, POW_TAIL: tl.constexpr):
+    """The keys of slots ``s``: the policy's for candidates, _KEY_NONE for this call's
+    slots and for lanes out of range."""
+    last = tl.load(last_used_ptr + s, mask=in_range, other=0)
+    candidate = in_range & (last != now)
+    owner = tl.load(owner_of_ptr + s, mask=candidate, other=-1)
+    if LRFU:
+        score = tl.load(score_ptr + s, mask=candidate, other=0.0)
+        decayed = score * _decay_pow(now - last, decay_ptr, POW_BITS, POW_TAIL)
+        key = decayed.to(tl.int32, bitcast=True).to(tl.int64) + 1
+    else:
+        if LAYER_LRU:  # own slots in [1, now] by recency, others' in [now + 1, 2 now] MRU
+            flat = owner.to(tl.int64)
+            own = (flat >= layer_base) & (flat < layer_base + num_experts)
+            key = tl.where(own, last + 1, 2 * now - last)
+        else:
+            key = last + 1
+    key = tl.where((owner >= 0) & (last >= 0), key, 0)  # free, or warm-filled and unused
+    return tl.where(candidate, key, _KEY_NONE)
+
+
+@triton.jit
+def _key_range(key):
+    """(smallest key, largest candidate key) of a block; (_KEY_NONE, -1) when it has none."""
+    return tl.min(key, 0), tl.max(tl.where(key != _KEY_NONE, key, -1), 0)
+
+
+@triton.jit
 def _write_slot_keys(num_slots, now, layer_base, num_experts, owner_of_ptr, last_used_ptr,
                      score_ptr, key_ptr, decay_ptr, LRFU: tl.constexpr,
                      LAYER_LRU: tl.constexpr, POW_BITS: tl.constexpr,
                      POW_TAIL: tl.constexpr, BLOCK_S: tl.constexpr):
-    """key[s] for candidates, _KEY_NONE for this call's slots; returns (min, max) key."""
+    """key[s] for every slot (see _slot_keys); returns (min, max candidate) key."""
     lo = tl.max(tl.full([BLOCK_S], _KEY_NONE, tl.int64), 0)
     hi = tl.max(tl.full([BLOCK_S], -1, tl.int64), 0)
     for start in range(0, num_slots, BLOCK_S):
         s = start + tl.arange(0, BLOCK_S)
         in_range = s < num_slots
-        last = tl.load(last_used_ptr + s, mask=in_range, other=0)
-        candidate = in_range & (last != now)
-        owner = tl.load(owner_of_ptr + s, mask=candidate, other=-1)
-        if LRFU:
-            score = tl.load(score_ptr + s, mask=candidate, other=0.0)
-            decayed = score * _decay_pow(now - last, decay_ptr, POW_BITS, POW_TAIL)
-            key = decayed.to(tl.int32, bitcast=True).to(tl.int64) + 1
-        else:
-            if LAYER_LRU:  # own slots in [1, now] by recency, others' in [now + 1, 2 now] MRU
-                flat = owner.to(tl.int64)
-                own = (flat >= layer_base) & (flat < layer_base + num_experts)
-                key = tl.where(own, last + 1, 2 * now - last)
-            else:
-                key = last + 1
-        key = tl.where((owner >= 0) & (last >= 0), key, 0)  # free, or warm-filled and unused
-        key = tl.where(candidate, key, _KEY_NONE)
+        key = _slot_keys(s, in_range, now, layer_base, num_experts, owner_of_ptr,
+                         last_used_ptr, score_ptr, decay_ptr, LRFU, LAYER_LRU, POW_BITS,
+                         POW_TAIL)
         tl.store(key_ptr + s, key, mask=in_range)
-        lo = tl.minimum(lo, tl.min(key, 0))
-        hi = tl.maximum(hi, tl.max(tl.where(candidate, key, -1), 0))
+        block_lo, block_hi = _key_range(key)
+        lo = tl.minimum(lo, block_lo)
+        hi = tl.maximum(hi, block_hi)
     return lo, hi
 
 
 @triton.jit
-def _bucket_counts(key_ptr, num_slots, lo, shift, RADIX: tl.constexpr,
-                   BLOCK_S: tl.constexpr):
-    """hist[j] = #{key : (key - lo) >> shift == j} for j < RADIX, in one sweep.
+def _digit_histogram(key, lo, shift, RADIX: tl.constexpr):
+    """hist[j] = #{key in the block : (key - lo) >> shift == j} for j < RADIX.
 
     Digits outside ``[0, RADIX)`` (keys below ``lo``, keys past the last bucket, padding
     ``_KEY_NONE``) are masked out, and zeroed before the cast to the histogram's int32."""
-    hist = tl.zeros([RADIX], tl.int32)
-    for start in range(0, num_slots, BLOCK_S):
-        s = start + tl.arange(0, BLOCK_S)
-        key = tl.load(key_ptr + s, mask=s < num_slots, other=_KEY_NONE)
-        digit = (key - lo) >> shift
-        inside = (digit >= 0) & (digit < RADIX)
-        hist += tl.histogram(tl.where(inside, digit, 0).to(tl.int32), RADIX, mask=inside)
+    digit = (key - lo) >> shift
+    inside = (digit >= 0) & (digit < RADIX)
+    return tl.histogram(tl.where(inside, digit, 0).to(tl.int32), RADIX, mask=inside)
+
+
+@triton.jit
+def _bucket_counts(key_ptr, keys, num_slots, lo, shift, RADIX: tl.constexpr,
+                   BLOCK_S: tl.constexpr, KEYS_IN_REGISTERS: tl.constexpr):
+    """_digit_histogram over every slot: of ``keys`` (the whole pool in one block) when
+    KEYS_IN_REGISTERS, else of ``key_ptr[:num_slots]`` in one sweep."""
+    if KEYS_IN_REGISTERS:
+        hist = _digit_histogram(keys, lo, shift, RADIX)
+    else:
+        hist = tl.zeros([RADIX], tl.int32)
+        for start in range(0, num_slots, BLOCK_S):
+            s = start + tl.arange(0, BLOCK_S)
+            key = tl.load(key_ptr + s, mask=s < num_slots, other=_KEY_NONE)
+            hist += _digit_histogram(key, lo, shift, RADIX)
     return hist
 
 
 @triton.jit
-def _threshold_key(key_ptr, num_slots, lo, hi, num_misses, RADIX: tl.constexpr,
-                   RADIX_BITS: tl.constexpr, BLOCK_S: tl.constexpr):
+def _threshold_key(key_ptr, keys, num_slots, lo, hi, num_misses, RADIX: tl.constexpr,
+                   RADIX_BITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                   KEYS_IN_REGISTERS: tl.constexpr):
     """(T, #{key < T}): T the smallest key with #{key <= T} >= num_misses, T in [lo, hi].
 
     Takes ``lo`` = the smallest key and ``hi`` = the largest candidate key, so that
@@ -175,7 +208,8 @@ def _threshold_key(key_ptr, num_slots, lo, hi, num_misses, RADIX: tl.constexpr,
         shift += RADIX_BITS
     rows = tl.arange(0, RADIX)
     while lo < hi:
-        hist = _bucket_counts(key_ptr, num_slots, lo, shift, RADIX, BLOCK_S)
+        hist = _bucket_counts(key_ptr, keys, num_slots, lo, shift, RADIX, BLOCK_S,
+                              KEYS_IN_REGISTERS)
         counts = below + tl.cumsum(hist, 0)  # #{key <= lo + (j + 1) * 2**shift - 1}
         # Bound j lies strictly below hi exactly when j < top (no overflow: top < RADIX).
         top = (hi - lo) >> shift
@@ -189,22 +223,33 @@ def _threshold_key(key_ptr, num_slots, lo, hi, num_misses, RADIX: tl.constexpr,
 
 
 @triton.jit
-def _collect_victims(key_ptr, num_slots, threshold, num_from_ties, vkey_ptr, vslot_ptr,
-                     BLOCK_S: tl.constexpr):
+def _take_victims(key, s, threshold, num_from_ties, num_ties, num_taken, vkey_ptr,
+                  vslot_ptr):
+    """Appends a block's victims (see _collect_victims); returns the updated counts."""
+    tie = (key == threshold).to(tl.int32)
+    tie_rank = num_ties + tl.cumsum(tie, 0) - 1
+    take = ((key < threshold) | ((tie == 1) & (tie_rank < num_from_ties))).to(tl.int32)
+    position = num_taken + tl.cumsum(take, 0) - 1
+    tl.store(vkey_ptr + position, key, mask=take == 1)
+    tl.store(vslot_ptr + position, s.to(tl.int32), mask=take == 1)
+    return num_ties + tl.sum(tie, 0), num_taken + tl.sum(take, 0)
+
+
+@triton.jit
+def _collect_victims(key_ptr, keys, num_slots, threshold, num_from_ties, vkey_ptr,
+                     vslot_ptr, BLOCK_S: tl.constexpr, KEYS_IN_REGISTERS: tl.constexpr):
     """Victims in slot order: keys below T, then the first ``num_from_ties`` equal to T."""
     num_ties = tl.sum(tl.zeros([BLOCK_S], tl.int32), 0)
     num_taken = tl.sum(tl.zeros([BLOCK_S], tl.int32), 0)
-    for start in range(0, num_slots, BLOCK_S):
-        s = start + tl.arange(0, BLOCK_S)
-        key = tl.load(key_ptr + s, mask=s < num_slots, other=_KEY_NONE)
-        tie = (key == threshold).to(tl.int32)
-        tie_rank = num_ties + tl.cumsum(tie, 0) - 1
-        take = ((key < threshold) | ((tie == 1) & (tie_rank < num_from_ties))).to(tl.int32)
-        position = num_taken + tl.cumsum(take, 0) - 1
-        tl.store(vkey_ptr + position, key, mask=take == 1)
-        tl.store(vslot_ptr + position, s.to(tl.int32), mask=take == 1)
-        num_ties += tl.sum(tie, 0)
-        num_taken += tl.sum(take, 0)
+    if KEYS_IN_REGISTERS:
+        _take_victims(keys, tl.arange(0, BLOCK_S), threshold, num_from_ties, num_ties,
+                      num_taken, vkey_ptr, vslot_ptr)
+    else:
+        for start in range(0, num_slots, BLOCK_S):
+            s = start + tl.arange(0, BLOCK_S)
+            key = tl.load(key_ptr + s, mask=s < num_slots, other=_KEY_NONE)
+            num_ties, num_taken = _take_victims(key, s, threshold, num_from_ties, num_ties,
+                                                num_taken, vkey_ptr, vslot_ptr)
 
 
 @triton.jit
@@ -267,7 +312,7 @@ def _admit_kernel(
     LRFU: tl.constexpr, LAYER_LRU: tl.constexpr, POW_BITS: tl.constexpr,
     POW_TAIL: tl.constexpr, COUNT_STATS: tl.constexpr, COUNT_FREQ: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
-    RADIX: tl.constexpr, RADIX_BITS: tl.constexpr,
+    RADIX: tl.constexpr, RADIX_BITS: tl.constexpr, KEYS_IN_REGISTERS: tl.constexpr,
     TILE: tl.constexpr,
 ):
     now = tl.load(clock_ptr) + 1
@@ -281,14 +326,22 @@ def _admit_kernel(
         plan_src_ptr, decay_ptr, LRFU, POW_BITS, POW_TAIL, BLOCK_E)
     tl.debug_barrier()
     if num_misses > 0:
-        lo, hi = _write_slot_keys(num_slots, now, layer_base, num_experts, owner_of_ptr,
-                                  last_used_ptr, score_ptr, key_ptr, decay_ptr, LRFU,
-                                  LAYER_LRU, POW_BITS, POW_TAIL, BLOCK_S)
-        tl.debug_barrier()
-        threshold, num_below = _threshold_key(key_ptr, num_slots, lo, hi, num_misses,
-                                              RADIX, RADIX_BITS, BLOCK_S)
-        _collect_victims(key_ptr, num_slots, threshold, num_misses - num_below,
-                         vkey_ptr, vslot_ptr, BLOCK_S)
+        if KEYS_IN_REGISTERS:  # the whole pool is one block: its keys never leave registers
+            s = tl.arange(0, BLOCK_S)
+            keys = _slot_keys(s, s < num_slots, now, layer_base, num_experts, owner_of_ptr,
+                              last_used_ptr, score_ptr, decay_ptr, LRFU, LAYER_LRU,
+                              POW_BITS, POW_TAIL)
+            lo, hi = _key_range(keys)
+        else:
+            lo, hi = _write_slot_keys(num_slots, now, layer_base, num_experts, owner_of_ptr,
+                                      last_used_ptr, score_ptr, key_ptr, decay_ptr, LRFU,
+                                      LAYER_LRU, POW_BITS, POW_TAIL, BLOCK_S)
+            keys = lo  # unused
+            tl.debug_barrier()
+        threshold, num_below = _threshold_key(key_ptr, keys, num_slots, lo, hi, num_misses,
+                                              RADIX, RADIX_BITS, BLOCK_S, KEYS_IN_REGISTERS)
+        _collect_victims(key_ptr, keys, num_slots, threshold, num_misses - num_below,
+                         vkey_ptr, vslot_ptr, BLOCK_S, KEYS_IN_REGISTERS)
         tl.debug_barrier()
         _order_victims(num_misses, vkey_ptr, vslot_ptr, ordered_ptr, TILE)
         tl.debug_barrier()
@@ -319,6 +372,7 @@ def admit(state: SlotState, layer: int, topk_ids: torch.Tensor,
     count_freq = count_stats and counters.freq is not None
     stats = counters if count_stats else (state.clock,) * 3 + (None,)
     freq = counters.freq if count_freq else state.clock
+    block_s = _block(state.num_slots, 16, _MAX_BLOCK_S)
     _admit_kernel[(1,)](
         ids, num_routes, layer, state.num_experts, state.num_slots,
         state.slot_of, state.owner_of, state.last_used, state.score, state.clock,
@@ -329,8 +383,9 @@ def admit(state: SlotState, layer: int, topk_ids: torch.Tensor,
         LRFU=state.policy == "lrfu", LAYER_LRU=state.policy == "layer_lru", POW_BITS=state.decay.bits, POW_TAIL=state.decay.tail,
         COUNT_STATS=count_stats, COUNT_FREQ=count_freq,
         BLOCK_R=_block(num_routes, 16, 1024), BLOCK_E=_block(state.num_experts, 16, 1024),
-        BLOCK_S=_block(state.num_slots, 16, 4096), RADIX=1 << _RADIX_BITS,
-        RADIX_BITS=_RADIX_BITS, TILE=_VICTIM_TILE,
+        BLOCK_S=block_s, RADIX=1 << _RADIX_BITS, RADIX_BITS=_RADIX_BITS,
+        KEYS_IN_REGISTERS=_KEYS_IN_REGISTERS and state.num_slots <= block_s,
+        TILE=_VICTIM_TILE,
         num_warps=_NUM_WARPS, enable_fp_fusion=False,
     )
     return state.slot_ids[:num_routes].view(topk_ids.shape)
