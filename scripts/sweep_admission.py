@@ -1,9 +1,12 @@
 """Tuning sweep for the admission kernel: microseconds per call (benchmarks/bench_admission.py's
-measurement) by the kernel's warp count, radix digit width and where the slot keys live, at a
-few widths, all hits and with ~10% misses.
-  python3 scripts/sweep_admission.py [--warps 2 4 8 16] [--radix-bits 8] [--registers 1 0]
-                                     [--requests 1 16 128]"""
+measurement) over the Cartesian product of the kernel module's knobs (module globals read at
+every launch, each value compiling its own kernel), at a few widths, all hits and with ~10%
+misses.
+  python3 scripts/sweep_admission.py --set _NUM_WARPS=8,16 --set _RADIX_BITS=5,8 \\
+      [--set _KEYS_IN_REGISTERS=1,0] [--set _EXTRACT_MAX=0,16] [--set _FREQ_HISTOGRAM=1,0] \\
+      [--requests 1 16 128] [--policy lru] [--no-stats]"""
 import argparse
+import itertools
 
 import torch
 
@@ -11,25 +14,29 @@ from benchmarks import bench_admission
 from moeferry.kernels.triton import admission
 
 p = argparse.ArgumentParser()
-p.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8, 16])
-p.add_argument("--radix-bits", type=int, nargs="+", default=[8])
-p.add_argument("--registers", type=int, nargs="+", default=[1],
-               help="1: keys in registers when the pool is one block; 0: always in memory")
+p.add_argument("--set", action="append", default=[], metavar="KNOB=V1,V2",
+               help="a module global of kernels/triton/admission.py and its values")
 p.add_argument("--requests", type=int, nargs="+", default=[1, 16, 128])
 p.add_argument("--policy", default="lru")
+p.add_argument("--no-stats", action="store_true", help="admit without statistics counters")
 args = p.parse_args()
-bench_args = bench_admission.parse_args(["--policy", args.policy])
-print(f"{torch.cuda.get_device_name()}, policy {args.policy}, {bench_args.slots} slots, {bench_args.layers} layers")
-print("| warps | radix bits | keys in registers | requests | all hits (us) | with misses (us) "
-      "| miss rate |")
-print("|---:|---:|---:|---:|---:|---:|---:|")
-configs = [(w, b, r) for w in args.warps for b in args.radix_bits for r in args.registers]
-for warps, bits, registers in configs:
-    # read at every launch; each value compiles its own kernel
-    admission._NUM_WARPS, admission._RADIX_BITS = warps, bits
-    admission._KEYS_IN_REGISTERS = bool(registers)
+knobs = {}
+for item in args.set:
+    name, values = item.split("=")
+    if not hasattr(admission, name):
+        p.error(f"admission has no knob {name}")
+    knobs[name] = [int(v) for v in values.split(",")]
+bench_args = bench_admission.parse_args(["--policy", args.policy]
+                                        + (["--no-stats"] if args.no_stats else []))
+print(f"{torch.cuda.get_device_name()}, policy {args.policy}, {bench_args.slots} slots, "
+      f"{bench_args.layers} layers, statistics {'off' if args.no_stats else 'on'}")
+print("| " + " | ".join(knobs) + " | requests | all hits (us) | with misses (us) | miss rate |")
+print("|" + "---:|" * (len(knobs) + 4))
+for values in itertools.product(*knobs.values()):
+    for name, value in zip(knobs, values):
+        setattr(admission, name, value)
     for requests in args.requests:
         hits_us, _ = bench_admission.measure(bench_args, requests, with_misses=False)
         miss_us, rate = bench_admission.measure(bench_args, requests, with_misses=True)
-        print(f"| {warps} | {bits} | {registers} | {requests} | {hits_us:.2f} | {miss_us:.2f} "
-              f"| {rate:.1%} |", flush=True)
+        print("| " + " | ".join(map(str, values)) + f" | {requests} | {hits_us:.2f} "
+              f"| {miss_us:.2f} | {rate:.1%} |", flush=True)

@@ -63,13 +63,18 @@ def random_routes(rng, num_experts, width, hot=None, dtype=torch.int64):
 
 
 @pytest.mark.parametrize("policy", ["lru", "lrfu", "layer_lru"])
-@pytest.mark.parametrize("seed, max_block", [(0, 4096), (1, 4096), (2, 16)])
-def test_kernel_matches_reference_on_random_sequences(policy, seed, max_block, device,
-                                                      monkeypatch):
-    """max_block 4096: every pool is one block, keys in registers; 16: pools of up to 57
-    slots in several blocks, keys through the key buffer."""
+@pytest.mark.parametrize("seed, max_block, extract_max, freq_histogram", [
+    (0, 4096, 16, True), (1, 4096, 0, False), (2, 16, 16, True)])
+def test_kernel_matches_reference_on_random_sequences(policy, seed, max_block, extract_max,
+                                                      freq_histogram, device, monkeypatch):
+    """Every path of the kernel: max_block 4096, every pool is one block, keys in registers,
+    victims by repeated minimum up to ``extract_max`` misses and by radix select past it;
+    16: pools of up to 57 slots in several blocks, keys through the key buffer. Route
+    counts by histogram or by atomics."""
     from moeferry.kernels.triton import admission
     monkeypatch.setattr(admission, "_MAX_BLOCK_S", max_block)
+    monkeypatch.setattr(admission, "_EXTRACT_MAX", extract_max)
+    monkeypatch.setattr(admission, "_FREQ_HISTOGRAM", freq_histogram)
     rng = np.random.default_rng(seed)
     num_layers, num_experts, num_slots = 3, int(rng.integers(6, 20)), 0
     num_slots = num_experts + int(rng.integers(0, 2 * num_experts))
@@ -284,12 +289,14 @@ def candidate_key_span(state, layer):
 def test_victim_search_over_wide_key_ranges(policy, num_layers, num_experts, num_slots,
                                             device):
     """Misses into caches whose keys span thousands of calls (and, after clock jumps written
-    into both states, beyond 2**34): maps and plans bit-identical after every call."""
+    into both states, beyond 2**34, and past 2**57, where packing a key with its slot in 63
+    bits no longer fits and the radix path takes over from the repeated minimum): maps and
+    plans bit-identical after every call."""
     rng = np.random.default_rng(num_slots)
     ref_state, tri_state = spread_cache(num_layers, num_experts, num_slots, policy, rng,
                                         clock=3000, device=device)
     spans, num_misses = [], 0
-    for step, jump in enumerate([0, 1, 2500, 0, 7, 2 ** 34, 3, 0, 40000, 1]):
+    for step, jump in enumerate([0, 1, 2500, 0, 7, 2 ** 34, 3, 0, 40000, 1, 2 ** 57, 2]):
         for state in (ref_state, tri_state):
             state.clock.add_(jump)
         layer = int(rng.integers(num_layers))

@@ -56,8 +56,11 @@ _KEY_NONE = tl.constexpr(9223372036854775807)  # int64 max: "not a candidate"
 _NUM_WARPS = 8
 _VICTIM_TILE = 64
 _RADIX_BITS = 8  # threshold search: key bits resolved per sweep over the slots
+_MAX_BLOCK_R = 1024  # routes per block (marking and writing the slot ids)
 _MAX_BLOCK_S = 4096  # slots per block; a pool of at most this many keeps its keys in registers
 _KEYS_IN_REGISTERS = True  # (False: through the key buffer whatever the size; for sweeps)
+_EXTRACT_MAX = 16  # keys in registers: up to this many misses, victims by repeated minimum
+_FREQ_HISTOGRAM = True  # route counts by histogram where a layer's experts fit one block
 
 
 @triton.jit
@@ -71,7 +74,12 @@ def _decay_pow(dt, decay_ptr, POW_BITS: tl.constexpr, POW_TAIL: tl.constexpr):
 
 @triton.jit
 def _mark_routes(topk_ptr, num_routes, num_experts, layer_base, now, mark_ptr, freq_ptr,
-                 COUNT_FREQ: tl.constexpr, BLOCK_R: tl.constexpr):
+                 COUNT_FREQ: tl.constexpr, FREQ_HISTOGRAM: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Marks the routed experts; counts every route into ``freq[layer]``: by an atomic add
+    per route, or (FREQ_HISTOGRAM, the layer's experts in one block) by a histogram per
+    block of routes and one read-modify-write of the row, with no atomics to contend."""
+    counts = tl.zeros([BLOCK_E], tl.int32)
     for start in range(0, num_routes, BLOCK_R):
         r = start + tl.arange(0, BLOCK_R)
         in_range = r < num_routes
@@ -79,8 +87,16 @@ def _mark_routes(topk_ptr, num_routes, num_experts, layer_base, now, mark_ptr, f
         valid = in_range & (e >= 0) & (e < num_experts)
         tl.store(mark_ptr + e, tl.full([BLOCK_R], 0, tl.int64) + now, mask=valid)
         if COUNT_FREQ:
-            tl.atomic_add(freq_ptr + layer_base + e, tl.full([BLOCK_R], 1, tl.int64),
-                          mask=valid, sem="relaxed")
+            if FREQ_HISTOGRAM:
+                counts += tl.histogram(tl.where(valid, e, 0).to(tl.int32), BLOCK_E, mask=valid)
+            else:
+                tl.atomic_add(freq_ptr + layer_base + e, tl.full([BLOCK_R], 1, tl.int64),
+                              mask=valid, sem="relaxed")
+    if COUNT_FREQ and FREQ_HISTOGRAM:
+        f = tl.arange(0, BLOCK_E)
+        row = freq_ptr + layer_base + f
+        tl.store(row, tl.load(row, mask=f < num_experts, other=0) + counts,
+                 mask=f < num_experts)
 
 
 @triton.jit
@@ -271,6 +287,22 @@ def _order_victims(num_victims, vkey_ptr, vslot_ptr, ordered_ptr, TILE: tl.const
 
 
 @triton.jit
+def _extract_victims(keys, lo, num_misses, ordered_ptr, BLOCK_S: tl.constexpr,
+                     SLOT_BITS: tl.constexpr):
+    """ordered[i] = the i-th victim in (key, slot) order, by ``num_misses`` minimum
+    reductions over the register block: each candidate packed as ``(key - lo) << SLOT_BITS
+    | slot`` (distinct, ordered like (key, slot); the caller checks that they stay below
+    2**62), the minimum taken and struck out. One reduction per miss, against the radix
+    path's sweeps, victim list and ordering, which win once misses are many."""
+    s = tl.arange(0, BLOCK_S).to(tl.int64)
+    packed = tl.where(keys != _KEY_NONE, ((keys - lo) << SLOT_BITS) | s, _KEY_NONE)
+    for i in range(0, num_misses):
+        smallest = tl.min(packed, 0)
+        packed = tl.where(packed == smallest, _KEY_NONE, packed)
+        tl.store(ordered_ptr + i, (smallest & (BLOCK_S - 1)).to(tl.int32))
+
+
+@triton.jit
 def _install_misses(num_misses, layer_base, now, plan_src_ptr, plan_dst_ptr, ordered_ptr,
                     slot_of_ptr, owner_of_ptr, last_used_ptr, score_ptr,
                     TILE: tl.constexpr):
@@ -302,6 +334,21 @@ def _write_slot_ids(topk_ptr, num_routes, num_experts, layer_base, slot_of_ptr, 
         tl.store(out_ptr + r, slot, mask=in_range)
 
 
+@triton.jit
+def _radix_victims(key_ptr, keys, num_slots, lo, hi, num_misses, vkey_ptr, vslot_ptr,
+                   ordered_ptr, RADIX: tl.constexpr, RADIX_BITS: tl.constexpr,
+                   BLOCK_S: tl.constexpr, KEYS_IN_REGISTERS: tl.constexpr,
+                   TILE: tl.constexpr):
+    """ordered[:num_misses] = the victims in (key, slot) order: threshold key by radix
+    select, the victims listed in slot order, then ranked."""
+    threshold, num_below = _threshold_key(key_ptr, keys, num_slots, lo, hi, num_misses,
+                                          RADIX, RADIX_BITS, BLOCK_S, KEYS_IN_REGISTERS)
+    _collect_victims(key_ptr, keys, num_slots, threshold, num_misses - num_below,
+                     vkey_ptr, vslot_ptr, BLOCK_S, KEYS_IN_REGISTERS)
+    tl.debug_barrier()
+    _order_victims(num_misses, vkey_ptr, vslot_ptr, ordered_ptr, TILE)
+
+
 @triton.jit(do_not_specialize=["num_routes", "layer"])  # one compile serves every layer
 def _admit_kernel(
     topk_ptr, num_routes, layer, num_experts, num_slots,
@@ -311,15 +358,15 @@ def _admit_kernel(
     calls_ptr, distinct_ptr, misses_ptr, freq_ptr,
     LRFU: tl.constexpr, LAYER_LRU: tl.constexpr, POW_BITS: tl.constexpr,
     POW_TAIL: tl.constexpr, COUNT_STATS: tl.constexpr, COUNT_FREQ: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
+    FREQ_HISTOGRAM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
     RADIX: tl.constexpr, RADIX_BITS: tl.constexpr, KEYS_IN_REGISTERS: tl.constexpr,
-    TILE: tl.constexpr,
+    SLOT_BITS: tl.constexpr, EXTRACT_MAX: tl.constexpr, TILE: tl.constexpr,
 ):
     now = tl.load(clock_ptr) + 1
     tl.store(clock_ptr, now)
     layer_base = layer.to(tl.int64) * num_experts
     _mark_routes(topk_ptr, num_routes, num_experts, layer_base, now, mark_ptr, freq_ptr,
-                 COUNT_FREQ, BLOCK_R)
+                 COUNT_FREQ, FREQ_HISTOGRAM, BLOCK_R, BLOCK_E)
     tl.debug_barrier()
     num_distinct, num_misses = _refresh_hits_list_misses(
         num_experts, layer_base, now, mark_ptr, slot_of_ptr, last_used_ptr, score_ptr,
@@ -332,18 +379,19 @@ def _admit_kernel(
                               last_used_ptr, score_ptr, decay_ptr, LRFU, LAYER_LRU,
                               POW_BITS, POW_TAIL)
             lo, hi = _key_range(keys)
+            if (num_misses <= EXTRACT_MAX) & ((hi - lo) < (1 << (62 - SLOT_BITS))):
+                _extract_victims(keys, lo, num_misses, ordered_ptr, BLOCK_S, SLOT_BITS)
+            else:
+                _radix_victims(key_ptr, keys, num_slots, lo, hi, num_misses, vkey_ptr,
+                               vslot_ptr, ordered_ptr, RADIX, RADIX_BITS, BLOCK_S,
+                               KEYS_IN_REGISTERS, TILE)
         else:
             lo, hi = _write_slot_keys(num_slots, now, layer_base, num_experts, owner_of_ptr,
                                       last_used_ptr, score_ptr, key_ptr, decay_ptr, LRFU,
                                       LAYER_LRU, POW_BITS, POW_TAIL, BLOCK_S)
-            keys = lo  # unused
             tl.debug_barrier()
-        threshold, num_below = _threshold_key(key_ptr, keys, num_slots, lo, hi, num_misses,
-                                              RADIX, RADIX_BITS, BLOCK_S, KEYS_IN_REGISTERS)
-        _collect_victims(key_ptr, keys, num_slots, threshold, num_misses - num_below,
-                         vkey_ptr, vslot_ptr, BLOCK_S, KEYS_IN_REGISTERS)
-        tl.debug_barrier()
-        _order_victims(num_misses, vkey_ptr, vslot_ptr, ordered_ptr, TILE)
+            _radix_victims(key_ptr, lo, num_slots, lo, hi, num_misses, vkey_ptr, vslot_ptr,
+                           ordered_ptr, RADIX, RADIX_BITS, BLOCK_S, KEYS_IN_REGISTERS, TILE)
         tl.debug_barrier()
         _install_misses(num_misses, layer_base, now, plan_src_ptr, plan_dst_ptr, ordered_ptr,
                         slot_of_ptr, owner_of_ptr, last_used_ptr, score_ptr, TILE)
@@ -373,6 +421,7 @@ def admit(state: SlotState, layer: int, topk_ids: torch.Tensor,
     stats = counters if count_stats else (state.clock,) * 3 + (None,)
     freq = counters.freq if count_freq else state.clock
     block_s = _block(state.num_slots, 16, _MAX_BLOCK_S)
+    block_e = _block(state.num_experts, 16, 1024)
     _admit_kernel[(1,)](
         ids, num_routes, layer, state.num_experts, state.num_slots,
         state.slot_of, state.owner_of, state.last_used, state.score, state.clock,
@@ -382,10 +431,11 @@ def admit(state: SlotState, layer: int, topk_ids: torch.Tensor,
         stats[0], stats[1], stats[2], freq,
         LRFU=state.policy == "lrfu", LAYER_LRU=state.policy == "layer_lru", POW_BITS=state.decay.bits, POW_TAIL=state.decay.tail,
         COUNT_STATS=count_stats, COUNT_FREQ=count_freq,
-        BLOCK_R=_block(num_routes, 16, 1024), BLOCK_E=_block(state.num_experts, 16, 1024),
+        FREQ_HISTOGRAM=_FREQ_HISTOGRAM and state.num_experts <= block_e,
+        BLOCK_R=_block(num_routes, 16, _MAX_BLOCK_R), BLOCK_E=block_e,
         BLOCK_S=block_s, RADIX=1 << _RADIX_BITS, RADIX_BITS=_RADIX_BITS,
         KEYS_IN_REGISTERS=_KEYS_IN_REGISTERS and state.num_slots <= block_s,
-        TILE=_VICTIM_TILE,
+        SLOT_BITS=block_s.bit_length() - 1, EXTRACT_MAX=_EXTRACT_MAX, TILE=_VICTIM_TILE,
         num_warps=_NUM_WARPS, enable_fp_fusion=False,
     )
     return state.slot_ids[:num_routes].view(topk_ids.shape)
