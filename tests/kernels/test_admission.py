@@ -63,18 +63,16 @@ def random_routes(rng, num_experts, width, hot=None, dtype=torch.int64):
 
 
 @pytest.mark.parametrize("policy", ["lru", "lrfu", "layer_lru"])
-@pytest.mark.parametrize("seed, max_block, extract_max, freq_histogram", [
-    (0, 4096, 16, True), (1, 4096, 0, False), (2, 16, 16, True)])
+@pytest.mark.parametrize("seed, max_block, extract_max", [(0, 4096, 16), (1, 4096, 0),
+                                                         (2, 16, 16)])
 def test_kernel_matches_reference_on_random_sequences(policy, seed, max_block, extract_max,
-                                                      freq_histogram, device, monkeypatch):
+                                                      device, monkeypatch):
     """Every path of the kernel: max_block 4096, every pool is one block, keys in registers,
     victims by repeated minimum up to ``extract_max`` misses and by radix select past it;
-    16: pools of up to 57 slots in several blocks, keys through the key buffer. Route
-    counts by histogram or by atomics."""
+    16: pools of up to 57 slots in several blocks, keys through the key buffer."""
     from moeferry.kernels.triton import admission
     monkeypatch.setattr(admission, "_MAX_BLOCK_S", max_block)
     monkeypatch.setattr(admission, "_EXTRACT_MAX", extract_max)
-    monkeypatch.setattr(admission, "_FREQ_HISTOGRAM", freq_histogram)
     rng = np.random.default_rng(seed)
     num_layers, num_experts, num_slots = 3, int(rng.integers(6, 20)), 0
     num_slots = num_experts + int(rng.integers(0, 2 * num_experts))

@@ -25,19 +25,24 @@ B. walk the E experts in order: marked & resident -> hit (refresh), marked & abs
    listed in ascending id by a prefix sum into ``plan_src``.
 C. (only when there are misses) rank every candidate slot by an int64 key (the policy's,
    see the reference; LRU's lie in ``[0, now]``, LAYER_LRU's in ``[0, 2 * now]``, LRFU's
-   are float32 bits, below ``2 ** 31``) and find the key ``T`` of the M-th smallest (the
-   smallest ``T`` with ``#{key <= T} >= M``) by a radix select over ``[lo, hi]``, the
-   candidates' smallest and largest key: each sweep over the slots takes a histogram of
-   the digits ``(key - lo) >> shift`` over ``RADIX = 2 ** RADIX_BITS`` buckets of the
-   bracket, whose prefix sums are the counts at ``RADIX`` bounds, and narrows the bracket to
-   the bucket holding ``T``; ``RADIX_BITS`` bits of ``T - lo`` per sweep where a binary
-   search of counts gets one, and ``#{key < T}`` comes out of the same counts. Take the
-   slots below ``T`` plus the first slots (by index) equal to ``T`` (one more sweep), order
-   those M victims by counting comparisons in 64 x 64 tiles, and install the misses into
-   them. Sweeps over the slots: ``2 + ceil(bits(hi - lo) / RADIX_BITS)`` (keys, search,
-   victims), so 4 for LRU and LAYER_LRU while ``2 * now < 65536``. A pool of at most
-   ``_MAX_BLOCK_S`` slots is one block: its keys are computed once into registers and the
-   later sweeps read them there, with no trip through the key buffer or barrier between.
+   are float32 bits, below ``2 ** 31``) and take the M smallest in (key, slot) order as
+   victims, by one of two paths:
+   - few misses (``M <= _EXTRACT_MAX``) over a pool of at most ``_MAX_BLOCK_S`` slots: the
+     keys are computed once into registers, each packed with its slot as
+     ``(key - lo) << SLOT_BITS | slot``, and M minimum reductions take the victims in order
+     (one block-wide reduction per miss; measured about 5 us faster than the radix path
+     at 4 misses on an H200).
+   - otherwise a radix select: find the key ``T`` of the M-th smallest (the smallest ``T``
+     with ``#{key <= T} >= M``) over ``[lo, hi]``, the candidates' smallest and largest
+     key: each sweep over the slots takes a histogram of the digits ``(key - lo) >> shift``
+     over ``RADIX = 2 ** RADIX_BITS`` buckets of the bracket, whose prefix sums are the
+     counts at ``RADIX`` bounds, and narrows the bracket to the bucket holding ``T``;
+     ``#{key < T}`` comes out of the same counts. Take the slots below ``T`` plus the first
+     slots (by index) equal to ``T`` (one more sweep), and order those M victims by counting
+     comparisons in 64 x 64 tiles. Sweeps over the slots: ``2 + ceil(bits(hi - lo) /
+     RADIX_BITS)`` (keys, search, victims). A pool of one block keeps its keys in registers
+     here too; a larger one goes through the key buffer.
+   Then install the misses into the victims.
 D. ``slot_ids`` = ``slot_of[layer, ids]``; counters.
 """
 from __future__ import annotations
@@ -54,13 +59,13 @@ from moeferry.kernels.reference.admission import (
 
 _KEY_NONE = tl.constexpr(9223372036854775807)  # int64 max: "not a candidate"
 _NUM_WARPS = 8
+_NUM_WARPS_WIDE = 8  # for calls of more than one block of routes
 _VICTIM_TILE = 64
-_RADIX_BITS = 8  # threshold search: key bits resolved per sweep over the slots
+_RADIX_BITS = 5  # threshold search: key bits resolved per sweep over the slots
 _MAX_BLOCK_R = 1024  # routes per block (marking and writing the slot ids)
 _MAX_BLOCK_S = 4096  # slots per block; a pool of at most this many keeps its keys in registers
 _KEYS_IN_REGISTERS = True  # (False: through the key buffer whatever the size; for sweeps)
 _EXTRACT_MAX = 16  # keys in registers: up to this many misses, victims by repeated minimum
-_FREQ_HISTOGRAM = True  # route counts by histogram where a layer's experts fit one block
 
 
 @triton.jit
@@ -74,12 +79,9 @@ def _decay_pow(dt, decay_ptr, POW_BITS: tl.constexpr, POW_TAIL: tl.constexpr):
 
 @triton.jit
 def _mark_routes(topk_ptr, num_routes, num_experts, layer_base, now, mark_ptr, freq_ptr,
-                 COUNT_FREQ: tl.constexpr, FREQ_HISTOGRAM: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Marks the routed experts; counts every route into ``freq[layer]``: by an atomic add
-    per route, or (FREQ_HISTOGRAM, the layer's experts in one block) by a histogram per
-    block of routes and one read-modify-write of the row, with no atomics to contend."""
-    counts = tl.zeros([BLOCK_E], tl.int32)
+                 COUNT_FREQ: tl.constexpr, BLOCK_R: tl.constexpr):
+    # Route counts by atomics: a histogram per block of routes over the layer's experts
+    # and one add of the row measured slower on an H200 (benchmarks/RESULTS.md).
     for start in range(0, num_routes, BLOCK_R):
         r = start + tl.arange(0, BLOCK_R)
         in_range = r < num_routes
@@ -87,16 +89,8 @@ def _mark_routes(topk_ptr, num_routes, num_experts, layer_base, now, mark_ptr, f
         valid = in_range & (e >= 0) & (e < num_experts)
         tl.store(mark_ptr + e, tl.full([BLOCK_R], 0, tl.int64) + now, mask=valid)
         if COUNT_FREQ:
-            if FREQ_HISTOGRAM:
-                counts += tl.histogram(tl.where(valid, e, 0).to(tl.int32), BLOCK_E, mask=valid)
-            else:
-                tl.atomic_add(freq_ptr + layer_base + e, tl.full([BLOCK_R], 1, tl.int64),
-                              mask=valid, sem="relaxed")
-    if COUNT_FREQ and FREQ_HISTOGRAM:
-        f = tl.arange(0, BLOCK_E)
-        row = freq_ptr + layer_base + f
-        tl.store(row, tl.load(row, mask=f < num_experts, other=0) + counts,
-                 mask=f < num_experts)
+            tl.atomic_add(freq_ptr + layer_base + e, tl.full([BLOCK_R], 1, tl.int64),
+                          mask=valid, sem="relaxed")
 
 
 @triton.jit
@@ -358,7 +352,7 @@ def _admit_kernel(
     calls_ptr, distinct_ptr, misses_ptr, freq_ptr,
     LRFU: tl.constexpr, LAYER_LRU: tl.constexpr, POW_BITS: tl.constexpr,
     POW_TAIL: tl.constexpr, COUNT_STATS: tl.constexpr, COUNT_FREQ: tl.constexpr,
-    FREQ_HISTOGRAM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
     RADIX: tl.constexpr, RADIX_BITS: tl.constexpr, KEYS_IN_REGISTERS: tl.constexpr,
     SLOT_BITS: tl.constexpr, EXTRACT_MAX: tl.constexpr, TILE: tl.constexpr,
 ):
@@ -366,7 +360,7 @@ def _admit_kernel(
     tl.store(clock_ptr, now)
     layer_base = layer.to(tl.int64) * num_experts
     _mark_routes(topk_ptr, num_routes, num_experts, layer_base, now, mark_ptr, freq_ptr,
-                 COUNT_FREQ, FREQ_HISTOGRAM, BLOCK_R, BLOCK_E)
+                 COUNT_FREQ, BLOCK_R)
     tl.debug_barrier()
     num_distinct, num_misses = _refresh_hits_list_misses(
         num_experts, layer_base, now, mark_ptr, slot_of_ptr, last_used_ptr, score_ptr,
@@ -431,11 +425,11 @@ def admit(state: SlotState, layer: int, topk_ids: torch.Tensor,
         stats[0], stats[1], stats[2], freq,
         LRFU=state.policy == "lrfu", LAYER_LRU=state.policy == "layer_lru", POW_BITS=state.decay.bits, POW_TAIL=state.decay.tail,
         COUNT_STATS=count_stats, COUNT_FREQ=count_freq,
-        FREQ_HISTOGRAM=_FREQ_HISTOGRAM and state.num_experts <= block_e,
         BLOCK_R=_block(num_routes, 16, _MAX_BLOCK_R), BLOCK_E=block_e,
         BLOCK_S=block_s, RADIX=1 << _RADIX_BITS, RADIX_BITS=_RADIX_BITS,
         KEYS_IN_REGISTERS=_KEYS_IN_REGISTERS and state.num_slots <= block_s,
         SLOT_BITS=block_s.bit_length() - 1, EXTRACT_MAX=_EXTRACT_MAX, TILE=_VICTIM_TILE,
-        num_warps=_NUM_WARPS, enable_fp_fusion=False,
+        num_warps=_NUM_WARPS_WIDE if num_routes > _MAX_BLOCK_R else _NUM_WARPS,
+        enable_fp_fusion=False,
     )
     return state.slot_ids[:num_routes].view(topk_ids.shape)
