@@ -118,11 +118,11 @@ def measure(args, requests: int, with_misses: bool,
 
 def table(args, rows) -> str:
     gpu = torch.cuda.get_device_name()
-    lines = [f"### Admission, {gpu}, {datetime.date.today()}: top-{args.top_k} over "
-             f"{args.experts} experts, {args.slots} slots, {args.layers} admissions per graph, "
-             f"{args.replays} replays, policy {args.policy}", "",
-             "| requests | routes | all hits (us) | with misses (us) | all hits, statistics (us) "
-             "| with misses, statistics (us) | miss rate |",
+    lines = [(f"### Admission, {gpu}, {datetime.date.today()}: top-{args.top_k} over "
+              f"{args.experts} experts, {args.slots} slots, {args.layers} admissions per "
+              f"graph, {args.replays} replays, policy {args.policy}"), "",
+             ("| requests | routes | all hits (us) | with misses (us) "
+              "| all hits, statistics (us) | with misses, statistics (us) | miss rate |"),
              "|---:|---:|---:|---:|---:|---:|---:|"]
     for requests, times, miss_rate in rows:
         lines.append(f"| {requests} | {requests * args.top_k} | "

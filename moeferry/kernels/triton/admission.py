@@ -290,7 +290,7 @@ def _extract_victims(keys, lo, num_misses, ordered_ptr, BLOCK_S: tl.constexpr,
     path's sweeps, victim list and ordering, which win once misses are many."""
     s = tl.arange(0, BLOCK_S).to(tl.int64)
     packed = tl.where(keys != _KEY_NONE, ((keys - lo) << SLOT_BITS) | s, _KEY_NONE)
-    for i in range(0, num_misses):
+    for i in range(num_misses):
         smallest = tl.min(packed, 0)
         packed = tl.where(packed == smallest, _KEY_NONE, packed)
         tl.store(ordered_ptr + i, (smallest & (BLOCK_S - 1)).to(tl.int32))
