@@ -2,7 +2,7 @@
 # Everything that needs the GPU, in one call on the device machine: the GPU tests, then the
 # benchmarks of SPEC section 6. Logs go to $OUT (or ./gpu-out); a short table is printed last.
 #   bash scripts/gpu_check.sh [STAGES] [pytest -k expression]
-# STAGES: comma-separated of tests, kernels (copy, admission, fused MoE, attention benches),
+# STAGES: comma-separated of tests, kernels (copy, admission, fused MoE, attention, linear benches),
 # decode (full decode benchmark), decode-quick, ttft, uva, serve; default tests,kernels,decode-quick.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +28,7 @@ if has kernels; then
   run bench-admission python3 -m benchmarks.bench_admission --out "$RESULTS"
   run bench-fused-moe python3 -m benchmarks.bench_fused_moe --out "$RESULTS"
   run bench-attention python3 -m benchmarks.bench_attention --out "$RESULTS"
+  run bench-linear python3 -m benchmarks.bench_linear --out "$RESULTS"
 fi
 has decode-quick && run bench-decode python3 -m benchmarks.bench_decode --layers 4 --batch 1 4 --steps 8 --out "$RESULTS"
 has decode && run bench-decode python3 -m benchmarks.bench_decode --out "$RESULTS"

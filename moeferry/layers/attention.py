@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moeferry.engine.batch import ForwardBatch
 from moeferry.kernels import attention as attn_ops
 from moeferry.kernels import norm_rope
+from moeferry.kernels.linear import linear
+from moeferry.layers.linear import Linear
 from moeferry.layers.norm import RMSNorm
 from moeferry.layers.rotary import RotaryEmbedding
 
@@ -21,7 +22,8 @@ class Attention(nn.Module):
 
     After loading, `fuse_qkv` stacks the q/k/v weights (and biases) into one [q; k; v] matrix
     and makes the three projections' parameters views of it: one GEMM per forward, no extra
-    memory, and the state dict unchanged.
+    memory, and the state dict unchanged. Projections go through kernels/linear.py (Linear, and
+    the fused call), so decode-sized batches on CUDA take the skinny Triton kernel.
     """
 
     def __init__(self, mc, layer_id: int, qk_norm: str | None, qkv_bias: bool, rotary: RotaryEmbedding):
@@ -29,10 +31,10 @@ class Attention(nn.Module):
         h, d = mc.hidden_size, mc.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = mc.num_heads, mc.num_kv_heads, d
         self.layer_id = layer_id
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=qkv_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_proj = Linear(h, self.num_heads * d, bias=qkv_bias)
+        self.k_proj = Linear(h, self.num_kv_heads * d, bias=qkv_bias)
+        self.v_proj = Linear(h, self.num_kv_heads * d, bias=qkv_bias)
+        self.o_proj = Linear(self.num_heads * d, h, bias=False)
         eps = self.norm_eps = getattr(mc.hf, "rms_norm_eps", 1e-6)
         self.qk_norm = qk_norm
         if qk_norm == "head":
@@ -68,7 +70,7 @@ class Attention(nn.Module):
         fused projection once `fuse_qkv` ran)."""
         n = x.shape[0]
         if self.qkv_weight is not None:
-            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self._qkv_sizes(), dim=-1)
+            q, k, v = linear(x, self.qkv_weight, self.qkv_bias).split(self._qkv_sizes(), dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.qk_norm == "full":

@@ -1,5 +1,6 @@
-"""The MoE block: router (scores, top-k, normalisation: kernels/router.py, one Triton launch on
-CUDA), optional shared expert, and the routed experts computed by the engine's MoE strategy."""
+"""The MoE block: router (gate logits through layers/linear.py; scores, top-k, normalisation:
+kernels/router.py, one Triton launch on CUDA), optional shared expert, and the routed experts
+computed by the engine's MoE strategy."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeferry.kernels.router import softmax_topk
+from moeferry.layers.linear import Linear
 
 
 class DenseMLP(nn.Module):
@@ -35,7 +37,7 @@ class MoEBlock(nn.Module):
         super().__init__()
         h, e = mc.hidden_size, mc.num_experts
         self.layer_id, self.top_k, self.renormalize = layer_id, mc.top_k, renormalize
-        self.gate = nn.Linear(h, e, bias=False)
+        self.gate = Linear(h, e, bias=False)  # the skinny kernel at decode sizes; hooks still fire
         self.strategy = strategy
         self.banks = strategy.allocate_banks(layer_id, e, h, mc.moe_intermediate_size)
         if shared_expert:
