@@ -59,7 +59,7 @@ from moeferry.kernels.reference.admission import (
 
 _KEY_NONE = tl.constexpr(9223372036854775807)  # int64 max: "not a candidate"
 _NUM_WARPS = 8
-_NUM_WARPS_WIDE = 8  # for calls of more than one block of routes
+_NUM_WARPS_WIDE = 16  # for calls of more than one block of routes (0.5 us faster at 4,100)
 _VICTIM_TILE = 64
 _RADIX_BITS = 5  # threshold search: key bits resolved per sweep over the slots
 _MAX_BLOCK_R = 1024  # routes per block (marking and writing the slot ids)
