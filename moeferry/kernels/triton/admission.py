@@ -59,7 +59,8 @@ from moeferry.kernels.reference.admission import (
 
 _KEY_NONE = tl.constexpr(9223372036854775807)  # int64 max: "not a candidate"
 _NUM_WARPS = 8
-_NUM_WARPS_WIDE = 16  # for calls of more than one block of routes (0.5 us faster at 4,100)
+_NUM_WARPS_WIDE = 8  # calls wider than one block of routes; 16 measured 0.5 us faster at 4,100
+# routes (benchmarks/RESULTS.md) but has not run the GPU correctness test yet
 _VICTIM_TILE = 64
 _RADIX_BITS = 5  # threshold search: key bits resolved per sweep over the slots
 _MAX_BLOCK_R = 1024  # routes per block (marking and writing the slot ids)
