@@ -326,7 +326,13 @@ def test_decay_powers_follow_float32_squaring(decay):
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["lru", "lrfu", "layer_lru"])
 @pytest.mark.parametrize("num_slots", [2100, 32768])
-def test_kernel_matches_reference_at_real_sizes_on_gpu(policy, num_slots):
+@pytest.mark.parametrize("wide_warps", [8, 16])
+def test_kernel_matches_reference_at_real_sizes_on_gpu(policy, num_slots, wide_warps,
+                                                       monkeypatch):
+    """Widths 10 to 4,100 routes; calls over one block of routes with 8 and 16 warps (the
+    default, and the setting measured faster at 410 requests)."""
+    from moeferry.kernels.triton import admission
+    monkeypatch.setattr(admission, "_NUM_WARPS_WIDE", wide_warps)
     rng = np.random.default_rng(3)
     num_layers, num_experts = 48, 512
     ref_state, tri_state = twin_states(num_layers, num_experts, num_slots, 8192, policy,
