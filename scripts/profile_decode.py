@@ -13,6 +13,24 @@ from moeferry.config import EngineConfig
 from moeferry.engine.engine import Engine
 from moeferry.sampling import SamplingParams
 
+
+
+def busy_summary(intervals: list[tuple[float, float]], steps: int) -> str:
+    """Kernels per step, GPU busy time (the union of the kernels' [start, end) in us) and the
+    idle time between them inside the span from the first start to the last end: the gaps
+    of a launch-bound step."""
+    intervals = sorted(intervals)
+    busy, span_start, covered_to = 0.0, intervals[0][0], intervals[0][0]
+    for start, end in intervals:
+        if end > covered_to:
+            busy += end - max(start, covered_to)
+            covered_to = end
+    idle = covered_to - span_start - busy
+    return (f"GPU per step: {len(intervals) / steps:.0f} kernels, busy {busy / steps:.0f} us, "
+            f"idle between them {idle / steps:.0f} us ({idle / max(len(intervals) - 1, 1):.2f} us "
+            f"per boundary), span {(covered_to - span_start) / steps:.0f} us")
+
+
 p = argparse.ArgumentParser()
 p.add_argument("--layers", type=int, default=12)
 p.add_argument("--strategy", default="gpu")
@@ -44,3 +62,8 @@ with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, tor
         engine.step()
     torch.cuda.synchronize()
 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+kernels = [(e.time_range.start, e.time_range.end) for e in prof.events()
+           if e.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in e.name
+           and "Memset" not in e.name]
+if kernels:  # the 5 steps include the host's work between them, counted as idle
+    print(busy_summary(kernels, 5))
