@@ -33,24 +33,23 @@ splits (it recomputes which ones from seq_lens, so it never reads an unwritten p
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from moeferry.kernels.triton.common import exact_dot
 
 __all__ = ["decode_attention", "num_splits_for"]
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
 _MIN_SPLIT_TOKENS = 256  # below this much table per split, splitting buys nothing
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
 def _dot(a, b, IEEE: tl.constexpr):
-    """a @ b in fp32; IEEE: exact fp32 products (fp32 inputs, and every input under the
-    interpreter, whose bf16 tl.dot is wrong in Triton 3.9)."""
+    """a @ b in fp32 (common.dot without an accumulator); IEEE: see common.exact_dot."""
     if IEEE:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
@@ -217,7 +216,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         *(part_o.stride()[:3] if num_splits > 1 else (0, 0, 0)),
         *(part_lse.stride()[:2] if num_splits > 1 else (0, 0)),
         REP=rep, HEAD_DIM=d, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
-        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, IEEE=q.dtype == torch.float32 or _INTERPRETED,
+        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, IEEE=exact_dot(q.dtype),
         num_warps=4, num_stages=2,
     )
     if num_splits > 1:

@@ -1,8 +1,27 @@
-"""Helpers shared by the Triton kernels' modules: bf16-exact rounding inside a kernel, and the
-check of a caller's output buffer on the host."""
+"""Helpers shared by the Triton kernels' modules: bf16-exact rounding and an fp32-accumulating
+dot inside a kernel, and the check of a caller's output buffer on the host."""
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def exact_dot(dtype: torch.dtype) -> bool:
+    """The IEEE argument of `dot` for inputs of `dtype`: exact fp32 products for fp32 inputs,
+    and for every input under the interpreter, whose bf16 tl.dot is wrong in Triton 3.9."""
+    return dtype == torch.float32 or INTERPRETED
+
+
+@triton.jit
+def dot(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b in fp32; IEEE: exact fp32 products (see `exact_dot`)."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
 
 
 @triton.jit

@@ -32,7 +32,6 @@ Invariants:
       alignment, but an expert shared by several tokens is read once per token. It is
       allowed only when T * K * 4 <= num_routed_experts.
 """
-import os
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +41,7 @@ import triton.language as tl
 from moeferry.kernels.reference.fused_moe import (
     BLOCK_ASSIGNMENTS,  # one list for both paths
 )
+from moeferry.kernels.triton.common import dot, exact_dot
 from moeferry.kernels.triton.moe_align import moe_align_block_size
 
 __all__ = [
@@ -53,7 +53,6 @@ __all__ = [
     "select_config",
 ]
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclass(frozen=True)
@@ -139,16 +138,6 @@ def _block_rows(pid_m, sorted_route_ptr, block_expert_ptr, num_post_padded_ptr, 
 
 
 @triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr):
-    """acc + a @ b in fp32; IEEE: exact fp32 products (fp32 inputs, and every input under
-    the interpreter, whose bf16 tl.dot is wrong in Triton 3.9)."""
-    if IEEE:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
-
-
-@triton.jit
 def _moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, route_weight_ptr,
     sorted_route_ptr, block_expert_ptr, num_post_padded_ptr, ids_ptr,
@@ -187,11 +176,11 @@ def _moe_gemm_kernel(
         k_valid = offs_k < k_in - k0
         a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
-        acc = _dot(a, b, acc, IEEE)
+        acc = dot(a, b, acc, IEEE)
         if GATED:
             b_up = tl.load(b_ptrs + n_out * stride_bn, mask=k_valid[:, None] & col_valid[None, :],
                            other=0.0)
-            acc_up = _dot(a, b_up, acc_up, IEEE)
+            acc_up = dot(a, b_up, acc_up, IEEE)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     if GATED:
@@ -240,7 +229,7 @@ def _launch_gemm(a, b, c, route_weights, blocks, topk_ids, *, gated, weighted, a
         topk_ids.numel(), n_out, k_in, num_m_blocks,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         A_ROWS_PER_ROUTE_DIV=a_div, GATED=gated, WEIGHTED=weighted, NAIVE=naive,
-        IEEE=a.dtype == torch.float32 or _INTERPRETED,
+        IEEE=exact_dot(a.dtype),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
     )

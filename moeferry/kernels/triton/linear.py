@@ -32,21 +32,19 @@ CUDA graph. No autotuning at run time.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from moeferry.kernels.triton.common import rounded
+from moeferry.kernels.triton.common import dot, exact_dot, rounded
 
 __all__ = ["LinearConfig", "linear", "select_config"]
 
 DOT_BLOCK_M = 16  # the smallest tensor-core tile (tl.dot needs 16 rows)
 FMA_MAX_MACS = 1 << 24  # CUDA cores up to here: o_proj (2048 x 4096) at 2 rows, qkv at 1
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclass(frozen=True)
@@ -90,16 +88,6 @@ def select_config(m: int, n: int, k: int) -> LinearConfig:
 def _pow2_floor(v: int) -> int:
     """The largest power of two <= v, at least 16."""
     return 1 << max(4, v.bit_length() - 1)
-
-
-@triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr):
-    """acc + a @ b in fp32; IEEE: exact fp32 products (fp32 inputs, and every input under
-    the interpreter, whose bf16 tl.dot is wrong in Triton 3.9)."""
-    if IEEE:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -156,7 +144,7 @@ def _dot_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, st
         k_ok = ks < K - k0
         x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = _dot(x, w, acc, IEEE)
+        acc = dot(x, w, acc, IEEE)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if HAS_BIAS:
@@ -201,7 +189,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     common = {"HAS_BIAS": bias is not None, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
               "BLOCK_K": config.block_k, "num_warps": config.num_warps, "num_stages": config.num_stages}
     if config.tensor_cores:
-        _dot_kernel[grid](*args, IEEE=x.dtype == torch.float32 or _INTERPRETED, **common)
+        _dot_kernel[grid](*args, IEEE=exact_dot(x.dtype), **common)
     else:
         _fma_kernel[grid](*args, EVEN_K=k % config.block_k == 0, **common)
     return y
