@@ -211,7 +211,8 @@ def _threshold_key(key_ptr, keys, num_slots, lo, hi, num_misses, RADIX: tl.const
     sum of the buckets), moves to the first bucket whose bound has enough (``hi`` itself
     when no bound below ``hi`` has), and lowers ``shift`` by RADIX_BITS, so the sweep at
     ``shift == 0`` ends with ``lo == hi``. Same T as a bisection over the same counts, in
-    ``ceil(bits(hi - lo) / RADIX_BITS)`` sweeps instead of ``bits(hi - lo)``.
+    ``ceil(bits(hi - lo) / RADIX_BITS)`` sweeps instead of ``bits(hi - lo)``. The keys are
+    ``keys`` (the whole pool as one block) when KEYS_IN_REGISTERS, else ``key_ptr[:num_slots]``.
     """
     below = num_misses * 0  # #{key < lo}: nothing is below the smallest key
     shift = num_misses * 0
