@@ -417,7 +417,6 @@ def admit(state: SlotState, layer: int, topk_ids: torch.Tensor,
     stats = counters if count_stats else (state.clock,) * 3 + (None,)
     freq = counters.freq if count_freq else state.clock
     block_s = _block(state.num_slots, 16, _MAX_BLOCK_S)
-    block_e = _block(state.num_experts, 16, 1024)
     _admit_kernel[(1,)](
         ids, num_routes, layer, state.num_experts, state.num_slots,
         state.slot_of, state.owner_of, state.last_used, state.score, state.clock,
@@ -427,7 +426,7 @@ def admit(state: SlotState, layer: int, topk_ids: torch.Tensor,
         stats[0], stats[1], stats[2], freq,
         LRFU=state.policy == "lrfu", LAYER_LRU=state.policy == "layer_lru", POW_BITS=state.decay.bits, POW_TAIL=state.decay.tail,
         COUNT_STATS=count_stats, COUNT_FREQ=count_freq,
-        BLOCK_R=_block(num_routes, 16, _MAX_BLOCK_R), BLOCK_E=block_e,
+        BLOCK_R=_block(num_routes, 16, _MAX_BLOCK_R), BLOCK_E=_block(state.num_experts, 16, 1024),
         BLOCK_S=block_s, RADIX=1 << _RADIX_BITS, RADIX_BITS=_RADIX_BITS,
         KEYS_IN_REGISTERS=_KEYS_IN_REGISTERS and state.num_slots <= block_s,
         SLOT_BITS=block_s.bit_length() - 1, EXTRACT_MAX=_EXTRACT_MAX, TILE=_VICTIM_TILE,
