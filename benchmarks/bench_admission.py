@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from benchmarks.common import emit
+from benchmarks.common import elapsed_us, emit
 
 REQUESTS = (1, 4, 8, 12, 13, 16, 24, 32, 48, 128, 256, 410)
 
@@ -38,8 +38,6 @@ def parse_args(argv):
     p.add_argument("--replays", type=int, default=40)
     p.add_argument("--policy", choices=("lru", "lrfu", "layer_lru"), default="lru")
     p.add_argument("--miss-share", type=float, default=0.1)
-    p.add_argument("--no-stats", action="store_true",
-                   help="admit without the statistics counters (calls, misses, route counts)")
     p.add_argument("--out", help="append the table to this file")
     return p.parse_args(argv)
 
@@ -59,25 +57,17 @@ def route_variants(args, requests, shift, count):
     return routes.cuda(), first_windows.cuda()
 
 
-def elapsed_us(fn) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000.0
+def decode_totals(cache) -> dict | None:
+    return cache.stats.snapshot()["decode"]["total"] if cache.stats else None
 
 
-def measure(args, requests: int, with_misses: bool,
-            stats: bool | None = None) -> tuple[float, float]:
-    """(microseconds per admission, miss rate; NaN without statistics). ``stats`` defaults
-    to ``not args.no_stats``."""
+def measure(args, requests: int, with_misses: bool, stats: bool) -> tuple[float, float]:
+    """(microseconds per admission, miss rate; NaN without ``stats``, the counters)."""
     from moeferry.moe.slot_cache import SlotCache
 
     width = requests * args.top_k
     cache = SlotCache(args.layers, args.experts, args.slots, device="cuda", policy=args.policy,
-                      max_routes=max(width, 4096), collect_stats=not args.no_stats if stats is None else stats)
+                      max_routes=max(width, 4096), collect_stats=stats)
     window = min(args.experts, args.slots // args.layers)
     shift = max(1, round(args.miss_share * window)) if with_misses else 0
     warm = 4
@@ -93,8 +83,7 @@ def measure(args, requests: int, with_misses: bool,
     for v in range(1, warm):
         static.copy_(variants[v])
         graph.replay()
-    totals = (lambda: cache.stats.snapshot()["decode"]["total"]) if cache.stats else dict
-    before = totals()
+    before = decode_totals(cache)
 
     def replays():
         for v in range(warm, warm + args.replays):
@@ -106,10 +95,10 @@ def measure(args, requests: int, with_misses: bool,
             static.copy_(variants[v])
 
     total = elapsed_us(replays)
-    after = totals()
+    after = decode_totals(cache)
     copies = elapsed_us(copies_only)
     per_call_us = (total - copies) / (args.replays * args.layers)
-    if not after:  # no statistics: no miss rate
+    if not stats:
         return per_call_us, float("nan")
     misses = after["misses"] - before["misses"]
     distinct = after["distinct"] - before["distinct"]
@@ -138,9 +127,9 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     rows = []
     for requests in args.requests:
-        times = [measure(args, requests, with_misses, stats)[0]
-                 for stats in (False, True) for with_misses in (False, True)]
-        _, miss_rate = measure(args, requests, with_misses=True, stats=True)
+        measured = [measure(args, requests, with_misses, stats)
+                    for stats in (False, True) for with_misses in (False, True)]
+        times, miss_rate = [us for us, _ in measured], measured[-1][1]
         rows.append((requests, times, miss_rate))
         print(f"requests {requests}: {times[0]:.2f} / {times[1]:.2f} us all hits / with "
               f"{miss_rate:.1%} misses, {times[2]:.2f} / {times[3]:.2f} us with statistics",

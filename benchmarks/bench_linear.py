@@ -30,7 +30,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import emit
+from benchmarks.common import elapsed_us, emit
 
 SHAPES = {"qkv": (5120, 2048), "o_proj": (2048, 4096), "router": (128, 2048), "lm_head": (151936, 2048)}
 ROWS = (1, 2, 4, 8, 16)
@@ -78,14 +78,12 @@ def us_per_call(fn, x: torch.Tensor, weights: list[torch.Tensor], replays: int) 
     with torch.cuda.graph(graph):
         step()
     graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    del graph
-    return start.elapsed_time(end) * 1e3 / (replays * calls)
+
+    def replay_all():
+        for _ in range(replays):
+            graph.replay()
+
+    return elapsed_us(replay_all) / (replays * calls)
 
 
 def call_bytes(m: int, n: int, k: int) -> int:

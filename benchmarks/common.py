@@ -43,6 +43,17 @@ def gpu_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
+def elapsed_us(fn) -> float:
+    """Device time of everything ``fn`` enqueues on the current stream, in microseconds."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000.0
+
+
 def h2d_bandwidth(nbytes: int = 1 << 30, iters: int = 5) -> float:
     """Measured pinned host-to-device copy bandwidth in bytes/s."""
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)

@@ -26,8 +26,7 @@ for item in args.set:
     if not hasattr(admission, name):
         p.error(f"admission has no knob {name}")
     knobs[name] = [int(v) for v in values.split(",")]
-bench_args = bench_admission.parse_args(["--policy", args.policy]
-                                        + (["--no-stats"] if args.no_stats else []))
+bench_args = bench_admission.parse_args(["--policy", args.policy])
 print(f"{torch.cuda.get_device_name()}, policy {args.policy}, {bench_args.slots} slots, "
       f"{bench_args.layers} layers, statistics {'off' if args.no_stats else 'on'}")
 print("| " + " | ".join(knobs) + " | requests | all hits (us) | with misses (us) | miss rate |")
@@ -36,7 +35,8 @@ for values in itertools.product(*knobs.values()):
     for name, value in zip(knobs, values):
         setattr(admission, name, value)
     for requests in args.requests:
-        hits_us, _ = bench_admission.measure(bench_args, requests, with_misses=False)
-        miss_us, rate = bench_admission.measure(bench_args, requests, with_misses=True)
+        stats = not args.no_stats
+        hits_us, _ = bench_admission.measure(bench_args, requests, False, stats)
+        miss_us, rate = bench_admission.measure(bench_args, requests, True, stats)
         print("| " + " | ".join(map(str, values)) + f" | {requests} | {hits_us:.2f} "
               f"| {miss_us:.2f} | {rate:.1%} |", flush=True)
