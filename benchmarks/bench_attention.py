@@ -22,6 +22,7 @@ import sys
 import torch
 
 from benchmarks.common import emit
+from moeferry.engine.cuda_graph import capture
 
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 4, 128, 16
 BATCHES = (1, 4, 16, 64)
@@ -56,15 +57,11 @@ def decode_inputs(batch: int, context: int):
 
 
 def seconds_per_call(fn, iters: int, repeats: int) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # compile / warm the allocator outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    def repeated():
         for _ in range(iters):
             fn()
+
+    graph, _ = capture(repeated)
     graph.replay()
     best = float("inf")
     for _ in range(repeats):

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import elapsed_us, emit
+from moeferry.engine.cuda_graph import capture
 
 SHAPES = {"qkv": (5120, 2048), "o_proj": (2048, 4096), "router": (128, 2048), "lm_head": (151936, 2048)}
 ROWS = (1, 2, 4, 8, 16)
@@ -69,14 +70,7 @@ def us_per_call(fn, x: torch.Tensor, weights: list[torch.Tensor], replays: int) 
         for i in range(calls):
             fn(x, weights[i % len(weights)])
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn(x, weights[0])  # compile and warm the allocator outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = capture(step)
     graph.replay()
 
     def replay_all():

@@ -7,13 +7,33 @@ padding: they read and write the KV cache's scratch page only, and their logits 
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from moeferry.engine.batch import ForwardBatch, fill_page_table
 
 logger = logging.getLogger(__name__)
+
+
+def capture(fn: Callable[[], Any], *, warmups: int = 1,
+            pool=None) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """(graph, what the captured call returned): ``fn`` run ``warmups`` times on a side
+    stream (kernels compile and the caching allocator settles outside the capture), then
+    captured once into a new graph (sharing memory ``pool`` when given)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        captured = fn()
+    return graph, captured
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -101,15 +121,8 @@ class DecodeGraphs:
         model, kv = self.runner.model, self.runner.kv
         for b in reversed(self.sizes):
             batch = self.batches[b] = self._batch(b)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm up: compile kernels, settle the allocator
-                    model(batch, kv)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[b] = model(batch, kv)
+            graph, self.outputs[b] = capture(functools.partial(model, batch, kv), warmups=2,
+                                             pool=self.pool)
             self.pool = graph.pool()
             self.graphs[b] = graph
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)

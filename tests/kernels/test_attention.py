@@ -9,6 +9,7 @@ kernel must not read holds a large poison value that would show in any output it
 import pytest
 import torch
 
+from moeferry.engine.cuda_graph import capture
 from moeferry.kernels import attention as attn_ops
 from moeferry.kernels.reference import attention as reference
 from moeferry.kernels.triton import attention as triton_attn
@@ -179,14 +180,8 @@ def test_triton_decode_gpu_cuda_graph_replay(batch):
     max_pages = 4096 // 16
     q, k, v, table, seq_lens = _gpu_case(0, [1] * batch, max_pages)
     static_q, static_table, static_lens = q.clone(), table.clone(), seq_lens.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        attn_ops.decode_attention(static_q, k, v, static_table, static_lens, 16, 128 ** -0.5)  # compile
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = attn_ops.decode_attention(static_q, k, v, static_table, static_lens, 16, 128 ** -0.5)
+    graph, static_out = capture(
+        lambda: attn_ops.decode_attention(static_q, k, v, static_table, static_lens, 16, 128 ** -0.5))
     gen = torch.Generator().manual_seed(batch)
     for step in range(3):
         lens = torch.randint(1, 4097, (batch,), generator=gen).tolist()

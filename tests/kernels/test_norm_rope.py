@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from moeferry.engine.cuda_graph import capture
 from moeferry.kernels import norm_rope as ops
 from moeferry.kernels.reference import norm_rope as reference
 from moeferry.layers.norm import RMSNorm
@@ -346,14 +347,7 @@ def test_cuda_graph_replays_with_new_inputs(n):
         return (normed, total, ops.rms_norm(static["q"], weights["q"], EPS),
                 ops.rms_norm(static["k"], weights["k"], EPS))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compiles the kernels outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = step()
+    graph, outputs = capture(step)
     for seed in (1, 2):
         fresh = _qwen3_step(n, torch.Generator().manual_seed(1000 * seed + n))
         for name, tensor in fresh.items():
@@ -397,14 +391,7 @@ def test_qk_norm_rope_store_real_sizes_on_gpu(n):
                                       rotary.sin, k_cache, v_cache, static["out_slots"], **weights, eps=EPS,
                                       q_out=q_out)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        op()  # compiles the kernel outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        _, k_rot = op()
+    graph, (_, k_rot) = capture(op)
     for seed in (1, 2):
         fresh = step(torch.Generator().manual_seed(1000 * seed + n))
         for name in ("q", "k", "v", "positions", "out_slots"):

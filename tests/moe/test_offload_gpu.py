@@ -5,6 +5,7 @@ resident layer; the whole step (admission, copy, GEMM) captures as a CUDA graph;
 import pytest
 import torch
 
+from moeferry.engine.cuda_graph import capture
 from moeferry.kernels import ops
 from moeferry.moe.slot_cache import SlotCache
 
@@ -62,14 +63,7 @@ def test_offload_step_replays_as_a_cuda_graph_from_a_cold_cache():
             outs.append(ops.fused_moe(hidden, pool13, pool2, weights, s, num_routed_experts=E))
         return outs
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, outs = capture(step)
     cache.reset()
     pool13.fill_(float("nan"))
     pool2.fill_(float("nan"))
