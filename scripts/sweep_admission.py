@@ -38,5 +38,6 @@ for values in itertools.product(*knobs.values()):
         stats = not args.no_stats
         hits_us, _ = bench_admission.measure(bench_args, requests, False, stats)
         miss_us, rate = bench_admission.measure(bench_args, requests, True, stats)
+        rate_text = f"{rate:.1%}" if stats else "-"  # the miss rate comes from the statistics
         print("| " + " | ".join(map(str, values)) + f" | {requests} | {hits_us:.2f} "
-              f"| {miss_us:.2f} | {rate:.1%} |", flush=True)
+              f"| {miss_us:.2f} | {rate_text} |", flush=True)
