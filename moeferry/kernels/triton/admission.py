@@ -18,6 +18,10 @@ Contract
   filled) is never evicted by this call (``S >= E`` guarantees enough candidates).
 
 How (one program, phases separated by barriers, every loop over fixed-size chunks):
+0. (LRU policies without statistics, at most ``_MAX_BLOCK_R`` routes) one pass first: each
+   route's slot looked up; when all hit, their recency refreshed, the slot ids written and
+   the plan left empty, and the call ends (the common decode step: about 1 us less, no
+   barrier); when any misses, that pass wrote nothing and A-D run.
 A. mark each routed expert with the clock (``expert_mark[e] = now``): a mark array over the
    layer's E experts dedups any width with no [K, K] block; the decode histogram is an
    atomic add per route.
@@ -59,14 +63,15 @@ from moeferry.kernels.reference.admission import (
 
 _KEY_NONE = tl.constexpr(9223372036854775807)  # int64 max: "not a candidate"
 _NUM_WARPS = 8
-_NUM_WARPS_WIDE = 8  # calls wider than one block of routes; 16 measured 0.5 us faster at 4,100
-# routes (benchmarks/RESULTS.md) but has not run the GPU correctness test yet
+_NUM_WARPS_WIDE = 16  # calls wider than one block of routes (16 measured 0.5 us faster than 8
+# at 4,100 routes, benchmarks/RESULTS.md)
 _VICTIM_TILE = 64
 _RADIX_BITS = 5  # threshold search: key bits resolved per sweep over the slots
 _MAX_BLOCK_R = 1024  # routes per block (marking and writing the slot ids)
 _MAX_BLOCK_S = 4096  # slots per block; a pool of at most this many keeps its keys in registers
 _KEYS_IN_REGISTERS = True  # (False: through the key buffer whatever the size; for sweeps)
 _EXTRACT_MAX = 16  # keys in registers: up to this many misses, victims by repeated minimum
+_ALL_HITS_FAST_PATH = True  # LRU policies without statistics: try the all-hits pass first
 
 
 @triton.jit
@@ -92,6 +97,26 @@ def _mark_routes(topk_ptr, num_routes, num_experts, layer_base, now, mark_ptr, f
         if COUNT_FREQ:
             tl.atomic_add(freq_ptr + layer_base + e, tl.full([BLOCK_R], 1, tl.int64),
                           mask=valid, sem="relaxed")
+
+
+@triton.jit
+def _admit_if_all_hits(topk_ptr, num_routes, num_experts, layer_base, now, slot_of_ptr,
+                       last_used_ptr, plan_count_ptr, out_ptr, BLOCK_R: tl.constexpr):
+    """The whole call when every route hits (LRU policies, no statistics, one block of
+    routes): each route's slot refreshed (a repeated expert writes the same ``now`` twice)
+    and written out, an empty plan; phases A, B and D in one pass with no barrier. Returns
+    the routes that miss; when there are any it writes nothing and the full path runs."""
+    r = tl.arange(0, BLOCK_R)
+    in_range = r < num_routes
+    e = tl.load(topk_ptr + r, mask=in_range, other=-1).to(tl.int64)
+    valid = in_range & (e >= 0) & (e < num_experts)
+    slot = tl.load(slot_of_ptr + layer_base + e, mask=valid, other=-1)
+    misses = tl.sum((valid & (slot < 0)).to(tl.int32), 0)
+    if misses == 0:
+        tl.store(last_used_ptr + slot, tl.full([BLOCK_R], 0, tl.int64) + now, mask=valid)
+        tl.store(out_ptr + r, slot, mask=in_range)
+        tl.store(plan_count_ptr, 0)
+    return misses
 
 
 @triton.jit
@@ -357,48 +382,55 @@ def _admit_kernel(
     BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
     RADIX: tl.constexpr, RADIX_BITS: tl.constexpr, KEYS_IN_REGISTERS: tl.constexpr,
     SLOT_BITS: tl.constexpr, EXTRACT_MAX: tl.constexpr, TILE: tl.constexpr,
+    ALL_HITS_FAST_PATH: tl.constexpr,
 ):
     now = tl.load(clock_ptr) + 1
     tl.store(clock_ptr, now)
     layer_base = layer.to(tl.int64) * num_experts
-    _mark_routes(topk_ptr, num_routes, num_experts, layer_base, now, mark_ptr, freq_ptr,
-                 COUNT_FREQ, BLOCK_R)
-    tl.debug_barrier()
-    num_distinct, num_misses = _refresh_hits_list_misses(
-        num_experts, layer_base, now, mark_ptr, slot_of_ptr, last_used_ptr, score_ptr,
-        plan_src_ptr, decay_ptr, LRFU, POW_BITS, POW_TAIL, BLOCK_E)
-    tl.debug_barrier()
-    if num_misses > 0:
-        if KEYS_IN_REGISTERS:  # the whole pool is one block: its keys never leave registers
-            s = tl.arange(0, BLOCK_S)
-            keys = _slot_keys(s, s < num_slots, now, layer_base, num_experts, owner_of_ptr,
-                              last_used_ptr, score_ptr, decay_ptr, LRFU, LAYER_LRU,
-                              POW_BITS, POW_TAIL)
-            lo, hi = _key_range(keys)
-            if (num_misses <= EXTRACT_MAX) & ((hi - lo) < (1 << (62 - SLOT_BITS))):
-                _extract_victims(keys, lo, num_misses, ordered_ptr, BLOCK_S, SLOT_BITS)
+    misses_seen = 1
+    if ALL_HITS_FAST_PATH:
+        misses_seen = _admit_if_all_hits(topk_ptr, num_routes, num_experts, layer_base, now,
+                                         slot_of_ptr, last_used_ptr, plan_count_ptr, out_ptr,
+                                         BLOCK_R)
+    if misses_seen > 0:
+        _mark_routes(topk_ptr, num_routes, num_experts, layer_base, now, mark_ptr, freq_ptr,
+                     COUNT_FREQ, BLOCK_R)
+        tl.debug_barrier()
+        num_distinct, num_misses = _refresh_hits_list_misses(
+            num_experts, layer_base, now, mark_ptr, slot_of_ptr, last_used_ptr, score_ptr,
+            plan_src_ptr, decay_ptr, LRFU, POW_BITS, POW_TAIL, BLOCK_E)
+        tl.debug_barrier()
+        if num_misses > 0:
+            if KEYS_IN_REGISTERS:  # the whole pool is one block: its keys never leave registers
+                s = tl.arange(0, BLOCK_S)
+                keys = _slot_keys(s, s < num_slots, now, layer_base, num_experts, owner_of_ptr,
+                                  last_used_ptr, score_ptr, decay_ptr, LRFU, LAYER_LRU,
+                                  POW_BITS, POW_TAIL)
+                lo, hi = _key_range(keys)
+                if (num_misses <= EXTRACT_MAX) & ((hi - lo) < (1 << (62 - SLOT_BITS))):
+                    _extract_victims(keys, lo, num_misses, ordered_ptr, BLOCK_S, SLOT_BITS)
+                else:
+                    _radix_victims(key_ptr, keys, num_slots, lo, hi, num_misses, vkey_ptr,
+                                   vslot_ptr, ordered_ptr, RADIX, RADIX_BITS, BLOCK_S,
+                                   KEYS_IN_REGISTERS, TILE)
             else:
-                _radix_victims(key_ptr, keys, num_slots, lo, hi, num_misses, vkey_ptr,
-                               vslot_ptr, ordered_ptr, RADIX, RADIX_BITS, BLOCK_S,
-                               KEYS_IN_REGISTERS, TILE)
-        else:
-            lo, hi = _write_slot_keys(num_slots, now, layer_base, num_experts, owner_of_ptr,
-                                      last_used_ptr, score_ptr, key_ptr, decay_ptr, LRFU,
-                                      LAYER_LRU, POW_BITS, POW_TAIL, BLOCK_S)
+                lo, hi = _write_slot_keys(num_slots, now, layer_base, num_experts, owner_of_ptr,
+                                          last_used_ptr, score_ptr, key_ptr, decay_ptr, LRFU,
+                                          LAYER_LRU, POW_BITS, POW_TAIL, BLOCK_S)
+                tl.debug_barrier()
+                _radix_victims(key_ptr, lo, num_slots, lo, hi, num_misses, vkey_ptr, vslot_ptr,
+                               ordered_ptr, RADIX, RADIX_BITS, BLOCK_S, KEYS_IN_REGISTERS, TILE)
             tl.debug_barrier()
-            _radix_victims(key_ptr, lo, num_slots, lo, hi, num_misses, vkey_ptr, vslot_ptr,
-                           ordered_ptr, RADIX, RADIX_BITS, BLOCK_S, KEYS_IN_REGISTERS, TILE)
-        tl.debug_barrier()
-        _install_misses(num_misses, layer_base, now, plan_src_ptr, plan_dst_ptr, ordered_ptr,
-                        slot_of_ptr, owner_of_ptr, last_used_ptr, score_ptr, TILE)
-        tl.debug_barrier()
-    tl.store(plan_count_ptr, num_misses)
-    _write_slot_ids(topk_ptr, num_routes, num_experts, layer_base, slot_of_ptr, out_ptr,
-                    BLOCK_R)
-    if COUNT_STATS:
-        tl.store(calls_ptr + layer, tl.load(calls_ptr + layer) + 1)
-        tl.store(distinct_ptr + layer, tl.load(distinct_ptr + layer) + num_distinct)
-        tl.store(misses_ptr + layer, tl.load(misses_ptr + layer) + num_misses)
+            _install_misses(num_misses, layer_base, now, plan_src_ptr, plan_dst_ptr, ordered_ptr,
+                            slot_of_ptr, owner_of_ptr, last_used_ptr, score_ptr, TILE)
+            tl.debug_barrier()
+        tl.store(plan_count_ptr, num_misses)
+        _write_slot_ids(topk_ptr, num_routes, num_experts, layer_base, slot_of_ptr, out_ptr,
+                        BLOCK_R)
+        if COUNT_STATS:
+            tl.store(calls_ptr + layer, tl.load(calls_ptr + layer) + 1)
+            tl.store(distinct_ptr + layer, tl.load(distinct_ptr + layer) + num_distinct)
+            tl.store(misses_ptr + layer, tl.load(misses_ptr + layer) + num_misses)
 
 
 def _block(n: int, low: int, high: int) -> int:
@@ -430,6 +462,8 @@ def admit(state: SlotState, layer: int, topk_ids: torch.Tensor,
         BLOCK_S=block_s, RADIX=1 << _RADIX_BITS, RADIX_BITS=_RADIX_BITS,
         KEYS_IN_REGISTERS=_KEYS_IN_REGISTERS and state.num_slots <= block_s,
         SLOT_BITS=block_s.bit_length() - 1, EXTRACT_MAX=_EXTRACT_MAX, TILE=_VICTIM_TILE,
+        ALL_HITS_FAST_PATH=(_ALL_HITS_FAST_PATH and state.policy != "lrfu" and not count_stats
+                            and num_routes <= _MAX_BLOCK_R),
         num_warps=_NUM_WARPS_WIDE if num_routes > _MAX_BLOCK_R else _NUM_WARPS,
         enable_fp_fusion=False,
     )
