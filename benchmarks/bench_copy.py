@@ -26,6 +26,7 @@ def parse_args(argv):
     p.add_argument("--misses", type=int, nargs="+", default=list(MISSES))
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--programs-per-sm", type=int, help="the gather's grid (default: the kernel's)")
     p.add_argument("--out", help="append the tables to this file")
     return p.parse_args(argv)
 
@@ -65,12 +66,19 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_copy: needs a CUDA GPU; none found, nothing measured.")
         return 0
+    if args.programs_per_sm:
+        from moeferry.kernels.triton import gather_copy
+
+        gather_copy._PROGRAMS_PER_SM = args.programs_per_sm
     gpu = torch.cuda.get_device_name()
     lines = [f"### Pinned H2D copy_, {gpu}, {datetime.date.today()}", "",
              "| MiB | GB/s |", "|---:|---:|"]
     for mib in H2D_SIZES_MIB:
         lines.append(f"| {mib} | {h2d_gbps(mib << 20, args.iters):.1f} |")
-    lines += ["", f"### Miss gather from pinned memory, {gpu}, {datetime.date.today()}", "",
+    from moeferry.kernels.triton import gather_copy
+
+    lines += ["", f"### Miss gather from pinned memory ({gather_copy._PROGRAMS_PER_SM} programs per SM), "
+              f"{gpu}, {datetime.date.today()}", "",
               "| bank | misses | MiB | gather GB/s | copy_ GB/s (same bytes) | % of H2D |",
               "|---|---:|---:|---:|---:|---:|"]
     for name, shape in BANKS.items():

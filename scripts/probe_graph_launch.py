@@ -19,7 +19,7 @@ from moeferry.engine.cuda_graph import DecodeGraphs, capture
 from moeferry.engine.engine import Engine
 from moeferry.sampling import SamplingParams
 
-VARIANTS = ("gpu", "offload", "no-gather", "gather-1-program", "no-admission", "neither")
+VARIANTS = ("gpu", "offload", "no-gather", "gather-1-program", "gather-1-per-SM", "no-admission", "neither")
 
 
 def replay_times(graph: torch.cuda.CUDAGraph, repeats: int = 20) -> tuple[float, float, float]:
@@ -46,6 +46,8 @@ def replay_times(graph: torch.cuda.CUDAGraph, repeats: int = 20) -> tuple[float,
 
 
 def ablate(strategy, variant: str) -> None:
+    """Take out or shrink one offload node per layer. Module-level changes are undone by
+    `restore_modules` before the next variant."""
     from moeferry.kernels.triton import gather_copy
 
     cache = strategy.cache
@@ -53,8 +55,17 @@ def ablate(strategy, variant: str) -> None:
         cache.copy_misses = lambda host_banks, slot_banks: None
     if variant == "gather-1-program":
         gather_copy._num_programs = lambda work_items, device: 1
+    if variant == "gather-1-per-SM":
+        gather_copy._PROGRAMS_PER_SM = 1
     if variant in ("no-admission", "neither"):
         cache.admit = lambda layer, topk_ids, phase="decode": topk_ids.to(torch.int32)
+
+
+def restore_modules(saved: dict) -> None:
+    from moeferry.kernels.triton import gather_copy
+
+    for name, value in saved.items():
+        setattr(gather_copy, name, value)
 
 
 def engine_row(variant: str, layers: int) -> list[str]:
@@ -94,7 +105,13 @@ def main() -> None:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--nodes", type=int, default=160)
     args = p.parse_args()
-    rows = [engine_row(v, args.layers) for v in args.variants]
+    from moeferry.kernels.triton import gather_copy
+
+    saved = {name: getattr(gather_copy, name) for name in ("_num_programs", "_PROGRAMS_PER_SM")}
+    rows = []
+    for variant in args.variants:
+        rows.append(engine_row(variant, args.layers))
+        restore_modules(saved)
     device_word = torch.zeros(1, device="cuda")
     host_word = torch.zeros(1, pin_memory=True)
     for programs in (1, 528):

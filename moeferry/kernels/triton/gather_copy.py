@@ -18,7 +18,7 @@ Contract
 How: each row is reinterpreted as the widest words (int64 down to bytes) that divide it and
 the bank pointers, and split into chunks of 64 KiB. One launch per pair of banks (w13 and w2
 of an expert: one launch per call) with a fixed grid of ``min(P * chunks, 4 * SMs)``
-programs, each looping over work items ``(miss, bank, chunk)`` up to ``plan_count * chunks``
+programs (``_PROGRAMS_PER_SM`` per SM), each looping over work items ``(miss, bank, chunk)`` up to ``plan_count * chunks``
 (so a call with no misses costs one wave of empty programs), and
 copying its chunk in wide vectors straight from host memory over PCIe (unified addressing:
 a pinned tensor's pointer is valid on the device).
@@ -34,6 +34,7 @@ import triton.language as tl
 from moeferry.kernels.reference.gather_copy import check_banks, row_bytes
 
 _CHUNK_BYTES = 64 * 1024
+_PROGRAMS_PER_SM = 4  # the fixed grid: a call with no misses still runs one wave of these
 _BLOCK_BYTES = 16 * 1024
 _WORD_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
@@ -110,7 +111,7 @@ def _multiprocessors(device_index: int) -> int:
 def _num_programs(work_items: int, device: torch.device) -> int:
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return max(1, min(work_items, 4 * _multiprocessors(index)))
+        return max(1, min(work_items, _PROGRAMS_PER_SM * _multiprocessors(index)))
     return max(1, min(work_items, 8))
 
 
