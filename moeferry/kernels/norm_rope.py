@@ -28,7 +28,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
                        out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
                        use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual [N, D] -> (rms_norm(x + residual), x + residual); residual_out may be x or
-    residual (in place)."""
+    residual (in place). x may also be a MoE layer's partial rows [N, K, D]
+    (ops.fused_moe(sum_routes=False)), summed here as the MoE kernel would have."""
     return _impl(use_triton, x).fused_add_rms_norm(x, residual, weight, eps, out=out,
                                                    residual_out=residual_out)
 

@@ -27,6 +27,7 @@ def fused_moe(
     num_routed_experts: int,
     block_assignment: str = "auto",
     out: torch.Tensor | None = None,
+    sum_routes: bool = True,
     use_triton: bool | None = None,
 ) -> torch.Tensor:
     """out[T, H] = sum over k of topk_weights[:, k] * down(silu(gate(x)) * up(x)) with the
@@ -34,7 +35,9 @@ def fused_moe(
 
     Triton runs when hidden is on CUDA (the weights may be pinned host memory, read in
     place). block_assignment applies to the Triton path; the reference always groups.
-    See moeferry.kernels.triton.fused_moe for the full contract."""
+    sum_routes=False: the weighted route outputs [T, K, H] instead of their sum (hidden's
+    dtype on the Triton path, float32 on the reference's), for norm_rope.fused_add_rms_norm
+    to sum with the residual add. See moeferry.kernels.triton.fused_moe for the full contract."""
     return implementation("fused_moe", use_triton, hidden).fused_moe(
         hidden, w13, w2, topk_weights, topk_ids, num_routed_experts=num_routed_experts,
-        block_assignment=block_assignment, out=out)
+        block_assignment=block_assignment, out=out, sum_routes=sum_routes)

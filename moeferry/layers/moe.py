@@ -46,9 +46,13 @@ class MoEBlock(nn.Module):
         else:
             self.shared_expert = None
 
-    def forward(self, x: torch.Tensor, is_decode: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, is_decode: bool, sum_routes: bool = True) -> torch.Tensor:
+        """[T, H]; with sum_routes=False and no shared expert, the weighted per-route outputs
+        [T, K, H] instead, for a caller whose next op sums them anyway (the decoder's residual
+        add, RMSNorm.add_and_norm): the MoE then needs no summing launch of its own."""
         weights, ids = softmax_topk(self.gate(x), self.top_k, self.renormalize)
-        out = self.strategy.forward(self.layer_id, x, weights, ids, is_decode)
+        out = self.strategy.forward(self.layer_id, x, weights, ids, is_decode,
+                                    sum_routes=sum_routes or self.shared_expert is not None)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -19,5 +19,6 @@ class RMSNorm(nn.Module):
         return norm_rope.rms_norm(x, self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(x + residual), x + residual), one launch on CUDA; x, residual [N, D]."""
+        """(self(x + residual), x + residual), one launch on CUDA; x, residual [N, D], or x a
+        MoE block's per-route outputs [N, K, D], summed first (MoEBlock.forward)."""
         return norm_rope.fused_add_rms_norm(x, residual, self.weight, self.eps)

@@ -40,15 +40,17 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
                 kv) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: the previous layer's MLP output (the embeddings at layer 0, with residual None);
-        residual: the stream it adds to. Returns this layer's (MLP output, stream before it):
-        each residual add is fused into the norm that follows it."""
+        """x: the previous layer's MLP output (the embeddings at layer 0, with residual None;
+        after a MoE block without shared expert its per-route outputs [T, K, H]); residual:
+        the stream it adds to. Returns this layer's (MLP output, stream before it): each
+        residual add, and a MoE block's sum over its routes, is fused into the norm that
+        follows it."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add_and_norm(x, residual)
         h, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(h, batch, kv), residual)
-        out = self.mlp_module(h, batch.is_decode) if self.is_moe else self.mlp_module(h)
+        out = self.mlp_module(h, batch.is_decode, sum_routes=False) if self.is_moe else self.mlp_module(h)
         return out, residual
 
 

@@ -169,32 +169,33 @@ class OffloadStrategy(MoEStrategy):
         if not self.decision.demand:
             self._start_stream()
 
-    def _through_cache(self, layer_id, hidden, topk_weights, topk_ids, phase):
+    def _through_cache(self, layer_id, hidden, topk_weights, topk_ids, phase, sum_routes):
         host = self.banks[layer_id]
         slot_ids = self.cache.load_experts(self.moe_index[layer_id], topk_ids, [host.w13, host.w2],
                                            [self.pool.w13, self.pool.w2], phase=phase)
         return ops.fused_moe(hidden, self.pool.w13, self.pool.w2, topk_weights, slot_ids,
-                             num_routed_experts=host.num_experts)
+                             num_routed_experts=host.num_experts, sum_routes=sum_routes)
 
-    def _streamed(self, layer_id, hidden, topk_weights, topk_ids):
+    def _streamed(self, layer_id, hidden, topk_weights, topk_ids, sum_routes):
         host = self.banks[layer_id]
         self.streamed_bytes += host.num_experts * self.expert_bytes
         if self.stream is None:  # CPU: the host banks are already where the compute runs
             return ops.fused_moe(hidden, host.w13, host.w2, topk_weights, topk_ids,
-                                 num_routed_experts=host.num_experts)
+                                 num_routed_experts=host.num_experts, sum_routes=sum_routes)
         w13, w2, buf = self.stream.acquire(layer_id)
-        out = ops.fused_moe(hidden, w13, w2, topk_weights, topk_ids, num_routed_experts=host.num_experts)
+        out = ops.fused_moe(hidden, w13, w2, topk_weights, topk_ids, num_routed_experts=host.num_experts,
+                            sum_routes=sum_routes)
         self.stream.release(buf)
         return out
 
-    def forward(self, layer_id, hidden, topk_weights, topk_ids, is_decode):
+    def forward(self, layer_id, hidden, topk_weights, topk_ids, is_decode, sum_routes=True):
         if is_decode:
-            return self._through_cache(layer_id, hidden, topk_weights, topk_ids, "decode")
+            return self._through_cache(layer_id, hidden, topk_weights, topk_ids, "decode", sum_routes)
         if self.decision.demand is None:
             self._decide_at_first_layer(layer_id, topk_ids)
         if self.decision.demand:
-            return self._through_cache(layer_id, hidden, topk_weights, topk_ids, "prefill")
-        return self._streamed(layer_id, hidden, topk_weights, topk_ids)
+            return self._through_cache(layer_id, hidden, topk_weights, topk_ids, "prefill", sum_routes)
+        return self._streamed(layer_id, hidden, topk_weights, topk_ids, sum_routes)
 
     def stats(self) -> dict:
         out = {"strategy": self.name, "slots": self.cache.num_slots,

@@ -98,7 +98,9 @@ class MoEStrategy:
         """Called at the start of every model forward, before the first layer."""
 
     def forward(self, layer_id: int, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                is_decode: bool) -> torch.Tensor:
+                is_decode: bool, sum_routes: bool = True) -> torch.Tensor:
+        """The routed experts' output [T, H] (sum_routes=False: the weighted per-route outputs
+        [T, K, H], as ops.fused_moe gives them)."""
         raise NotImplementedError
 
     def stats(self) -> dict:
@@ -110,7 +112,7 @@ class GpuStrategy(MoEStrategy):
 
     name = "gpu"
 
-    def forward(self, layer_id, hidden, topk_weights, topk_ids, is_decode):
+    def forward(self, layer_id, hidden, topk_weights, topk_ids, is_decode, sum_routes=True):
         banks = self.banks[layer_id]
         return ops.fused_moe(hidden, banks.w13, banks.w2, topk_weights, topk_ids,
-                             num_routed_experts=banks.num_experts)
+                             num_routed_experts=banks.num_experts, sum_routes=sum_routes)

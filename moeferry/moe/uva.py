@@ -75,13 +75,14 @@ class UvaStrategy(MoEStrategy):
         self.decode_steps[i] += 1
         self.route_counts[i] += ids.numel()
 
-    def forward(self, layer_id, hidden, topk_weights, topk_ids, is_decode):
+    def forward(self, layer_id, hidden, topk_weights, topk_ids, is_decode, sum_routes=True):
         banks = self.banks[layer_id]
         assignment = self._assignment(topk_ids.shape[0], topk_ids.shape[1], banks.num_experts)
         if is_decode and self.engine_config.moe_collect_stats:
             self._count_reads(layer_id, topk_ids, naive=assignment == "naive")
         return ops.fused_moe(hidden, banks.w13, banks.w2, topk_weights, topk_ids,
-                             num_routed_experts=banks.num_experts, block_assignment=assignment)
+                             num_routed_experts=banks.num_experts, block_assignment=assignment,
+                             sum_routes=sum_routes)
 
     def stats(self) -> dict:
         """Totals over decode forwards; a step is one decode forward of every MoE layer."""

@@ -198,6 +198,57 @@ def test_naive_is_refused_past_the_small_batch_rule():
                       block_assignment="naive", use_triton=True)
 
 
+def summed_then_normed_both_ways(hidden, w13, w2, weights, ids, num_experts, use_triton, seed=3):
+    """(norm and residual after fused_moe's own sum, the same after the residual add summed
+    the route partials, the partials)."""
+    from moeferry.kernels import norm_rope
+    gen = torch.Generator().manual_seed(seed)
+    residual = torch.randn(hidden.shape, generator=gen).to(hidden.dtype).to(hidden.device)
+    norm_weight = (1 + 0.5 * torch.randn(hidden.shape[1], generator=gen)).to(hidden.dtype).to(hidden.device)
+    kwargs = dict(num_routed_experts=num_experts, use_triton=use_triton)
+    summed = ops.fused_moe(hidden, w13, w2, weights, ids, **kwargs)
+    partials = ops.fused_moe(hidden, w13, w2, weights, ids, sum_routes=False, **kwargs)
+    want = norm_rope.fused_add_rms_norm(summed, residual, norm_weight, 1e-6, use_triton=use_triton)
+    got = norm_rope.fused_add_rms_norm(partials, residual, norm_weight, 1e-6, use_triton=use_triton)
+    return want, got, partials
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens,top_k", [(1, 4), (5, 2), (21, 3)])
+def test_route_partials_summed_by_the_residual_add_give_the_same_bits(use_triton, dtype,
+                                                                      num_tokens, top_k):
+    """A decoder layer hands a MoE block's per-route outputs to the next residual add +
+    RMSNorm, which sums them: its results must be those of the MoE's own sum, bit for bit."""
+    w13, w2 = make_layer(16, 80, 48, dtype)
+    hidden, weights, ids = make_routes(num_tokens, 80, 16, top_k, dtype)
+    (want_norm, want_res), (got_norm, got_res), partials = summed_then_normed_both_ways(
+        hidden, w13, w2, weights, ids, 16, use_triton)
+    assert partials.shape == (num_tokens, top_k, 80)
+    assert partials.dtype == (dtype if use_triton else torch.float32)
+    assert torch.equal(got_res, want_res) and torch.equal(got_norm, want_norm)
+    assert not torch.equal(partials[:, 0], partials[:, 1])  # real partials, not one row K times
+
+
+def test_route_partials_refuse_an_output_buffer_and_aliasing():
+    from moeferry.kernels import norm_rope
+    w13, w2 = make_layer(8, 32, 16, torch.float32)
+    hidden, weights, ids = make_routes(3, 32, 8, 2, torch.float32)
+    for use_triton in (False, True):
+        with pytest.raises(ValueError, match="sum_routes"):
+            ops.fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=8, out=torch.empty_like(hidden),
+                          sum_routes=False, use_triton=use_triton)
+    partials = ops.fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=8, sum_routes=False,
+                             use_triton=True)
+    weight = torch.ones(32)
+    with pytest.raises(ValueError, match="residual_out"):
+        norm_rope.fused_add_rms_norm(partials, hidden.clone(), weight, 1e-6, residual_out=partials[:, 0],
+                                     use_triton=True)
+    with pytest.raises(ValueError, match="one dtype"):
+        norm_rope.fused_add_rms_norm(partials, hidden.to(torch.bfloat16), weight.bfloat16(), 1e-6,
+                                     use_triton=True)
+
+
 # --- GPU: real Qwen3-30B-A3B shapes ------------------------------------------------------
 
 QWEN3 = dict(hidden_size=2048, intermediate_size=768, num_experts=128, top_k=8)
@@ -269,3 +320,13 @@ def test_pinned_host_weights_are_read_in_place(num_tokens):
     half_host = ops.fused_moe(hidden, host13, w2, weights, ids, num_routed_experts=128)
     assert torch.equal(from_host, on_device)
     assert torch.equal(half_host, on_device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 4, 64])
+def test_route_partials_summed_by_the_residual_add_on_gpu(num_tokens):
+    hidden, w13, w2, weights, ids = _qwen3_layer(num_tokens)
+    (want_norm, want_res), (got_norm, got_res), partials = summed_then_normed_both_ways(
+        hidden, w13, w2, weights, ids, QWEN3["num_experts"], None)
+    assert partials.shape == (num_tokens, QWEN3["top_k"], QWEN3["hidden_size"])
+    assert torch.equal(got_res, want_res) and torch.equal(got_norm, want_norm)

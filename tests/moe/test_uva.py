@@ -172,10 +172,10 @@ def test_stats_report_expert_bytes_read_per_step(tmp_path):
     seen = []  # (layer, distinct experts, routes) per decode forward
     real_forward = strategy.forward
 
-    def recording(layer_id, hidden, topk_weights, topk_ids, is_decode):
+    def recording(layer_id, hidden, topk_weights, topk_ids, is_decode, **kwargs):
         if is_decode:
             seen.append((layer_id, len(set(topk_ids.reshape(-1).tolist())), topk_ids.numel()))
-        return real_forward(layer_id, hidden, topk_weights, topk_ids, is_decode)
+        return real_forward(layer_id, hidden, topk_weights, topk_ids, is_decode, **kwargs)
 
     strategy.forward = recording
     llm.generate(PROMPTS, PARAMS)

@@ -49,14 +49,21 @@ def fused_moe(
     num_routed_experts: int | None = None,
     block_assignment: str = "auto",
     out: torch.Tensor | None = None,
+    sum_routes: bool = True,
 ) -> torch.Tensor:
     """Reference fused MoE, the same signature as the Triton kernel's; num_routed_experts and
-    block_assignment (validated) do not change its arithmetic: it has no tiles to size."""
+    block_assignment (validated) do not change its arithmetic: it has no tiles to size.
+    sum_routes=False returns the weighted route outputs [T, K, H] in float32 instead, which
+    ``sum_route_partials`` and a rounding to hidden's dtype turn into the [T, H] result."""
     if block_assignment not in BLOCK_ASSIGNMENTS:
         raise ValueError(f"block_assignment {block_assignment!r} not in {BLOCK_ASSIGNMENTS}")
     num_tokens, hidden_size = hidden.shape
     top_k = topk_ids.shape[1]
-    if out is None:
+    if not sum_routes:
+        if out is not None:
+            raise ValueError("out is the summed [T, H] output: not with sum_routes=False")
+        out = torch.zeros(num_tokens, top_k, hidden_size, dtype=torch.float32, device=hidden.device)
+    elif out is None:
         out = torch.empty_like(hidden)
     if num_tokens == 0:
         return out
@@ -72,8 +79,15 @@ def fused_moe(
         x = hidden[routes // top_k].float()
         route_out[routes] = _expert_rows(x, w13[expert], w2[expert]) * route_weights[routes]
     per_token = route_out.view(num_tokens, top_k, hidden_size)
-    total = per_token[:, 0].clone()
-    for k in range(1, top_k):  # fixed order k = 0..K-1
-        total += per_token[:, k]
-    out.copy_(total)
+    if not sum_routes:
+        return per_token
+    out.copy_(sum_route_partials(per_token))
     return out
+
+
+def sum_route_partials(partials: torch.Tensor) -> torch.Tensor:
+    """[T, H] float32 sum over k = 0..K-1, in that order, of partials [T, K, H]."""
+    total = partials[:, 0].to(torch.float32, copy=True)
+    for k in range(1, partials.shape[1]):  # fixed order k = 0..K-1
+        total += partials[:, k]
+    return total

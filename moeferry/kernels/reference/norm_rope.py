@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from moeferry.kernels.reference.fused_moe import sum_route_partials
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
              out: torch.Tensor | None = None) -> torch.Tensor:
@@ -27,7 +29,11 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
                        out: torch.Tensor | None = None,
                        residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual) for x, residual [N, D] of one dtype.
-    ``residual_out`` may be x or residual itself (the sum is written in place)."""
+    ``residual_out`` may be x or residual itself (the sum is written in place). x may also be
+    [N, K, D] partial rows of any float dtype (fused_moe(sum_routes=False)): their float32 sum
+    over k in order, rounded to residual's dtype, takes x's place."""
+    if x.dim() == 3:
+        x = sum_route_partials(x).to(residual.dtype)
     if x.dtype != residual.dtype:
         raise ValueError(f"x is {x.dtype} but residual is {residual.dtype}")
     total = x + residual if residual_out is None else torch.add(x, residual, out=residual_out)

@@ -18,7 +18,8 @@ Kernels and the buffers they write (N = T * K routes, route r = t * K + k):
     2. _moe_gemm_kernel, GATED: act[r] = silu(x w13[e, :I]^T) * (x w13[e, I:]^T),
        [N, I] dtype of hidden, fp32 accumulation.
     3. _moe_gemm_kernel, weighted: route_out[r] = topk_weights[r] * act[r] w2[e]^T, [N, H].
-    4. _sum_topk_kernel: out[t] = sum over k = 0..K-1 of route_out[t * K + k], in fp32.
+    4. _sum_topk_kernel: out[t] = sum over k = 0..K-1 of route_out[t * K + k], in fp32
+       (skipped with sum_routes=False: the next residual add sums the partials itself).
 No atomics anywhere in the arithmetic, so output is reproducible run to run.
 
 Invariants:
@@ -41,7 +42,7 @@ import triton.language as tl
 from moeferry.kernels.reference.fused_moe import (
     BLOCK_ASSIGNMENTS,  # one list for both paths
 )
-from moeferry.kernels.triton.common import dot, exact_dot
+from moeferry.kernels.triton.common import dot, exact_dot, rounded
 from moeferry.kernels.triton.moe_align import moe_align_block_size
 
 __all__ = [
@@ -202,6 +203,7 @@ def _sum_topk_kernel(route_out_ptr, out_ptr, hidden_size, stride_rm, stride_om,
     for k in tl.static_range(TOP_K):
         row = route_out_ptr + (token * TOP_K + k) * stride_rm
         acc += tl.load(row + offs, mask=valid, other=0.0).to(tl.float32)
+    acc = rounded(acc, out_ptr.dtype.element_ty)  # as the residual add's sum of partials rounds
     tl.store(out_ptr + token * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=valid)
 
 
@@ -259,18 +261,23 @@ def fused_moe(
     num_routed_experts: int,
     block_assignment: str = "auto",
     out: torch.Tensor | None = None,
+    sum_routes: bool = True,
 ) -> torch.Tensor:
-    """Triton fused MoE; see the module docstring for the contract."""
+    """Triton fused MoE; see the module docstring for the contract. sum_routes=False skips
+    kernel 4 and returns route_out as [T, K, H] (hidden's dtype): the caller sums it, as
+    the residual add + RMSNorm after a MoE layer does (kernels/triton/norm_rope.py)."""
     _check_shapes(hidden, w13, w2, topk_weights, topk_ids)
     if block_assignment not in BLOCK_ASSIGNMENTS:
         raise ValueError(f"block_assignment {block_assignment!r} not in {BLOCK_ASSIGNMENTS}")
     num_tokens, hidden_size = hidden.shape
     top_k = topk_ids.shape[1]
     intermediate_size = w2.shape[2]
-    if out is None:
+    if not sum_routes and out is not None:
+        raise ValueError("out is the summed [T, H] output: not with sum_routes=False")
+    if out is None and sum_routes:
         out = torch.empty_like(hidden)
     if num_tokens == 0:
-        return out
+        return out if sum_routes else hidden.new_zeros(0, top_k, hidden_size)
     if block_assignment == "auto":
         block_assignment = choose_block_assignment(num_tokens, top_k, num_routed_experts, w13, w2)
     elif block_assignment == "naive" and not naive_allowed(num_tokens, top_k, num_routed_experts):
@@ -290,6 +297,8 @@ def fused_moe(
                  a_div=top_k, naive=naive, config=config)
     _launch_gemm(act, w2, route_out, route_weights, blocks, flat_ids, gated=False, weighted=True,
                  a_div=1, naive=naive, config=config)
+    if not sum_routes:
+        return route_out.view(num_tokens, top_k, hidden_size)
     block_h = min(1024, triton.next_power_of_2(hidden_size))
     _sum_topk_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
         route_out, out, hidden_size, route_out.stride(0), out.stride(0),

@@ -35,8 +35,9 @@ _TILE = 2048  # elements per program for short rows (per-head q/k norm and rotar
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, inner, D, eps,
-                     x_s0, x_s1, r_s0, r_s1,
-                     ADD: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                     x_s0, x_s1, r_s0, r_s1, part_stride,
+                     ADD: tl.constexpr, PARTS: tl.constexpr, ROWS: tl.constexpr,
+                     BLOCK: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
@@ -44,6 +45,10 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, inner,
     x_off = (outer * x_s0 + head * x_s1)[:, None] + cols[None, :]
     dense_off = rows.to(tl.int64)[:, None] * D + cols[None, :]
     x = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
+    if PARTS > 1:  # x is the first of PARTS partial rows: their fp32 sum in order, rounded
+        for part in tl.static_range(1, PARTS):
+            x += tl.load(x_ptr + part * part_stride + x_off, mask=mask, other=0.0).to(tl.float32)
+        x = rounded(x, x_ptr.dtype.element_ty)
     if ADD:
         r_off = (outer * r_s0 + head * r_s1)[:, None] + cols[None, :]
         r = tl.load(res_ptr + r_off, mask=mask, other=0.0).to(tl.float32)
@@ -68,7 +73,7 @@ def _rows_view(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     raise ValueError(f"expected [N, D] or [N, H, D], got {tuple(x.shape)}")
 
 
-def _norm_launch(x, residual, weight, eps, out, residual_out):
+def _norm_launch(x, residual, weight, eps, out, residual_out, parts=1, part_stride=0):
     x, inner, x_s0, x_s1 = _rows_view(x)
     d = x.shape[-1]
     if weight.shape != (d,):
@@ -87,8 +92,8 @@ def _norm_launch(x, residual, weight, eps, out, residual_out):
     _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
         x, residual if residual is not None else x, weight.contiguous(), out,
         residual_out if residual is not None else out, n_rows, inner, d, eps,
-        x_s0, x_s1, r_s0, r_s1,
-        ADD=residual is not None, ROWS=rows, BLOCK=block,
+        x_s0, x_s1, r_s0, r_s1, part_stride,
+        ADD=residual is not None, PARTS=parts, ROWS=rows, BLOCK=block,
         num_warps=8 if block >= 4096 else 4, enable_fp_fusion=False)
     return out, residual_out
 
@@ -112,11 +117,23 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     x, residual [N, D] of one dtype, unit last stride. residual_out [N, D] in that dtype, the
     sum rounded once; normed [N, D] as rms_norm gives for it. Both contiguous, allocated unless
     given. ``residual_out`` may be x or residual itself when that one is contiguous (the
-    residual stream updated in place); ``out`` must not overlap any other argument."""
+    residual stream updated in place); ``out`` must not overlap any other argument.
+
+    x may also be [N, K, D], partial rows in residual's dtype (a MoE layer's K weighted route
+    outputs, fused_moe(sum_routes=False)): x[n] is then their fp32 sum over k = 0..K-1 in
+    order, rounded to that dtype, the bits of the MoE kernel's own sum; residual_out may not
+    be x then."""
+    parts, part_stride = 1, 0
+    if x.dim() == 3:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        if residual_out is not None and residual_out.data_ptr() == x.data_ptr():
+            raise ValueError("residual_out may not be the partial rows x")
+        parts, part_stride, x = x.shape[1], x.stride(1), x[:, 0]
     if x.dtype != residual.dtype or x.shape != residual.shape or x.dim() != 2:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} "
-                         f"{residual.dtype} must be [N, D] of one dtype")
-    return _norm_launch(x, residual, weight, eps, out, residual_out)
+                         f"{residual.dtype} must be [N, D] (or [N, K, D] partials) of one dtype")
+    return _norm_launch(x, residual, weight, eps, out, residual_out, parts, part_stride)
 
 
 @triton.jit
