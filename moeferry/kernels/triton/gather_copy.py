@@ -17,9 +17,9 @@ Contract
 
 How: each row is reinterpreted as the widest words (int64 down to bytes) that divide it and
 the bank pointers, and split into chunks of 64 KiB. One launch per pair of banks (w13 and w2
-of an expert: one launch per call) with a fixed grid of ``min(P * chunks, 4 * SMs)``
-programs (``_PROGRAMS_PER_SM`` per SM), each looping over work items ``(miss, bank, chunk)`` up to ``plan_count * chunks``
-(so a call with no misses costs one wave of empty programs), and
+of an expert: one launch per call) with a fixed grid of ``min(P * chunks,
+_PROGRAMS_PER_SM * SMs)`` programs, each looping over work items ``(miss, bank, chunk)`` up
+to ``plan_count * chunks`` (so a call with no misses costs one wave of empty programs), and
 copying its chunk in wide vectors straight from host memory over PCIe (unified addressing:
 a pinned tensor's pointer is valid on the device).
 """
