@@ -52,13 +52,6 @@ def make_engine(config_dir, args, strategy, slots=None, policy="lru"):
     return Engine(ec)
 
 
-def recapture(engine) -> None:
-    if engine.runner.graphs is not None:
-        from moeferry.engine.cuda_graph import DecodeGraphs
-
-        engine.runner.graphs = DecodeGraphs(engine.runner)
-
-
 def set_statistics(engine, on: bool) -> None:
     """The offload cache's admission statistics on or off (as --moe-collect-stats would set
     them), the decode graphs recaptured: the admission kernel compiles its counters in."""
@@ -68,7 +61,7 @@ def set_statistics(engine, on: bool) -> None:
     cache = strategy.cache
     cache.stats = MoEStats(cache.num_layers, cache.num_experts, cache.slot_of.device,
                            strategy.expert_bytes) if on else None
-    recapture(engine)
+    engine.runner.recapture_graphs()
 
 
 def decode_counters(engine) -> dict:
@@ -109,7 +102,7 @@ def main(argv=None) -> int:
                 engine = make_engine(cfg_dir, args, strategy, slots, policy or "layer_lru")
             elif slots is not None:
                 engine.runner.strategy.build_cache(slots, policy)
-                recapture(engine)
+                engine.runner.recapture_graphs()
             ebytes = QWEN3_30B_DIR_CONFIG["moe_intermediate_size"] * QWEN3_30B_DIR_CONFIG["hidden_size"] * 3 * 2
             dbytes = dense_bytes(engine)
             timed = {b: timed_decode(engine, b, args.prompt_len, args.warmup, args.steps, lambda e: {})

@@ -80,15 +80,6 @@ def free_engine() -> None:
             torch._C._host_emptyCache()
 
 
-def recapture(engine) -> None:
-    """Decode graphs bake in the block assignment and the router hooks: capture them again."""
-    from moeferry.engine.cuda_graph import DecodeGraphs
-
-    if engine.runner.graphs is not None:
-        engine.runner.graphs = None  # free the old graphs' pool first
-        engine.runner.graphs = DecodeGraphs(engine.runner)
-
-
 def padded_tokens(engine, batch: int) -> int:
     """Rows the MoE kernels see at `batch` requests: the smallest captured size that fits."""
     graphs = engine.runner.graphs
@@ -148,7 +139,7 @@ def run_uva(engine, args, routing: str, stale: bool) -> list[dict]:
     for assignment in order:
         if stale or strategy.block_assignment != assignment:
             strategy.block_assignment = assignment
-            recapture(engine)
+            engine.runner.recapture_graphs()  # graphs bake in the block assignment and router hooks
             stale = False
         path = "sorted" if assignment == "auto" else "naive"
         for b in args.batch:
@@ -163,7 +154,7 @@ def run_uva(engine, args, routing: str, stale: bool) -> list[dict]:
 
 def run_offload(engine, args, routing: str, stale: bool) -> list[dict]:
     if stale:
-        recapture(engine)
+        engine.runner.recapture_graphs()  # graphs bake in the router hooks
     records = []
     for b in args.batch:
         records.append({"routing": routing, "strategy": f"offload {int(args.cache_frac * 100)}%", "requests": b,

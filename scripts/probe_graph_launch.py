@@ -15,7 +15,7 @@ import triton.language as tl
 
 from benchmarks.common import QWEN3_30B_DIR_CONFIG, write_config_dir
 from moeferry.config import EngineConfig
-from moeferry.engine.cuda_graph import DecodeGraphs, capture
+from moeferry.engine.cuda_graph import capture
 from moeferry.engine.engine import Engine
 from moeferry.sampling import SamplingParams
 
@@ -79,7 +79,7 @@ def engine_row(variant: str, layers: int) -> list[str]:
     runner = engine.runner
     if variant not in ("gpu", "offload"):
         ablate(runner.strategy, variant)
-        runner.graphs = DecodeGraphs(runner)
+        runner.recapture_graphs()
     host, wall, back_to_back = replay_times(runner.graphs.graphs[1])
     return [variant, f"{host:.0f}", f"{wall:.0f}", f"{back_to_back:.0f}"]
 

@@ -42,6 +42,14 @@ class ModelRunner:
         self.max_pages_per_req = -(-self.max_model_len // ec.page_size)
         self.graphs = DecodeGraphs(self) if ec.use_cuda_graph else None
 
+    def recapture_graphs(self) -> None:
+        """Capture the decode graphs again, after something they bake in changed (the slot
+        pool, the admission statistics, a forward hook): the old graphs' memory pool is
+        released first. No-op without graphs."""
+        if self.graphs is not None:
+            self.graphs = None
+            self.graphs = DecodeGraphs(self)
+
     def _build_model(self) -> MoECausalLM:
         with torch.device("cpu"):
             model = MoECausalLM(self.mc, self.strategy, self.max_model_len)

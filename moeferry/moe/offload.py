@@ -126,8 +126,8 @@ class OffloadStrategy(MoEStrategy):
         """(Re)build the slot cache and its pool at `slots` slots under `policy` (default:
         --moe-cache-policy), warm: filled with the first layers' experts in layer order (all
         of them when they fit), so a cache that holds every expert never misses. A captured
-        decode graph holds the old pool's pointers: recapture after calling this on a running
-        engine."""
+        decode graph holds the old pool's pointers: on a running engine, call
+        ModelRunner.recapture_graphs() after this."""
         ec, num_experts = self.engine_config, self.model_config.num_experts
         policy = policy or ec.moe_cache_policy
         total = num_experts * len(self.moe_index)

@@ -59,14 +59,12 @@ def fused_moe(
         raise ValueError(f"block_assignment {block_assignment!r} not in {BLOCK_ASSIGNMENTS}")
     num_tokens, hidden_size = hidden.shape
     top_k = topk_ids.shape[1]
-    if not sum_routes:
-        if out is not None:
-            raise ValueError("out is the summed [T, H] output: not with sum_routes=False")
-        out = torch.zeros(num_tokens, top_k, hidden_size, dtype=torch.float32, device=hidden.device)
-    elif out is None:
+    if not sum_routes and out is not None:
+        raise ValueError("out is the summed [T, H] output: not with sum_routes=False")
+    if out is None and sum_routes:
         out = torch.empty_like(hidden)
     if num_tokens == 0:
-        return out
+        return out if sum_routes else hidden.new_zeros(0, top_k, hidden_size, dtype=torch.float32)
     flat_ids = topk_ids.reshape(-1)
     route_weights = topk_weights.reshape(-1, 1).float()
     route_out = torch.empty(num_tokens * top_k, hidden_size, dtype=torch.float32,
