@@ -230,6 +230,15 @@ def test_route_partials_summed_by_the_residual_add_give_the_same_bits(use_triton
     assert not torch.equal(partials[:, 0], partials[:, 1])  # real partials, not one row K times
 
 
+def test_route_partials_of_an_empty_batch():
+    w13, w2 = make_layer(8, 32, 16, torch.float32)
+    hidden, weights, ids = make_routes(0, 32, 8, 2, torch.float32)
+    for use_triton in (False, True):
+        partials = ops.fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=8, sum_routes=False,
+                                 use_triton=use_triton)
+        assert partials.shape == (0, 2, 32)
+
+
 def test_route_partials_refuse_an_output_buffer_and_aliasing():
     from moeferry.kernels import norm_rope
     w13, w2 = make_layer(8, 32, 16, torch.float32)
