@@ -6,6 +6,7 @@ Then graphs of N empty Triton kernels taking a device pointer or a pinned host p
   python3 scripts/probe_graph_launch.py [--layers 12] [--variants gpu offload no-gather ...]"""
 import argparse
 import os
+import statistics
 import tempfile
 import time
 
@@ -13,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.common import QWEN3_30B_DIR_CONFIG, write_config_dir
+from benchmarks.common import QWEN3_30B_DIR_CONFIG, elapsed_us, write_config_dir
 from moeferry.config import EngineConfig
 from moeferry.engine.cuda_graph import capture
 from moeferry.engine.engine import Engine
@@ -23,7 +24,7 @@ VARIANTS = ("gpu", "offload", "no-gather", "gather-1-program", "gather-1-per-SM"
 
 
 def replay_times(graph: torch.cuda.CUDAGraph, repeats: int = 20) -> tuple[float, float, float]:
-    """(host us of replay(), idle-to-done wall us, back-to-back GPU us per replay)."""
+    """(median host us of replay(), median idle-to-done wall us, back-to-back GPU us per replay)."""
     host, wall = [], []
     for _ in range(repeats):
         torch.cuda.synchronize()
@@ -31,18 +32,14 @@ def replay_times(graph: torch.cuda.CUDAGraph, repeats: int = 20) -> tuple[float,
         graph.replay()
         t1 = time.perf_counter()
         torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        host.append(t1 - t0)
-        wall.append(t2 - t0)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    host.sort(), wall.sort()
-    return host[len(host) // 2] * 1e6, wall[len(wall) // 2] * 1e6, start.elapsed_time(end) * 1e3 / repeats
+        host.append((t1 - t0) * 1e6)
+        wall.append((time.perf_counter() - t0) * 1e6)
+
+    def back_to_back():
+        for _ in range(repeats):
+            graph.replay()
+
+    return statistics.median(host), statistics.median(wall), elapsed_us(back_to_back) / repeats
 
 
 def ablate(strategy, variant: str) -> None:
