@@ -8,7 +8,8 @@ A dummy router routes near-uniformly, so the hit rate follows the cache fraction
 measures the machinery, not the policy. Every configuration decodes the same prompts from
 the same weights; the whole engine step is timed (scheduler, graph replay, sampling), with
 the admission statistics off as the engine's default has them; each offload row runs again
-with them on for its hit rate.
+with them on for its hit rate (and, with --compare-pdl, each row again without programmatic
+dependent launch).
 
 GPU only: without CUDA it says so and exits 0.
 """
@@ -37,6 +38,8 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--policies", nargs="+", default=["layer_lru"], help="slot cache policies to run offload with")
+    p.add_argument("--compare-pdl", action="store_true",
+                   help="time each row again without programmatic dependent launch (MOEFERRY_PDL=0)")
     p.add_argument("--out")
     return p.parse_args(argv)
 
@@ -61,6 +64,14 @@ def set_statistics(engine, on: bool) -> None:
     cache = strategy.cache
     cache.stats = MoEStats(cache.num_layers, cache.num_experts, cache.slot_of.device,
                            strategy.expert_bytes) if on else None
+    engine.runner.recapture_graphs()
+
+
+def set_pdl(engine, on: bool) -> None:
+    """Programmatic dependent launch on or off for every kernel, the decode graphs recaptured."""
+    from moeferry.kernels.triton import common
+
+    common.set_pdl(on)
     engine.runner.recapture_graphs()
 
 
@@ -107,6 +118,12 @@ def main(argv=None) -> int:
             dbytes = dense_bytes(engine)
             timed = {b: timed_decode(engine, b, args.prompt_len, args.warmup, args.steps, lambda e: {})
                      for b in args.batch}
+            without_pdl = {}
+            if args.compare_pdl:
+                set_pdl(engine, False)
+                without_pdl = {b: timed_decode(engine, b, args.prompt_len, args.warmup, args.steps, lambda e: {})
+                               for b in args.batch}
+                set_pdl(engine, True)
             counted = {}
             if strategy == "offload":  # again with statistics: the hit rate, and what counting costs
                 set_statistics(engine, True)
@@ -125,7 +142,8 @@ def main(argv=None) -> int:
                 hit = f"{1 - misses / distinct:.2f}" if strategy == "offload" and distinct else "-"
                 label = strategy if frac is None else f"offload {int(frac * 100)}% {policy}"
                 with_stats = f"{counted[b]['tok_s']:.1f}" if counted else "-"
-                rows.append([label, b, f"{rate:.1f}", with_stats, f"{step_s * 1e3:.2f}", f"{floor * 1e3:.2f}",
+                no_pdl = f"{without_pdl[b]['tok_s']:.1f}" if without_pdl else "-"
+                rows.append([label, b, f"{rate:.1f}", no_pdl, with_stats, f"{step_s * 1e3:.2f}", f"{floor * 1e3:.2f}",
                              f"{step_s / floor:.2f}x", hit, f"{d:.0f}"])
                 print(rows[-1], flush=True)
         del engine
@@ -135,14 +153,15 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
         if hasattr(torch._C, "_host_emptyCache"):  # give the pinned banks back before the next strategy pins its own
             torch._C._host_emptyCache()
-    header = ["strategy", "requests", "tok/s", "tok/s with statistics", "ms/step", "floor ms/step", "vs floor", "hit rate", "distinct experts/step"]
+    header = ["strategy", "requests", "tok/s", "tok/s without PDL", "tok/s with statistics", "ms/step", "floor ms/step", "vs floor", "hit rate", "distinct experts/step"]
     notes = (f"{args.layers} layers, {QWEN3_30B_DIR_CONFIG['num_experts']} experts, top-8, bf16, dummy weights; prompt {args.prompt_len} tokens, "
              f"{args.steps} timed steps. Measured H2D {h2d / 1e9:.1f} GB/s, HBM {hbm / 1e12:.2f} TB/s "
              f"(device copy, read + write bytes). Floor: missed bytes / H2D + (resident distinct experts + dense weights) / HBM; "
              f"for uva every distinct expert crosses PCIe. Distinct experts per step are measured in the offload runs "
              f"(same prompts, same weights, greedy). tok/s and ms/step with statistics off (the engine's default); "
              f"the hit rate and distinct experts come from a second run of each offload row with --moe-collect-stats, "
-             f"whose tok/s is the next column.")
+             f"whose tok/s is the column after it. 'without PDL': the same row timed again with programmatic "
+             f"dependent launch off (--compare-pdl; '-' when not asked for).")
     report("Decode tokens/s vs floor", "python -m benchmarks.bench_decode " + " ".join(argv or sys.argv[1:]),
            markdown_table(header, rows), notes, args.out)
     return 0

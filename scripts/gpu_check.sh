@@ -20,9 +20,24 @@ run() {  # name, command...
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' >> "$OUT/gpu.txt" 2>&1
-# GPU_TESTS narrows the test stage to some files (the whole GPU suite takes about 6 minutes)
-has tests && run pytest-gpu python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 \
-  ${GPU_TESTS:-tests/kernels tests/moe tests/models} ${KEXPR:+-k "$KEXPR"}
+# GPU_TESTS narrows the test stage to some files (the whole GPU suite takes 7-8 minutes in one
+# process, mostly Triton compiling on one core); GPU_TEST_JOBS=N (default 4) runs N pytest
+# processes side by side over the files, dealt round-robin, logs pytest-gpu-J.log.
+if has tests; then
+  read -r -a test_files <<< "${GPU_TESTS:-$(ls tests/kernels/test_*.py tests/moe/test_*.py tests/engine/test_*.py tests/models/test_*.py | tr '\n' ' ')}"
+  jobs=${GPU_TEST_JOBS:-4}
+  for ((j = 0; j < jobs; j++)); do
+    share=(); for ((i = j; i < ${#test_files[@]}; i += jobs)); do share+=("${test_files[i]}"); done
+    (( ${#share[@]} )) || continue
+    (python3 -m pytest -q -m gpu -p no:cacheprovider --durations=10 "${share[@]}" ${KEXPR:+-k "$KEXPR"} \
+      > "$OUT/pytest-gpu-$j.log" 2>&1; echo $? > "$OUT/pytest-gpu-$j.rc") &
+  done
+  t0=$(date +%s); wait
+  for log in "$OUT"/pytest-gpu-*.log; do
+    summary+=("$(printf '%-16s rc=%-3s %4ss  %s' "$(basename "$log" .log)" "$(cat "${log%.log}.rc")" \
+      "$(( $(date +%s) - t0 ))" "$(tail -n 1 "$log" | cut -c1-90)")")
+  done
+fi
 if has kernels; then
   run bench-copy python3 -m benchmarks.bench_copy --out "$RESULTS"
   run bench-admission python3 -m benchmarks.bench_admission --out "$RESULTS"

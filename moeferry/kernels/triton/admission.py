@@ -61,6 +61,7 @@ from moeferry.kernels.reference.admission import (
     SlotState,
     check_call,
 )
+from moeferry.kernels.triton.common import pdl_launch, wait_for_previous_kernel
 
 _KEY_NONE = tl.constexpr(9223372036854775807)  # int64 max: "not a candidate"
 _NUM_WARPS = 8
@@ -384,7 +385,9 @@ def _admit_kernel(
     RADIX: tl.constexpr, RADIX_BITS: tl.constexpr, KEYS_IN_REGISTERS: tl.constexpr,
     SLOT_BITS: tl.constexpr, EXTRACT_MAX: tl.constexpr, TILE: tl.constexpr,
     ALL_HITS_FAST_PATH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     now = tl.load(clock_ptr) + 1
     tl.store(clock_ptr, now)
     layer_base = layer.to(tl.int64) * num_experts
@@ -466,6 +469,6 @@ def admit(state: SlotState, layer: int, topk_ids: torch.Tensor,
         ALL_HITS_FAST_PATH=(_ALL_HITS_FAST_PATH and state.policy != "lrfu" and not count_stats
                             and num_routes <= _MAX_BLOCK_R),
         num_warps=_NUM_WARPS_WIDE if num_routes > _MAX_BLOCK_R else _NUM_WARPS,
-        enable_fp_fusion=False,
+        enable_fp_fusion=False, **pdl_launch(ids.device),
     )
     return state.slot_ids[:num_routes].view(topk_ids.shape)

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeferry.kernels.triton.common import exact_dot
+from moeferry.kernels.triton.common import exact_dot, pdl_launch, wait_for_previous_kernel
 
 __all__ = ["decode_attention", "num_splits_for"]
 
@@ -77,7 +77,9 @@ def _decode_kernel(
     stride_ob, stride_oh, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
     REP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -131,7 +133,9 @@ def _merge_kernel(
     part_o_ptr, part_lse_ptr, lens_ptr, out_ptr, window, max_tokens,
     stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(lens_ptr + b).to(tl.int32)
@@ -217,13 +221,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         *(part_lse.stride()[:2] if num_splits > 1 else (0, 0)),
         REP=rep, HEAD_DIM=d, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, IEEE=exact_dot(q.dtype),
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=2, **pdl_launch(q.device),
     )
     if num_splits > 1:
         _merge_kernel[(b, hq)](
             part_o, part_lse, seq_lens, out, window, max_tokens,
             *part_o.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1),
             HEAD_DIM=d, NUM_SPLITS=num_splits, BLOCK_N=block_n, BLOCK_D=block_d,
-            num_warps=4,
+            num_warps=4, **pdl_launch(q.device),
         )
     return out

@@ -1,12 +1,54 @@
 """Helpers shared by the Triton kernels' modules: bf16-exact rounding and an fp32-accumulating
-dot inside a kernel, and the check of a caller's output buffer on the host."""
+dot inside a kernel, programmatic dependent launch, and the check of a caller's output buffer
+on the host."""
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+# Programmatic dependent launch (PDL, Hopper and later): a kernel launched with it may start while
+# the kernel before it in the stream is still running; it waits for that kernel in
+# `wait_for_previous_kernel`. Saves the launch gap between the small kernels of a decode step.
+# MOEFERRY_PDL=0 turns it off; `set_pdl` too (a captured CUDA graph keeps what it was captured with).
+_pdl_enabled = os.environ.get("MOEFERRY_PDL", "1") != "0"
+
+
+def set_pdl(enabled: bool) -> None:
+    """Launch the kernels with programmatic dependent launch where the GPU has it, or not."""
+    global _pdl_enabled
+    _pdl_enabled = bool(enabled)
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_has_pdl(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """Launch keywords of a kernel that calls `wait_for_previous_kernel(PDL)` first thing:
+    PDL=True and launch_pdl=True on a GPU that has programmatic dependent launch, else PDL=False."""
+    device = torch.device(device)
+    if (_pdl_enabled and not INTERPRETED and device.type == "cuda"
+            and _gpu_has_pdl(device.index if device.index is not None else torch.cuda.current_device())):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
+
+
+@triton.jit
+def wait_for_previous_kernel(PDL: tl.constexpr):
+    """Under PDL: wait until the previous kernel in the stream has finished and its writes are
+    visible, then let the next kernel start launching. A kernel launched with PDL calls this
+    before anything else, an early return included: the next kernel's wait then implies that
+    every kernel before it has finished, and nothing is read or written before its inputs exist
+    and its outputs' last readers are done."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 def exact_dot(dtype: torch.dtype) -> bool:

@@ -42,7 +42,7 @@ import triton.language as tl
 from moeferry.kernels.reference.fused_moe import (
     BLOCK_ASSIGNMENTS,  # one list for both paths
 )
-from moeferry.kernels.triton.common import dot, exact_dot, rounded
+from moeferry.kernels.triton.common import dot, exact_dot, pdl_launch, rounded, wait_for_previous_kernel
 from moeferry.kernels.triton.moe_align import moe_align_block_size
 
 __all__ = [
@@ -149,8 +149,10 @@ def _moe_gemm_kernel(
     WEIGHTED: tl.constexpr,  # c *= route_weight[route]
     NAIVE: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """c[route, n] for one [BLOCK_M, BLOCK_N] tile of routes that all belong to one expert."""
+    wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(n_out, BLOCK_N)
     blocks_per_group = GROUP_M * num_n_blocks
@@ -194,8 +196,9 @@ def _moe_gemm_kernel(
 
 @triton.jit
 def _sum_topk_kernel(route_out_ptr, out_ptr, hidden_size, stride_rm, stride_om,
-                     TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+                     TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     """out[t] = sum over k = 0..TOP_K-1 of route_out[t * TOP_K + k], accumulated in fp32."""
+    wait_for_previous_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     valid = offs < hidden_size
@@ -234,6 +237,7 @@ def _launch_gemm(a, b, c, route_weights, blocks, topk_ids, *, gated, weighted, a
         IEEE=exact_dot(a.dtype),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl_launch(a.device),
     )
 
 
@@ -302,5 +306,5 @@ def fused_moe(
     block_h = min(1024, triton.next_power_of_2(hidden_size))
     _sum_topk_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
         route_out, out, hidden_size, route_out.stride(0), out.stride(0),
-        TOP_K=top_k, BLOCK_H=block_h)
+        TOP_K=top_k, BLOCK_H=block_h, **pdl_launch(out.device))
     return out

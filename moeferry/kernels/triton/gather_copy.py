@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from moeferry.kernels.reference.gather_copy import check_banks, row_bytes
+from moeferry.kernels.triton.common import pdl_launch, wait_for_previous_kernel
 
 _CHUNK_BYTES = 64 * 1024
 _PROGRAMS_PER_SM = 1  # the fixed grid, which a call with no misses still launches: 1 per SM
@@ -57,9 +58,10 @@ def _gather_rows_kernel(src0_ptr, dst0_ptr, src1_ptr, dst1_ptr, plan_src_ptr, pl
                         CHUNKS0: tl.constexpr, CHUNKS1: tl.constexpr,
                         CHUNK_WORDS: tl.constexpr, BLOCK: tl.constexpr,
                         EVEN0: tl.constexpr, EVEN1: tl.constexpr,
-                        NUM_PROGRAMS: tl.constexpr):
+                        NUM_PROGRAMS: tl.constexpr, PDL: tl.constexpr):
     """Work item w = miss * (CHUNKS0 + CHUNKS1) + c: chunk c of bank 0 when c < CHUNKS0,
     else chunk c - CHUNKS0 of bank 1 (CHUNKS1 = 0: one bank)."""
+    wait_for_previous_kernel(PDL)
     count = tl.load(plan_count_ptr)
     per_miss = CHUNKS0 + CHUNKS1
     for work in range(tl.program_id(0), count * per_miss, NUM_PROGRAMS):
@@ -140,7 +142,7 @@ def _launch(pairs, plan_src, plan_dst, plan_count) -> None:
             row_words[0], row_words[1], CHUNKS0=chunks[0], CHUNKS1=chunks[1],
             CHUNK_WORDS=chunk_words, BLOCK=block,
             EVEN0=row_words[0] % chunk_words == 0, EVEN1=row_words[1] % chunk_words == 0,
-            NUM_PROGRAMS=num_programs, num_warps=8)
+            NUM_PROGRAMS=num_programs, num_warps=8, **pdl_launch(dst0.device))
 
     if needs_host_pointer and _HostArgumentMode.wrap:
         run(HostPointer)

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeferry.kernels.triton.common import dot, exact_dot, rounded
+from moeferry.kernels.triton.common import dot, exact_dot, pdl_launch, rounded, wait_for_previous_kernel
 
 __all__ = ["LinearConfig", "linear", "select_config"]
 
@@ -93,11 +93,12 @@ def _pow2_floor(v: int) -> int:
 @triton.jit(do_not_specialize=["M"])
 def _fma_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """y for BLOCK_M rows x BLOCK_N columns on CUDA cores. Lane p of the tile is (row p //
     BLOCK_N, column p % BLOCK_N) and keeps BLOCK_K fp32 partial sums, added up at the end.
     All 2-D, so both loads stay 16-byte vectors in the accumulator's own layout; a weight row
     read for several rows of x is read once from HBM, the repeats from L1."""
+    wait_for_previous_kernel(PDL)
     pairs = tl.arange(0, BLOCK_M * BLOCK_N)
     num_m_blocks = tl.cdiv(M, BLOCK_M)  # adjacent programs share weight rows: repeats hit L2
     first_row = (tl.program_id(0) % num_m_blocks) * BLOCK_M
@@ -130,8 +131,10 @@ def _fma_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, st
 @triton.jit(do_not_specialize=["M"])
 def _dot_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                 HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                PDL: tl.constexpr):
     """y for [BLOCK_M, BLOCK_N] on tensor cores, K summed in BLOCK_K chunks in order."""
+    wait_for_previous_kernel(PDL)
     num_m_blocks = tl.cdiv(M, BLOCK_M)  # adjacent programs share weight rows: repeats hit L2
     rows = (tl.program_id(0) % num_m_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = (tl.program_id(0) // num_m_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -187,7 +190,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     grid = (triton.cdiv(n, config.block_n) * triton.cdiv(m, config.block_m),)
     args = (x, weight, y if bias is None else bias, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0))
     common = {"HAS_BIAS": bias is not None, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
-              "BLOCK_K": config.block_k, "num_warps": config.num_warps, "num_stages": config.num_stages}
+              "BLOCK_K": config.block_k, "num_warps": config.num_warps, "num_stages": config.num_stages,
+              **pdl_launch(x.device)}
     if config.tensor_cores:
         _dot_kernel[grid](*args, IEEE=exact_dot(x.dtype), **common)
     else:

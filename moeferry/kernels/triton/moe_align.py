@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from moeferry.kernels.reference.moe_align import padded_route_capacity
+from moeferry.kernels.triton.common import pdl_launch, wait_for_previous_kernel
 
 __all__ = ["moe_align_block_size", "padded_route_capacity"]
 
@@ -45,8 +46,9 @@ INIT_BLOCK = 1024
 
 @triton.jit
 def _init_kernel(sorted_route_ptr, block_expert_ptr, chunk_counts_ptr, capacity, num_blocks,
-                 num_counts, sentinel, BLOCK: tl.constexpr):
+                 num_counts, sentinel, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """sorted_route_ids[:] = sentinel, block_expert[:] = -1, chunk_counts[:] = 0 (one launch)."""
+    wait_for_previous_kernel(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(sorted_route_ptr + offs, tl.full([BLOCK], 0, tl.int32) + sentinel, mask=offs < capacity)
     tl.store(block_expert_ptr + offs, tl.full([BLOCK], -1, tl.int32), mask=offs < num_blocks)
@@ -55,7 +57,8 @@ def _init_kernel(sorted_route_ptr, block_expert_ptr, chunk_counts_ptr, capacity,
 
 @triton.jit
 def _count_chunk_kernel(ids_ptr, chunk_counts_ptr, num_routes, num_experts,
-                        ROUTE_CHUNK: tl.constexpr, BLOCK_R: tl.constexpr):
+                        ROUTE_CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     first = tl.program_id(0) * BLOCK_R
     routes = first + tl.arange(0, BLOCK_R)
     valid = routes < num_routes
@@ -71,7 +74,8 @@ def _padded(counts, block_size):
 
 @triton.jit
 def _chunk_prefix_kernel(chunk_counts_ptr, expert_counts_ptr, block_padded_ptr, num_experts,
-                         num_chunks, block_size, BLOCK_E: tl.constexpr):
+                         num_chunks, block_size, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     valid = experts < num_experts
     running = tl.zeros([BLOCK_E], dtype=tl.int32)
@@ -87,7 +91,8 @@ def _chunk_prefix_kernel(chunk_counts_ptr, expert_counts_ptr, block_padded_ptr, 
 @triton.jit
 def _expert_start_kernel(expert_counts_ptr, block_padded_ptr, expert_start_ptr,
                          num_post_padded_ptr, num_experts, block_size,
-                         BLOCK_E: tl.constexpr, MAX_EXPERT_BLOCKS: tl.constexpr):
+                         BLOCK_E: tl.constexpr, MAX_EXPERT_BLOCKS: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     blocks = tl.arange(0, MAX_EXPERT_BLOCKS)
     earlier = tl.load(block_padded_ptr + blocks, mask=blocks < pid, other=0)
@@ -104,7 +109,8 @@ def _expert_start_kernel(expert_counts_ptr, block_padded_ptr, expert_start_ptr,
 @triton.jit
 def _place_routes_kernel(ids_ptr, chunk_counts_ptr, expert_start_ptr, sorted_route_ptr,
                          block_expert_ptr, num_routes, num_experts, block_size,
-                         ROUTE_CHUNK: tl.constexpr, BLOCK_R: tl.constexpr):
+                         ROUTE_CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     first = tl.program_id(0) * BLOCK_R
     routes = first + tl.arange(0, BLOCK_R)
     valid = routes < num_routes
@@ -155,19 +161,20 @@ def moe_align_block_size(
     init_size = max(capacity, chunk_counts.numel())
     _init_kernel[(triton.cdiv(init_size, INIT_BLOCK),)](
         sorted_route_ids, block_expert, chunk_counts, capacity, block_expert.numel(),
-        chunk_counts.numel(), num_routes, BLOCK=INIT_BLOCK)
+        chunk_counts.numel(), num_routes, BLOCK=INIT_BLOCK, **pdl_launch(device))
     route_grid = (triton.cdiv(num_routes, ROUTE_BLOCK),)
     _count_chunk_kernel[route_grid](flat_ids, chunk_counts, num_routes, num_experts,
-                                    ROUTE_CHUNK=ROUTE_CHUNK, BLOCK_R=ROUTE_BLOCK)
+                                    ROUTE_CHUNK=ROUTE_CHUNK, BLOCK_R=ROUTE_BLOCK, **pdl_launch(device))
     _chunk_prefix_kernel[(expert_blocks,)](chunk_counts, expert_counts, block_padded,
                                            num_experts, num_chunks, block_size,
-                                           BLOCK_E=EXPERT_BLOCK)
+                                           BLOCK_E=EXPERT_BLOCK, **pdl_launch(device))
     _expert_start_kernel[(expert_blocks,)](expert_counts, block_padded, expert_start,
                                            num_post_padded, num_experts, block_size,
                                            BLOCK_E=EXPERT_BLOCK,
                                            MAX_EXPERT_BLOCKS=max(2, triton.next_power_of_2(
-                                               expert_blocks)))
+                                               expert_blocks)),
+                                           **pdl_launch(device))
     _place_routes_kernel[route_grid](flat_ids, chunk_counts, expert_start, sorted_route_ids,
                                      block_expert, num_routes, num_experts, block_size,
-                                     ROUTE_CHUNK=ROUTE_CHUNK, BLOCK_R=ROUTE_BLOCK)
+                                     ROUTE_CHUNK=ROUTE_CHUNK, BLOCK_R=ROUTE_BLOCK, **pdl_launch(device))
     return sorted_route_ids, block_expert, num_post_padded

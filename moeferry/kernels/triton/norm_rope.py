@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeferry.kernels.triton.common import output_buffer, rounded
+from moeferry.kernels.triton.common import output_buffer, pdl_launch, rounded, wait_for_previous_kernel
 
 _TILE = 2048  # elements per program for short rows (per-head q/k norm and rotary)
 
@@ -37,7 +37,8 @@ _TILE = 2048  # elements per program for short rows (per-head q/k norm and rotar
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, inner, D, eps,
                      x_s0, x_s1, r_s0, r_s1, part_stride,
                      ADD: tl.constexpr, PARTS: tl.constexpr, ROWS: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
@@ -94,7 +95,7 @@ def _norm_launch(x, residual, weight, eps, out, residual_out, parts=1, part_stri
         residual_out if residual is not None else out, n_rows, inner, d, eps,
         x_s0, x_s1, r_s0, r_s1, part_stride,
         ADD=residual is not None, PARTS=parts, ROWS=rows, BLOCK=block,
-        num_warps=8 if block >= 4096 else 4, enable_fp_fusion=False)
+        num_warps=8 if block >= 4096 else 4, enable_fp_fusion=False, **pdl_launch(x.device))
     return out, residual_out
 
 
@@ -142,7 +143,8 @@ def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, cos
                                q_s0, q_s1, k_s0, k_s1, v_s0, v_s1, kc_s0, kc_s1, vc_s0, vc_s1,
                                table_stride,
                                NORM: tl.constexpr, HALF: tl.constexpr, ROWS: tl.constexpr,
-                               BLOCK_HALF: tl.constexpr):
+                               BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     # Row r is head r % (HQ + 2 HKV) of token r // (HQ + 2 HKV): its q heads, k heads, v heads.
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_HALF)
@@ -275,5 +277,5 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positi
         n_rows, hq, hkv, eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), cos.stride(0),
         NORM=norm, HALF=half, ROWS=rows, BLOCK_HALF=block_half,
-        num_warps=4, enable_fp_fusion=False)
+        num_warps=4, enable_fp_fusion=False, **pdl_launch(q.device))
     return q_out, k_out

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeferry.kernels.triton.common import output_buffer, rounded
+from moeferry.kernels.triton.common import output_buffer, pdl_launch, rounded, wait_for_previous_kernel
 
 __all__ = ["MAX_EXPERTS", "softmax_topk"]
 
@@ -40,7 +40,8 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 @triton.jit
 def _softmax_topk_kernel(logits_ptr, weights_ptr, ids_ptr, E, row_stride,
                          K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
     valid = experts < E
@@ -93,5 +94,5 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool, *,
     _softmax_topk_kernel[(t,)](
         logits, weights_out, ids_out, e, logits.stride(0),
         K=top_k, RENORMALIZE=bool(renormalize), BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
-        num_warps=min(8, max(1, block_e // 256)))
+        num_warps=min(8, max(1, block_e // 256)), **pdl_launch(logits.device))
     return weights_out, ids_out
