@@ -32,3 +32,32 @@ def test_every_kernel_waits_for_the_previous_one_before_anything_else():
 def test_pdl_is_asked_for_only_on_cuda():
     assert pdl_launch(torch.device("cpu")) == {"PDL": False}
     assert pdl_launch("cpu") == {"PDL": False}
+
+
+def test_a_triton_without_grid_dependency_control_runs_the_kernels_without_pdl():
+    """Triton before grid dependency control: the kernels import, PDL is never asked for, and a
+    kernel (here the RMSNorm, under the interpreter) still computes the reference's result."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import builtins
+real_import = builtins.__import__
+def import_without_gdc(name, globals=None, locals=None, fromlist=(), level=0):
+    if name == "triton.language.extra.cuda" and "gdc_wait" in (fromlist or ()):
+        raise ImportError("this Triton has no grid dependency control")
+    return real_import(name, globals, locals, fromlist, level)
+builtins.__import__ = import_without_gdc
+import torch
+from moeferry.kernels.triton import common
+from moeferry.kernels.triton.norm_rope import rms_norm
+from moeferry.kernels.reference.norm_rope import rms_norm as reference
+assert not common._TRITON_HAS_GDC and not common._triton_has_pdl()
+x, w = torch.randn(3, 64), torch.rand(64) + 0.5
+torch.testing.assert_close(rms_norm(x, w, 1e-6), reference(x, w, 1e-6))
+print("ok")
+"""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

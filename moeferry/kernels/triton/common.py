@@ -7,7 +7,20 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    _TRITON_HAS_GDC = True
+except ImportError:  # a Triton without grid dependency control: PDL stays off
+    _TRITON_HAS_GDC = False
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -25,6 +38,16 @@ def set_pdl(enabled: bool) -> None:
 
 
 @functools.lru_cache(maxsize=None)
+def _triton_has_pdl() -> bool:
+    """Triton has both the in-kernel wait and the launch option (3.6 and 3.9 do)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return _TRITON_HAS_GDC and "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+@functools.lru_cache(maxsize=None)
 def _gpu_has_pdl(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
@@ -33,7 +56,7 @@ def pdl_launch(device: torch.device) -> dict:
     """Launch keywords of a kernel that calls `wait_for_previous_kernel(PDL)` first thing:
     PDL=True and launch_pdl=True on a GPU that has programmatic dependent launch, else PDL=False."""
     device = torch.device(device)
-    if (_pdl_enabled and not INTERPRETED and device.type == "cuda"
+    if (_pdl_enabled and not INTERPRETED and device.type == "cuda" and _triton_has_pdl()
             and _gpu_has_pdl(device.index if device.index is not None else torch.cuda.current_device())):
         return {"PDL": True, "launch_pdl": True}
     return {"PDL": False}
