@@ -159,22 +159,23 @@ def moe_align_block_size(
     expert_start = torch.empty(num_experts, dtype=torch.int32, device=device)
 
     init_size = max(capacity, chunk_counts.numel())
+    pdl = pdl_launch(device)
     _init_kernel[(triton.cdiv(init_size, INIT_BLOCK),)](
         sorted_route_ids, block_expert, chunk_counts, capacity, block_expert.numel(),
-        chunk_counts.numel(), num_routes, BLOCK=INIT_BLOCK, **pdl_launch(device))
+        chunk_counts.numel(), num_routes, BLOCK=INIT_BLOCK, **pdl)
     route_grid = (triton.cdiv(num_routes, ROUTE_BLOCK),)
     _count_chunk_kernel[route_grid](flat_ids, chunk_counts, num_routes, num_experts,
-                                    ROUTE_CHUNK=ROUTE_CHUNK, BLOCK_R=ROUTE_BLOCK, **pdl_launch(device))
+                                    ROUTE_CHUNK=ROUTE_CHUNK, BLOCK_R=ROUTE_BLOCK, **pdl)
     _chunk_prefix_kernel[(expert_blocks,)](chunk_counts, expert_counts, block_padded,
                                            num_experts, num_chunks, block_size,
-                                           BLOCK_E=EXPERT_BLOCK, **pdl_launch(device))
+                                           BLOCK_E=EXPERT_BLOCK, **pdl)
     _expert_start_kernel[(expert_blocks,)](expert_counts, block_padded, expert_start,
                                            num_post_padded, num_experts, block_size,
                                            BLOCK_E=EXPERT_BLOCK,
                                            MAX_EXPERT_BLOCKS=max(2, triton.next_power_of_2(
                                                expert_blocks)),
-                                           **pdl_launch(device))
+                                           **pdl)
     _place_routes_kernel[route_grid](flat_ids, chunk_counts, expert_start, sorted_route_ids,
                                      block_expert, num_routes, num_experts, block_size,
-                                     ROUTE_CHUNK=ROUTE_CHUNK, BLOCK_R=ROUTE_BLOCK, **pdl_launch(device))
+                                     ROUTE_CHUNK=ROUTE_CHUNK, BLOCK_R=ROUTE_BLOCK, **pdl)
     return sorted_route_ids, block_expert, num_post_padded
