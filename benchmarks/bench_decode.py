@@ -23,8 +23,8 @@ import tempfile
 
 import torch
 
-from benchmarks.common import (QWEN3_30B_DIR_CONFIG, h2d_bandwidth, hbm_bandwidth, markdown_table, report,
-                               timed_decode, write_config_dir)
+from benchmarks.common import (QWEN3_30B_DIR_CONFIG, free_engine_memory, h2d_bandwidth, hbm_bandwidth,
+                               markdown_table, report, timed_decode, write_config_dir)
 
 
 def parse_args(argv):
@@ -39,8 +39,8 @@ def parse_args(argv):
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--policies", nargs="+", default=["layer_lru"], help="slot cache policies to run offload with")
     p.add_argument("--repeats", type=int, default=2,
-                   help="time each row this many times and keep the fastest (the first run of a fresh engine "
-                        "measured up to 3%% slow)")
+                   help="time each row this many times and keep the fastest (a fresh engine's first run "
+                        "measured slower than its later run with statistics on, RESULTS.md fifth session)")
     p.add_argument("--compare-pdl", action="store_true",
                    help="time each row again without programmatic dependent launch (MOEFERRY_PDL=0)")
     p.add_argument("--out")
@@ -159,12 +159,7 @@ def main(argv=None) -> int:
                              f"{floored_step_s / floor:.2f}x" if known else "-", hit, f"{d:.0f}" if known else "-"])
                 print(rows[-1], flush=True)
         del engine
-        import gc
-
-        gc.collect()  # the runner and its graphs hold each other: free the pinned banks now
-        torch.cuda.empty_cache()
-        if hasattr(torch._C, "_host_emptyCache"):  # give the pinned banks back before the next strategy pins its own
-            torch._C._host_emptyCache()
+        free_engine_memory()
     header = ["strategy", "requests", "tok/s", "tok/s without PDL", "tok/s with statistics", "ms/step", "floor ms/step", "vs floor", "hit rate", "distinct experts/step"]
     notes = (f"{args.layers} layers, {QWEN3_30B_DIR_CONFIG['num_experts']} experts, top-8, bf16, dummy weights; prompt {args.prompt_len} tokens, "
              f"{args.steps} timed steps, the fastest of {args.repeats} runs. Measured H2D {h2d / 1e9:.1f} GB/s, HBM {hbm / 1e12:.2f} TB/s "
@@ -172,7 +167,7 @@ def main(argv=None) -> int:
              f"for uva every distinct expert crosses PCIe. Distinct experts per step are measured in the offload runs "
              f"(same prompts, same weights, greedy). tok/s and ms/step with statistics off (the engine's default); "
              f"the hit rate and distinct experts come from a second run of each offload row with --moe-collect-stats, "
-             f"whose tok/s is the column after it; 'vs floor' of an offload row is that run's step over the floor of its "
+             f"whose tok/s is the column 'tok/s with statistics'; 'vs floor' of an offload row is that run's step over the floor of its "
              f"own misses (a faster run without statistics may have missed less). gpu and uva rows have a floor only "
              f"when offload ran in the same call. 'without PDL': the same row timed again with programmatic "
              f"dependent launch off (--compare-pdl; '-' when not asked for).")

@@ -21,7 +21,6 @@ GPU only: without CUDA it says so and exits 0.
 from __future__ import annotations
 
 import argparse
-import gc
 import math
 import os
 import sys
@@ -30,8 +29,8 @@ import time
 
 import torch
 
-from benchmarks.common import (QWEN3_30B_DIR_CONFIG, h2d_bandwidth, markdown_table, report, timed_decode,
-                               write_config_dir)
+from benchmarks.common import (QWEN3_30B_DIR_CONFIG, free_engine_memory, h2d_bandwidth, markdown_table, report,
+                               timed_decode, write_config_dir)
 
 ROUTINGS = ("uniform", "skewed")
 
@@ -69,15 +68,6 @@ def make_engine(model_dir: str, args, strategy: str, slots: int | None = None, *
                       disable_cuda_graph=args.disable_cuda_graph,
                       num_tokens=(args.prompt_len + 64) * max(args.batch) * 2, **options)
     return Engine(ec)
-
-
-def free_engine() -> None:
-    """Give back device memory and the pinned banks before the next engine pins its own."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        if hasattr(torch._C, "_host_emptyCache"):
-            torch._C._host_emptyCache()
 
 
 def padded_tokens(engine, batch: int) -> int:
@@ -182,7 +172,7 @@ def run(model_dir: str, args) -> tuple[list[dict], int]:
                 add_skew(engine, args.zipf)
             records += (run_uva if name == "uva" else run_offload)(engine, args, routing, stale)
         del engine
-        free_engine()
+        free_engine_memory()
     return records, expert_bytes
 
 
@@ -241,7 +231,7 @@ def main(argv=None) -> int:
         print("bench_uva: no CUDA GPU, nothing measured")
         return 0
     h2d = h2d_bandwidth()
-    free_engine()
+    free_engine_memory()
     model_dir = write_config_dir(os.path.join(tempfile.mkdtemp(), "qwen3-30b-a3b"), QWEN3_30B_DIR_CONFIG)
     t0 = time.perf_counter()
     records, expert_bytes = run(model_dir, args)

@@ -106,6 +106,19 @@ def emit(text: str, out: str | None) -> None:
             f.write("\n" + text)
 
 
+def free_engine_memory() -> None:
+    """Give back a dropped engine's device memory and pinned banks before the next engine pins
+    its own (the runner and its graphs hold each other, so only a collection frees them): at
+    48 layers an offload engine pins 58 GB, two of them more than the GPU machine's RAM."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        if hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()
+
+
 def timed_decode(engine, batch: int, prompt_len: int, warmup: int, steps: int, counters) -> dict:
     """Time `steps` whole engine steps of `batch` greedy requests with random prompts (fixed by
     `batch`), after their prefill and `warmup` decode steps. Returns tok_s, step_s and the

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.common import QWEN3_30B_DIR_CONFIG, elapsed_us, write_config_dir
+from benchmarks.common import QWEN3_30B_DIR_CONFIG, elapsed_us, free_engine_memory, write_config_dir
 from moeferry.config import EngineConfig
 from moeferry.engine.cuda_graph import capture
 from moeferry.engine.engine import Engine
@@ -56,17 +56,6 @@ def ablate(strategy, variant: str) -> None:
         gather_copy._PROGRAMS_PER_SM = 1
     if variant in ("no-admission", "neither"):
         cache.admit = lambda layer, topk_ids, phase="decode": topk_ids.to(torch.int32)
-
-
-def free_engine_memory() -> None:
-    """Give back the last engine's device memory and pinned banks before the next one is built:
-    at 48 layers each offload engine pins 58 GB, two of them more than the machine's RAM."""
-    import gc
-
-    gc.collect()  # the runner and its graphs hold each other
-    torch.cuda.empty_cache()
-    if hasattr(torch._C, "_host_emptyCache"):
-        torch._C._host_emptyCache()
 
 
 def restore_modules(saved: dict) -> None:
