@@ -208,3 +208,93 @@ def test_cuda_graph_replays_with_new_logits(t):
         graph.replay()
         torch.cuda.synchronize()
         assert_tie_consistent(weights, ids, logits, 8, True)
+
+
+# The fused entry of a MoE layer: residual add + RMSNorm + gate linear + top-k in one launch.
+
+def _entry_inputs(t, hidden, experts, dtype, generator, device="cpu"):
+    x = torch.randn(t, hidden, generator=generator).to(device, dtype)
+    residual = (torch.randn(t, hidden, generator=generator) * 4).to(device, dtype)
+    norm_w = (torch.rand(hidden, generator=generator) + 0.5).to(device, dtype)
+    gate = (torch.randn(experts, hidden, generator=generator) * 0.05).to(device, dtype)
+    return x, residual, norm_w, gate
+
+
+def check_fused_entry(t, hidden, experts, top_k, renormalize, dtype, g, device="cpu"):
+    """The kernel against the composed references: the residual sum bit for bit; h within an ulp
+    (the norm's row sum may be ordered differently); the logits within an ulp of the gate's
+    linear over the kernel's own h; and the kernel's top-k exactly softmax_topk's choice over
+    the kernel's own logits (stable descending order, ties to the lowest index), weights within
+    an ulp. The ticket is left 0."""
+    x, residual, norm_w, gate = _entry_inputs(t, hidden, experts, dtype, g, device)
+    ticket = torch.zeros(1, dtype=torch.int32, device=device)
+    logits = torch.full((t, experts), float("nan"), dtype=dtype, device=device)
+    h, res, weights, ids = ops.add_norm_route(x, residual, norm_w, 1e-6, gate, top_k, renormalize, ticket,
+                                              logits_out=logits, use_triton=True)
+    ref_h, ref_res, _, _ = reference.add_norm_route(x, residual, norm_w, 1e-6, gate, top_k, renormalize)
+    assert ticket.item() == 0
+    assert torch.equal(res, ref_res)
+    assert torch.equal(torch.sign(h), torch.sign(ref_h))
+    assert ulps(h.float().abs(), ref_h.float().abs(), dtype).max() <= ULPS[dtype]
+    products = h.float()[:, None, :] * gate.float()[None, :, :]
+    exact = products.double().sum(-1)
+    if dtype == torch.bfloat16:  # an fp32 sum's error is far below a bf16 ulp: at most one apart
+        nearest = exact.float().to(dtype).float()
+        assert ulps(logits.float().abs(), nearest.abs(), dtype).max() <= 1
+        assert torch.equal(torch.sign(logits.float()), torch.sign(nearest)) or (logits == 0).any()
+    else:  # fp32 sums in any order: within a few ulps of the sum of magnitudes
+        bound = 4 * hidden * torch.finfo(torch.float32).eps * products.abs().sum(-1)
+        assert ((logits.double() - exact).abs() <= bound).all()
+    assert_tie_consistent(weights.cpu(), ids.cpu(), logits.cpu(), top_k, renormalize)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("t,hidden,experts,top_k", [(1, 64, 8, 2), (3, 128, 60, 4), (4, 256, 128, 8),
+                                                    (2, 2048, 128, 8), (1, 4096, 8, 2)])
+def test_fused_entry_matches_the_composed_references(t, hidden, experts, top_k, renormalize, dtype):
+    g = torch.Generator().manual_seed(t * 1000 + experts)
+    check_fused_entry(t, hidden, experts, top_k, renormalize, dtype, g)
+
+
+def test_fused_entry_ties_and_reuse_of_the_ticket():
+    """All-zero gate rows tie every logit at 0: the top-k is the lowest indices, in order. Two calls
+    in a row through one ticket both complete (the first left it 0)."""
+    x, residual, norm_w, gate = _entry_inputs(2, 64, 16, torch.float32, torch.Generator().manual_seed(1))
+    ticket = torch.zeros(1, dtype=torch.int32)
+    for _ in range(2):
+        _, _, weights, ids = ops.add_norm_route(x, residual, norm_w, 1e-6, gate * 0, 4, True, ticket,
+                                                use_triton=True)
+        assert ids.tolist() == [[0, 1, 2, 3]] * 2 and (weights == 0.25).all()
+        assert ticket.item() == 0
+
+
+def test_fused_entry_sizes_and_refusals():
+    assert ops.fusable(1, 2048, 128) and ops.fusable(4, 2048, 128) and ops.fusable(2, 4096, 8)
+    assert not ops.fusable(5, 2048, 128) and not ops.fusable(4, 4096, 8) and not ops.fusable(1, 2048, 1024)
+    assert not ops.fusable(0, 2048, 128)
+    x, residual, norm_w, gate = _entry_inputs(2, 64, 16, torch.float32, torch.Generator().manual_seed(2))
+    ticket = torch.zeros(1, dtype=torch.int32)
+    refused = [  # (x, residual, norm weight, gate, top_k, ticket)
+        (torch.randn(5, 64), torch.randn(5, 64), norm_w, gate, 2, ticket),  # too many rows
+        (x, residual.bfloat16(), norm_w, gate, 2, ticket),
+        (x, residual, norm_w[:32], gate, 2, ticket),
+        (x, residual, norm_w, gate.bfloat16(), 2, ticket),
+        (x, residual, norm_w, gate.t().contiguous().t(), 2, ticket),
+        (x, residual, norm_w, gate, 17, ticket),
+        (x, residual, norm_w, gate, 2, torch.zeros(1, dtype=torch.int64)),
+    ]
+    for args in refused:
+        with pytest.raises(ValueError):
+            x_, residual_, norm_w_, gate_, top_k, ticket_ = args
+            ops.add_norm_route(x_, residual_, norm_w_, 1e-6, gate_, top_k, True, ticket_, use_triton=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("t", [1, 2, 3, 4])
+def test_fused_entry_real_sizes_on_gpu(t, renormalize):
+    """Qwen3-30B-A3B's router (2048 wide, 128 experts, top 8, bf16), many calls through one ticket."""
+    g = torch.Generator().manual_seed(t)
+    for _ in range(8):
+        check_fused_entry(t, 2048, 128, 8, renormalize, torch.bfloat16, g, device="cuda")
