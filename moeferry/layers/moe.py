@@ -4,6 +4,8 @@ computed by the engine's MoE strategy."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,6 +14,17 @@ from moeferry.kernels import router
 from moeferry.kernels.router import softmax_topk
 from moeferry.layers.linear import Linear
 from moeferry.layers.norm import RMSNorm
+
+
+# MOEFERRY_FUSED_ENTRY=0 (or set_fused_entry(False)) keeps a MoE layer's entry as four launches
+# (add + norm, gate linear, top-k); a captured CUDA graph keeps what it was captured with.
+_fused_entry_enabled = os.environ.get("MOEFERRY_FUSED_ENTRY", "1") != "0"
+
+
+def set_fused_entry(enabled: bool) -> None:
+    """Whether MoEBlock.forward_after_add may run its entry as one launch (add_norm_route)."""
+    global _fused_entry_enabled
+    _fused_entry_enabled = bool(enabled)
 
 
 class DenseMLP(nn.Module):
@@ -77,7 +90,7 @@ class MoEBlock(nn.Module):
         gate = self.gate
         hooked = bool(gate._forward_hooks or gate._forward_pre_hooks or nn.modules.module._global_forward_hooks
                       or nn.modules.module._global_forward_pre_hooks)
-        return (x.is_cuda and x.dim() == 2 and not hooked and gate.bias is None
+        return (_fused_entry_enabled and x.is_cuda and x.dim() == 2 and not hooked and gate.bias is None
                 and x.dtype in (torch.bfloat16, torch.float16) and gate.weight.dtype == x.dtype
                 and router.fusable(x.shape[0], x.shape[1], gate.weight.shape[0]))
 

@@ -157,7 +157,7 @@ def _rank_top_k(logits_ptr, weights_ptr, ids_ptr, rows, row_ok, E, K: tl.constex
     x = tl.where(row_ok[:, None], x, 0.0)  # padding rows: finite, never stored
     key = tl.where(x == x, x, float("-inf"))
     rank = tl.zeros(x.shape, tl.int32)
-    for j0 in range(0, E, RANK_CHUNK):
+    for j0 in tl.static_range(0, BLOCK_E, RANK_CHUNK):  # unrolled: every chunk's load issued at once
         others = j0 + tl.arange(0, RANK_CHUNK)
         y = tl.load(logits_ptr + rows[:, None] * E + others[None, :],
                     mask=row_ok[:, None] & (others < E)[None, :], other=float("-inf"),
