@@ -8,8 +8,8 @@ A dummy router routes near-uniformly, so the hit rate follows the cache fraction
 measures the machinery, not the policy. Every configuration decodes the same prompts from
 the same weights; the whole engine step is timed (scheduler, graph replay, sampling), with
 the admission statistics off as the engine's default has them; each offload row runs again
-with them on for its hit rate (and, with --compare-pdl or --compare-fused-entry, each row
-again without programmatic dependent launch, or with a MoE layer's entry as separate launches).
+with them on for its hit rate (and, with --compare-pdl, each row again without programmatic
+dependent launch).
 
 GPU only: without CUDA it says so and exits 0.
 """
@@ -43,9 +43,6 @@ def parse_args(argv):
                         "measured slower than its later run with statistics on, RESULTS.md fifth session)")
     p.add_argument("--compare-pdl", action="store_true",
                    help="time each row again without programmatic dependent launch (MOEFERRY_PDL=0)")
-    p.add_argument("--compare-fused-entry", action="store_true",
-                   help="time each row again with a MoE layer's entry (add + norm, router linear, top-k) "
-                        "as separate launches (MOEFERRY_FUSED_ENTRY=0)")
     p.add_argument("--out")
     return p.parse_args(argv)
 
@@ -88,19 +85,6 @@ def set_pdl(engine, on: bool) -> None:
     engine.runner.recapture_graphs()
 
 
-def set_fused_entry(engine, on: bool) -> None:
-    """A MoE layer's entry as one launch or as separate ones, the decode graphs recaptured."""
-    from moeferry.layers import moe
-
-    moe.set_fused_entry(on)
-    engine.runner.recapture_graphs()
-
-
-# --compare-X: (column header, switch(engine, on)); each row is timed again with the switch off.
-COMPARISONS = {"pdl": ("tok/s without PDL", set_pdl),
-               "fused_entry": ("tok/s, entry unfused", set_fused_entry)}
-
-
 def decode_counters(engine) -> dict:
     s = engine.runner.strategy.stats()
     if "decode" not in s:
@@ -129,7 +113,6 @@ def main(argv=None) -> int:
     rows, distinct_per_step = [], {}
     experts_total = args.layers * QWEN3_30B_DIR_CONFIG["num_experts"]
     order = [s for s in ("offload", "gpu", "uva") if s in args.strategies]
-    compared = [name for name in COMPARISONS if getattr(args, f"compare_{name}")]
     for strategy in order:
         configs = ([(f, pol) for f in sorted(args.cache_fracs, reverse=True) for pol in args.policies]
                    if strategy == "offload" else [(None, None)])
@@ -144,11 +127,11 @@ def main(argv=None) -> int:
             ebytes = QWEN3_30B_DIR_CONFIG["moe_intermediate_size"] * QWEN3_30B_DIR_CONFIG["hidden_size"] * 3 * 2
             dbytes = dense_bytes(engine)
             timed = {b: fastest(engine, args, b) for b in args.batch}
-            switched_off = {}
-            for name in compared:
-                COMPARISONS[name][1](engine, False)
-                switched_off[name] = {b: fastest(engine, args, b) for b in args.batch}
-                COMPARISONS[name][1](engine, True)
+            without_pdl = {}
+            if args.compare_pdl:
+                set_pdl(engine, False)
+                without_pdl = {b: fastest(engine, args, b) for b in args.batch}
+                set_pdl(engine, True)
             counted = {}
             if strategy == "offload":  # again with statistics: the hit rate, and what counting costs
                 set_statistics(engine, True)
@@ -167,18 +150,17 @@ def main(argv=None) -> int:
                 hit = f"{1 - misses / distinct:.2f}" if strategy == "offload" and distinct else "-"
                 label = strategy if frac is None else f"offload {int(frac * 100)}% {policy}"
                 with_stats = f"{counted[b]['tok_s']:.1f}" if counted else "-"
-                others = [f"{switched_off[name][b]['tok_s']:.1f}" for name in compared]
+                no_pdl = f"{without_pdl[b]['tok_s']:.1f}" if without_pdl else "-"
                 # the floor counts the statistics run's misses: that run's step is the one to set against it
                 floored_step_s = counted[b]["step_s"] if counted else step_s
                 known = b in distinct_per_step  # gpu and uva take the distinct experts from an offload run
-                rows.append([label, b, f"{rate:.1f}", *others, with_stats, f"{step_s * 1e3:.2f}",
+                rows.append([label, b, f"{rate:.1f}", no_pdl, with_stats, f"{step_s * 1e3:.2f}",
                              f"{floor * 1e3:.2f}" if known else "-",
                              f"{floored_step_s / floor:.2f}x" if known else "-", hit, f"{d:.0f}" if known else "-"])
                 print(rows[-1], flush=True)
         del engine
         free_engine_memory()
-    header = ["strategy", "requests", "tok/s", *(COMPARISONS[name][0] for name in compared), "tok/s with statistics",
-              "ms/step", "floor ms/step", "vs floor", "hit rate", "distinct experts/step"]
+    header = ["strategy", "requests", "tok/s", "tok/s without PDL", "tok/s with statistics", "ms/step", "floor ms/step", "vs floor", "hit rate", "distinct experts/step"]
     notes = (f"{args.layers} layers, {QWEN3_30B_DIR_CONFIG['num_experts']} experts, top-8, bf16, dummy weights; prompt {args.prompt_len} tokens, "
              f"{args.steps} timed steps, the fastest of {args.repeats} runs. Measured H2D {h2d / 1e9:.1f} GB/s, HBM {hbm / 1e12:.2f} TB/s "
              f"(device copy, read + write bytes). Floor: missed bytes / H2D + (resident distinct experts + dense weights) / HBM; "
@@ -187,9 +169,8 @@ def main(argv=None) -> int:
              f"the hit rate and distinct experts come from a second run of each offload row with --moe-collect-stats, "
              f"whose tok/s is the column 'tok/s with statistics'; 'vs floor' of an offload row is that run's step over the floor of its "
              f"own misses (a faster run without statistics may have missed less). gpu and uva rows have a floor only "
-             f"when offload ran in the same call. 'without PDL' (--compare-pdl): the same row timed again with "
-             f"programmatic dependent launch off; 'entry unfused' (--compare-fused-entry): again with each MoE "
-             f"layer's entry (add + norm, router linear, top-k) as separate launches.")
+             f"when offload ran in the same call. 'without PDL': the same row timed again with programmatic "
+             f"dependent launch off (--compare-pdl; '-' when not asked for).")
     report("Decode tokens/s vs floor", "python -m benchmarks.bench_decode " + " ".join(argv or sys.argv[1:]),
            markdown_table(header, rows), notes, args.out)
     return 0

@@ -49,12 +49,9 @@ class DecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add_and_norm(x, residual)
-        attn = self.self_attn(h, batch, kv)
-        if self.is_moe:
-            return self.mlp_module.forward_after_add(attn, residual, self.post_attention_layernorm,
-                                                     batch.is_decode, sum_routes=False)
-        h, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
-        return self.mlp_module(h), residual
+        h, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(h, batch, kv), residual)
+        out = self.mlp_module(h, batch.is_decode, sum_routes=False) if self.is_moe else self.mlp_module(h)
+        return out, residual
 
 
 class DecoderBody(nn.Module):

@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from moeferry.kernels.reference.linear import linear
-from moeferry.kernels.reference.norm_rope import fused_add_rms_norm
-
-__all__ = ["add_norm_route", "softmax_topk"]
+__all__ = ["softmax_topk"]
 
 
 def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool, *,
@@ -33,19 +30,3 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool, *,
     if ids_out is not None:
         ids = ids_out.copy_(ids)
     return weights, ids
-
-
-def add_norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                   gate_weight: torch.Tensor, top_k: int, renormalize: bool, ticket: torch.Tensor | None = None,
-                   *, logits_out: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(h, x + residual, weights, ids): the decoder's post-attention add + RMSNorm, the router
-    gate's linear and softmax_topk, composed of the references in the order the model runs
-    them; ``logits_out`` receives a copy of the logits. ``ticket`` (the Triton kernel's
-    arrival counter) is not used."""
-    h, residual_out = fused_add_rms_norm(x, residual, norm_weight, eps)
-    logits = linear(h, gate_weight)
-    if logits_out is not None:
-        logits_out.copy_(logits)
-    weights, ids = softmax_topk(logits, top_k, renormalize)
-    return h, residual_out, weights, ids
