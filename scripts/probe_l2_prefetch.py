@@ -6,10 +6,12 @@ distinct weight (o_proj 2048 x 4096, or qkv 5120 x 2048, bf16). Modes:
   gemv-warm     each GEMV run twice; the second reads its weight from L2 (shown: second only)
   chain         norms + GEMV
   bulk-P        chain, with the weight prefetched by P programs of bulk L2 prefetches
-                (kernels/triton/prefetch.py) on a side stream forked at the layer's start
+                (cp.async.bulk.prefetch.L2, sm_90, 64 KiB each) on a side stream forked at the
+                layer's start
   lines-P       the same with one prefetch.global.L2 per 128-byte line
   stream[-ef]   norms + 75 MB stream (-ef: its loads evict_first) + GEMV; +bulk-P prefetched
-Every mode's GEMV outputs are checked bit for bit against the chain's.
+Every mode's GEMV outputs are checked bit for bit against the chain's. The answer on an H200
+(benchmarks/RESULTS.md, sixth session): no; the engine has no prefetch.
   python3 scripts/probe_l2_prefetch.py [--layers 48] [--shape o|qkv]"""
 import argparse
 
@@ -19,9 +21,35 @@ import triton.language as tl
 
 from benchmarks.common import elapsed_us
 from moeferry.kernels import linear, norm_rope
-from moeferry.kernels.triton.prefetch import prefetch_l2
 
 SHAPES = {"o": (2048, 4096), "qkv": (5120, 2048)}
+CHUNK_BYTES = 64 * 1024  # one bulk prefetch (a multiple of 16 bytes, as the instruction requires)
+LINE_BYTES = 128
+BLOCK = 128  # chunks (lines) a program issues at once: one per thread of 4 warps
+
+
+@triton.jit
+def _prefetch_kernel(base_ptr, num_bytes, CHUNK: tl.constexpr, BULK: tl.constexpr, BLOCK: tl.constexpr):
+    """Program p issues chunks p * BLOCK + [0, BLOCK), then every num_programs * BLOCK on; the
+    last chunk is clamped to the end (lanes past it repeat it: harmless for a prefetch)."""
+    num_chunks = tl.cdiv(num_bytes, CHUNK)
+    for start in range(tl.program_id(0) * BLOCK, num_chunks, tl.num_programs(0) * BLOCK):
+        chunk = tl.minimum(start + tl.arange(0, BLOCK), num_chunks - 1).to(tl.int64)
+        addr = base_ptr + chunk * CHUNK
+        if BULK:
+            size = tl.minimum(num_bytes - chunk * CHUNK, CHUNK).to(tl.int32)
+            tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
+                                      "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
+                                      "=r,l", [addr], dtype=tl.int32, is_pure=False, pack=1)
+
+
+def prefetch_l2(t: torch.Tensor, programs: int, bulk: bool) -> None:
+    """Prefetch t's bytes (contiguous, 16-byte aligned, a multiple of 16 long) into L2."""
+    raw = t.view(-1).view(torch.uint8)
+    _prefetch_kernel[(programs,)](raw, raw.numel(), CHUNK=CHUNK_BYTES if bulk else LINE_BYTES, BULK=bulk,
+                                  BLOCK=BLOCK, num_warps=BLOCK // 32)
 
 
 @triton.jit
