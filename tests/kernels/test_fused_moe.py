@@ -140,6 +140,19 @@ def test_config_block_m_follows_tokens_per_expert():
     assert block_m(4096) == 64
 
 
+def test_pipeline_depth_per_gemm_at_decode_sizes():
+    """(gate+up stages, down stages) as the H200 sweep chose them: 3 for the down GEMM up to a
+    token per expert, 3 for gate+up from 2 tokens; 4 and 4 past a token per expert."""
+    def stages(num_tokens):
+        config = triton_fused_moe.select_config(num_tokens, 8, 2048, 768, 128, torch.bfloat16)
+        return config.stages(True), config.stages(False)
+    assert stages(1) == (4, 3)
+    assert stages(2) == stages(4) == stages(16) == (3, 3)
+    assert stages(17) == stages(64) == (4, 4)
+    same = triton_fused_moe.FusedMoEConfig(16, 64, 128, 1, 4, 5)  # no down depth: both alike
+    assert same.stages(True) == same.stages(False) == 5
+
+
 def test_out_is_written_in_place():
     w13, w2 = make_layer(8, 32, 16, torch.float32)
     hidden, weights, ids = make_routes(4, 32, 8, 2, torch.float32)

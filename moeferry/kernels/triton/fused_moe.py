@@ -58,7 +58,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class FusedMoEConfig:
-    """Tile sizes and launch parameters for both GEMMs of one fused_moe call."""
+    """Tile sizes and launch parameters for both GEMMs of one fused_moe call; the down GEMM
+    pipelines ``down_num_stages`` K tiles when given, else ``num_stages`` like the first."""
 
     block_m: int
     block_n: int
@@ -66,6 +67,11 @@ class FusedMoEConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    down_num_stages: int | None = None
+
+    def stages(self, gated: bool) -> int:
+        """Pipeline depth of the gate+up GEMM (gated) or of the down GEMM."""
+        return self.num_stages if gated or self.down_num_stages is None else self.down_num_stages
 
 
 def _pow2_at_most(limit: int, size: int, floor: int = 16) -> int:
@@ -78,9 +84,17 @@ def select_config(num_tokens: int, top_k: int, hidden_size: int, intermediate_si
     """Heuristic tiles from the routed layer's shape; deliberately blind to the bank size S.
 
     BLOCK_M follows the tokens each expert gets (T * K / E): 16 for small-batch decode,
-    where a block is mostly one or two rows, up to 64 for prefill."""
+    where a block is mostly one or two rows, up to 64 for prefill. Pipeline depth at decode
+    sizes, from scripts/sweep_fused_moe.py on an H200 (Qwen3-30B-A3B, RESULTS.md sixth
+    session): 3 stages for the down GEMM up to one token per expert (at 1 token 8.3 us
+    against 10.8 with 4), and for gate+up from 2 tokens (4 tokens: 45.5 against 48.9); at 1
+    token gate+up keeps 4 (14.0 against 15.1)."""
     tokens_per_expert = num_tokens * top_k / max(1, num_routed_experts)
-    if tokens_per_expert <= 16:
+    down_num_stages = None
+    if tokens_per_expert <= 1:
+        block_m, block_n, block_k, num_warps, down_num_stages = 16, 64, 128, 4, 3
+        num_stages = 4 if tokens_per_expert < 0.125 else 3
+    elif tokens_per_expert <= 16:
         block_m, block_n, block_k, num_warps, num_stages = 16, 64, 128, 4, 4
     elif tokens_per_expert <= 64:
         block_m, block_n, block_k, num_warps, num_stages = 32, 64, 128, 4, 3
@@ -96,6 +110,7 @@ def select_config(num_tokens: int, top_k: int, hidden_size: int, intermediate_si
         group_m=1 if block_m == 16 else 8,
         num_warps=num_warps,
         num_stages=num_stages,
+        down_num_stages=down_num_stages,
     )
 
 
@@ -236,7 +251,7 @@ def _launch_gemm(a, b, c, route_weights, blocks, topk_ids, *, gated, weighted, a
         A_ROWS_PER_ROUTE_DIV=a_div, GATED=gated, WEIGHTED=weighted, NAIVE=naive,
         IEEE=exact_dot(a.dtype),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
+        GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.stages(gated),
         **pdl_launch(a.device),
     )
 
