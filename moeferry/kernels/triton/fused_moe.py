@@ -93,7 +93,7 @@ def select_config(num_tokens: int, top_k: int, hidden_size: int, intermediate_si
     down_num_stages = None
     if tokens_per_expert <= 1:
         block_m, block_n, block_k, num_warps, down_num_stages = 16, 64, 128, 4, 3
-        num_stages = 4 if tokens_per_expert < 0.125 else 3
+        num_stages = 4 if num_tokens == 1 else 3
     elif tokens_per_expert <= 16:
         block_m, block_n, block_k, num_warps, num_stages = 16, 64, 128, 4, 4
     elif tokens_per_expert <= 64:
