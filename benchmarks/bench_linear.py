@@ -30,7 +30,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import elapsed_us, emit
+from benchmarks.common import emit, replay_us
 from moeferry.engine.cuda_graph import capture
 
 SHAPES = {"qkv": (5120, 2048), "o_proj": (2048, 4096), "router": (128, 2048), "lm_head": (151936, 2048)}
@@ -72,12 +72,7 @@ def us_per_call(fn, x: torch.Tensor, weights: list[torch.Tensor], replays: int) 
 
     graph, _ = capture(step)
     graph.replay()
-
-    def replay_all():
-        for _ in range(replays):
-            graph.replay()
-
-    return elapsed_us(replay_all) / (replays * calls)
+    return replay_us(graph, replays) / calls
 
 
 def call_bytes(m: int, n: int, k: int) -> int:

@@ -54,6 +54,15 @@ def elapsed_us(fn) -> float:
     return start.elapsed_time(end) * 1000.0
 
 
+def replay_us(graph: torch.cuda.CUDAGraph, replays: int = 20) -> float:
+    """Device microseconds per replay of ``graph``, ``replays`` of them back to back."""
+    def back_to_back():
+        for _ in range(replays):
+            graph.replay()
+
+    return elapsed_us(back_to_back) / replays
+
+
 def h2d_bandwidth(nbytes: int = 1 << 30, iters: int = 5) -> float:
     """Measured pinned host-to-device copy bandwidth in bytes/s."""
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)

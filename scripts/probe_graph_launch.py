@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.common import QWEN3_30B_DIR_CONFIG, elapsed_us, free_engine_memory, write_config_dir
+from benchmarks.common import QWEN3_30B_DIR_CONFIG, free_engine_memory, replay_us, write_config_dir
 from moeferry.config import EngineConfig
 from moeferry.engine.cuda_graph import capture
 from moeferry.engine.engine import Engine
@@ -34,12 +34,7 @@ def replay_times(graph: torch.cuda.CUDAGraph, repeats: int = 20) -> tuple[float,
         torch.cuda.synchronize()
         host.append((t1 - t0) * 1e6)
         wall.append((time.perf_counter() - t0) * 1e6)
-
-    def back_to_back():
-        for _ in range(repeats):
-            graph.replay()
-
-    return statistics.median(host), statistics.median(wall), elapsed_us(back_to_back) / repeats
+    return statistics.median(host), statistics.median(wall), replay_us(graph, repeats)
 
 
 def ablate(strategy, variant: str) -> None:

@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.common import elapsed_us
+from benchmarks.common import replay_us
+from moeferry.engine.cuda_graph import capture
 from moeferry.kernels import linear, norm_rope
 
 SHAPES = {"o": (2048, 4096), "qkv": (5120, 2048)}
@@ -113,22 +114,13 @@ def main():
             if "bulk" in mode or "lines" in mode:  # join the side stream (only once it was forked:
                 torch.cuda.current_stream().wait_stream(side)  # a capture cannot wait on outside work)
             return outs
-        run()  # compile
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = run()
+        graph, outs = capture(run)  # (its warm-up compiles)
         graph.replay()
         torch.cuda.synchronize()
         got = torch.stack([o.view(-1) for o in outs])
         reference = got.clone() if reference is None else reference
         assert torch.equal(got, reference), f"{mode}: GEMV outputs differ"
-
-        def replays():
-            for _ in range(20):
-                graph.replay()
-
-        us = elapsed_us(replays) / 20 / args.layers
+        us = replay_us(graph) / args.layers
         if mode == "gemv-warm" and "gemv-cold" in per_layer:
             us -= per_layer["gemv-cold"]  # the second GEMV of each pair
         per_layer[mode] = us

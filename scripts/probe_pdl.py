@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from benchmarks.common import elapsed_us
+from benchmarks.common import replay_us
+from moeferry.engine.cuda_graph import capture
 
 
 @triton.jit
@@ -81,11 +82,7 @@ def main():
     for mode in ("off", "pdl", "prefetch", "off", "pdl", "prefetch"):
         outs = [(torch.empty(2048, device=dev, dtype=torch.bfloat16), torch.empty(5120, device=dev, dtype=torch.bfloat16))
                 for _ in weights]
-        chain(x, norm_w, weights, outs, mode)  # compile
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = chain(x, norm_w, weights, outs, mode)
+        graph, out = capture(lambda: chain(x, norm_w, weights, outs, mode))  # (its warm-up compiles)
         for o in outs:
             o[1].zero_()
         graph.replay()
@@ -94,12 +91,7 @@ def main():
         assert err < 0.1 * ref.float().abs().max().item(), (mode, err)
         plain = out.clone() if plain is None else plain
         assert torch.equal(out, plain), mode
-
-        def replays():
-            for _ in range(20):
-                graph.replay()
-
-        us = elapsed_us(replays) / 20
+        us = replay_us(graph)
         print(f"{mode:<10} {us:>10.1f} {us / args.layers:>9.2f} {err:>9.2e}")
     print(f"floor (weights / 4.3 TB/s): {floor_us:.1f} us, {floor_us / args.layers:.2f} us/layer")
 

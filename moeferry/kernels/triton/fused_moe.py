@@ -55,7 +55,6 @@ __all__ = [
 ]
 
 
-
 @dataclass(frozen=True)
 class FusedMoEConfig:
     """Tile sizes and launch parameters for both GEMMs of one fused_moe call; the down GEMM
