@@ -6,10 +6,12 @@ engine was built.
 --recapture-at-start recaptures once before any forward (no prefill has run then, as at start-
 up); --strategy gpu asks the same of the `gpu` strategy (cache steps skipped). --profile times
 the 1-request decode graph alone after each step's runs (back-to-back replays, no host work)
-and prints, per kernel name, where its device time moved against the start-up graph.
+and prints, per kernel name, where its device time moved against the start-up graph; with
+--keep-start-up the start-up graphs stay alive and are timed again after each later step (is the
+slowness in those graphs, or in the state they were captured from?).
   python3 scripts/probe_first_config.py [--runs 8] [--steps recapture same 50 100]
                                         [--recapture-at-start] [--strategy gpu|offload] [--layers 48]
-                                        [--profile]"""
+                                        [--profile [--keep-start-up]]"""
 import argparse
 import os
 import tempfile
@@ -19,9 +21,9 @@ from benchmarks import bench_decode
 from benchmarks.common import QWEN3_30B_DIR_CONFIG, kernel_profile, replay_us, timed_decode, write_config_dir
 
 
-def profile_graph(engine, label: str) -> dict[str, float]:
+def profile_graph(graphs, label: str) -> dict[str, float]:
     """The 1-request decode graph's device time per replay, printed; its kernels' times."""
-    graph = engine.runner.graphs.graphs[1]
+    graph = graphs.graphs[1]
     per_name, busy, span = kernel_profile(graph.replay)
     print(f"        {label:<11} graph replay {replay_us(graph):.0f} us back to back; profiled: busy {busy:.0f} us, "
           f"span {span:.0f} us, {len(per_name)} kernel names", flush=True)
@@ -45,6 +47,7 @@ def main():
     p.add_argument("--strategy", choices=["offload", "gpu"], default="offload")
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--keep-start-up", action="store_true")
     args = p.parse_args()
     bench_args = bench_decode.parse_args(["--layers", str(args.layers), "--batch", "1"])
     cfg = write_config_dir(os.path.join(tempfile.mkdtemp(), "m"), QWEN3_30B_DIR_CONFIG)
@@ -57,6 +60,7 @@ def main():
     labels = {"recapture": "recaptured", "same": "rebuilt 100%", "50": "50%", "100": "100% again"}
     steps = args.steps if offload else [s for s in args.steps if s == "recapture"]
     profiles: dict[str, dict[str, float]] = {}
+    start_up_graphs = engine.runner.graphs if args.keep_start_up else None
     for step in ["first"] + steps:
         label = labels.get(step, "start-up" + (", recaptured" if args.recapture_at_start else ""))
         if step in ("same", "50", "100"):
@@ -68,7 +72,9 @@ def main():
             run = timed_decode(engine, 1, 32, 4, 24, lambda e: {})
             print(f"{time.time() - t0:7.1f} s  {label:<11} run {i}: {run['tok_s']:.1f} tok/s", flush=True)
         if args.profile:
-            profiles[label] = profile_graph(engine, label)
+            profiles[label] = profile_graph(engine.runner.graphs, label)
+            if start_up_graphs is not None and step != "first":
+                profiles[f"start-up graph after {label}"] = profile_graph(start_up_graphs, "start-up graph again")
     first, *later = profiles or [None]
     for label in later:
         print_moves(profiles[first], profiles[label], label)
