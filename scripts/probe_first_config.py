@@ -8,7 +8,7 @@ up); --strategy gpu asks the same of the `gpu` strategy (cache steps skipped). -
 the 1-request decode graph alone after each step's runs (back-to-back replays, no host work)
 and prints, per kernel name, where its device time moved against the start-up graph; with
 --keep-start-up the start-up graphs stay alive and are timed again after each later step (is the
-slowness in those graphs, or in the state they were captured from?).
+slowness in those graphs, or in the state they were captured from?), after a bare recapture only.
   python3 scripts/probe_first_config.py [--runs 8] [--steps recapture same 50 100]
                                         [--recapture-at-start] [--strategy gpu|offload] [--layers 48]
                                         [--profile [--keep-start-up]]"""
@@ -73,7 +73,7 @@ def main():
             print(f"{time.time() - t0:7.1f} s  {label:<11} run {i}: {run['tok_s']:.1f} tok/s", flush=True)
         if args.profile:
             profiles[label] = profile_graph(engine.runner.graphs, label)
-            if start_up_graphs is not None and step != "first":
+            if start_up_graphs is not None and step == "recapture":  # (a rebuilt pool frees what they read)
                 profiles[f"start-up graph after {label}"] = profile_graph(start_up_graphs, "start-up graph again")
     first, *later = profiles or [None]
     for label in later:
