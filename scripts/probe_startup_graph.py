@@ -3,7 +3,10 @@ expert, 1 request); the start-up 1-request graph is timed alone (back-to-back re
 work) after each event in turn: none (before any prefill), a timed decode run (prefill and
 replays), gc + empty_cache, an eager decode forward on the current stream, another timed run,
 an eager decode forward on a side stream (as a capture's warm-up runs it), a recapture.
-  python3 scripts/probe_startup_graph.py [--layers 48] [--strategy offload|gpu]"""
+--bisect (offload): instead, launches on a side stream, one after another, the first MoE
+layer's admission alone, its miss copy, its fused MoE over the slot pool, the whole MoE block,
+then the whole forward: the first that turns the graph fast names the kernel concerned.
+  python3 scripts/probe_startup_graph.py [--layers 48] [--strategy offload|gpu] [--bisect]"""
 import argparse
 import gc
 import os
@@ -15,10 +18,36 @@ from benchmarks import bench_decode
 from benchmarks.common import QWEN3_30B_DIR_CONFIG, replay_us, timed_decode, write_config_dir
 
 
+def bisect_events(runner, on_side_stream, eager_decode):
+    """Side-stream launches of the first MoE layer's parts, growing, then the whole forward."""
+    from moeferry.kernels import ops
+
+    strategy = runner.strategy
+    layer = sorted(strategy.banks)[0]
+    block = runner.model.moe_block(layer)
+    host, pool, cache = strategy.banks[layer], strategy.pool, strategy.cache
+    with torch.inference_mode():
+        hidden = torch.randn(1, block.gate.weight.shape[1], dtype=runner.dtype, device=runner.device)
+        weights, ids = block.gate(hidden).float().topk(block.top_k)
+        weights, ids = weights.softmax(-1), ids.to(torch.int32)
+    slot_ids = cache.admit(strategy.moe_index[layer], ids)
+    return [
+        ("nothing (no prefill yet)", lambda: None),
+        ("admission, side stream", lambda: on_side_stream(lambda: cache.admit(strategy.moe_index[layer], ids))),
+        ("miss copy, side stream", lambda: on_side_stream(
+            lambda: cache.copy_misses([host.w13, host.w2], [pool.w13, pool.w2]))),
+        ("fused MoE, side stream", lambda: on_side_stream(lambda: ops.fused_moe(
+            hidden, pool.w13, pool.w2, weights, slot_ids, num_routed_experts=host.num_experts, sum_routes=False))),
+        ("MoE block, side stream", lambda: on_side_stream(lambda: block(hidden, True, sum_routes=False))),
+        ("eager forward, side stream", lambda: on_side_stream(eager_decode)),
+    ]
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--strategy", choices=["offload", "gpu"], default="offload")
+    p.add_argument("--bisect", action="store_true")
     args = p.parse_args()
     bench_args = bench_decode.parse_args(["--layers", str(args.layers), "--batch", "1"])
     cfg = write_config_dir(os.path.join(tempfile.mkdtemp(), "m"), QWEN3_30B_DIR_CONFIG)
@@ -32,11 +61,11 @@ def main():
         with torch.inference_mode():
             runner.model(start_up.batches[1], runner.kv)
 
-    def on_side_stream():
+    def on_side_stream(fn=eager_decode):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            eager_decode()
+        with torch.cuda.stream(side), torch.inference_mode():
+            fn()
         torch.cuda.current_stream().wait_stream(side)
 
     events = [
@@ -49,6 +78,8 @@ def main():
         ("another timed run", lambda: timed_decode(engine, 1, 32, 4, 24, lambda e: {})),
         ("recapture (start-up graph kept)", runner.recapture_graphs),
     ]
+    if args.bisect:
+        events = bisect_events(runner, on_side_stream, eager_decode)
     for name, event in events:
         event()
         torch.cuda.synchronize()
