@@ -2,7 +2,9 @@
 expert, 1 request); the start-up 1-request graph is timed alone (back-to-back replays, no host
 work) after each event in turn: none (before any prefill), a timed decode run (prefill and
 replays), gc + empty_cache, an eager decode forward on the current stream, another timed run,
-an eager decode forward on a side stream (as a capture's warm-up runs it), a recapture.
+an eager decode forward on a side stream (as a capture's warm-up runs it), a recapture. (Since
+DecodeGraphs ends its captures with a side-stream forward, the start-up graph should be fast from
+the first event.)
 --bisect (offload): instead, launches on a side stream, one after another, the first MoE
 layer's admission alone, its miss copy, its fused MoE over the slot pool, the whole MoE block,
 then the whole forward: the first that turns the graph fast names the kernel concerned.
@@ -16,6 +18,7 @@ import torch
 
 from benchmarks import bench_decode
 from benchmarks.common import QWEN3_30B_DIR_CONFIG, replay_us, timed_decode, write_config_dir
+from moeferry.engine.cuda_graph import run_on_side_stream
 
 
 def bisect_events(runner, on_side_stream, eager_decode):
@@ -62,11 +65,10 @@ def main():
             runner.model(start_up.batches[1], runner.kv)
 
     def on_side_stream(fn=eager_decode):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.inference_mode():
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
+        def under_inference_mode():
+            with torch.inference_mode():
+                fn()
+        run_on_side_stream(under_inference_mode)
 
     events = [
         ("nothing (no prefill yet)", lambda: None),

@@ -19,17 +19,22 @@ from moeferry.engine.batch import ForwardBatch, fill_page_table
 logger = logging.getLogger(__name__)
 
 
+def run_on_side_stream(fn: Callable[[], Any], times: int = 1) -> None:
+    """``fn`` run ``times`` times on a new stream, ordered after and before the current one."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(times):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+
+
 def capture(fn: Callable[[], Any], *, warmups: int = 1,
             pool=None) -> tuple[torch.cuda.CUDAGraph, Any]:
     """(graph, what the captured call returned): ``fn`` run ``warmups`` times on a side
     stream (kernels compile and the caching allocator settles outside the capture), then
     captured once into a new graph (sharing memory ``pool`` when given)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmups):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
+    run_on_side_stream(fn, warmups)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         captured = fn()
@@ -125,6 +130,12 @@ class DecodeGraphs:
                                              pool=self.pool)
             self.pool = graph.pool()
             self.graphs[b] = graph
+        # One more eager forward on a side stream, after the last capture. Measured on an H200
+        # (benchmarks/RESULTS.md, seventh session): without it an offload engine's start-up
+        # graphs replay 15% slower (3.15 against 2.69 ms a step at 48 layers) until the fused
+        # MoE next runs eagerly on a side stream, which speeds up the graphs already captured
+        # too. A forward on the default stream does not; the cause lies below the engine.
+        run_on_side_stream(functools.partial(model, self.batches[self.sizes[0]], kv))
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
     def can_run(self, n: int) -> bool:
