@@ -8,7 +8,11 @@ the first event.)
 --bisect (offload): instead, launches on a side stream, one after another, the first MoE
 layer's admission alone, its miss copy, its fused MoE over the slot pool, the whole MoE block,
 then the whole forward: the first that turns the graph fast names the kernel concerned.
-  python3 scripts/probe_startup_graph.py [--layers 48] [--strategy offload|gpu] [--bisect]"""
+--carveout PCT: first set every compiled Triton kernel's preferred shared-memory carveout to
+PCT percent (cuFuncSetAttribute through ctypes) and recapture: is the slow mode the SMs'
+L1/shared split changing between the kernels of a step?
+  python3 scripts/probe_startup_graph.py [--layers 48] [--strategy offload|gpu] [--bisect]
+                                         [--carveout PCT]"""
 import argparse
 import gc
 import os
@@ -19,6 +23,30 @@ import torch
 from benchmarks import bench_decode
 from benchmarks.common import QWEN3_30B_DIR_CONFIG, replay_us, timed_decode, write_config_dir
 from moeferry.engine.cuda_graph import run_on_side_stream
+
+
+def set_carveout(percent: int) -> None:
+    """Preferred shared-memory carveout of every compiled kernel of moeferry's Triton modules."""
+    import ctypes
+    import importlib
+    import pkgutil
+
+    from triton.runtime.jit import JITFunction
+
+    import moeferry.kernels.triton as package
+
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        for name, fn in vars(module).items():
+            if not isinstance(fn, JITFunction):
+                continue
+            for caches in fn.device_caches.values():
+                for kernel in caches[0].values():
+                    kernel._init_handles()
+                    rc = libcuda.cuFuncSetAttribute(ctypes.c_void_p(kernel.function), 9, percent)
+                    print(f"  carveout {percent}% rc={rc}: {name} shared {kernel.metadata.shared} B, "
+                          f"{kernel.metadata.num_warps} warps", flush=True)
 
 
 def bisect_events(runner, on_side_stream, eager_decode):
@@ -51,6 +79,7 @@ def main():
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--strategy", choices=["offload", "gpu"], default="offload")
     p.add_argument("--bisect", action="store_true")
+    p.add_argument("--carveout", type=int)
     args = p.parse_args()
     bench_args = bench_decode.parse_args(["--layers", str(args.layers), "--batch", "1"])
     cfg = write_config_dir(os.path.join(tempfile.mkdtemp(), "m"), QWEN3_30B_DIR_CONFIG)
@@ -58,6 +87,9 @@ def main():
     offload = args.strategy == "offload"
     engine = bench_decode.make_engine(cfg, bench_args, args.strategy, experts if offload else None, "layer_lru")
     runner = engine.runner
+    if args.carveout is not None:
+        set_carveout(args.carveout)
+        runner.recapture_graphs()
     start_up = runner.graphs
 
     def eager_decode():
