@@ -133,8 +133,11 @@ class DecodeGraphs:
         # One more eager forward on a side stream, after the last capture. Measured on an H200
         # (benchmarks/RESULTS.md, seventh session): without it an offload engine's start-up
         # graphs replay 15% slower (3.15 against 2.69 ms a step at 48 layers) until the fused
-        # MoE next runs eagerly on a side stream, which speeds up the graphs already captured
-        # too. A forward on the default stream does not; the cause lies below the engine.
+        # MoE next runs eagerly on a side stream, which speeds up graphs already captured too;
+        # an eager decode forward on the default stream can bring the slow mode back. With
+        # every Triton kernel's preferred shared-memory carveout set to 100% the slow mode never
+        # shows, so it is the driver's choice of the SMs' L1/shared split around the MoE GEMM
+        # (110 KB of shared memory). Triton has no launch option for the carveout.
         run_on_side_stream(functools.partial(model, self.batches[self.sizes[0]], kv))
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
