@@ -39,8 +39,9 @@ def parse_args(argv):
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--policies", nargs="+", default=["layer_lru"], help="slot cache policies to run offload with")
     p.add_argument("--repeats", type=int, default=2,
-                   help="time each row this many times and keep the fastest (a fresh engine's first run "
-                        "measured slower than its later run with statistics on, RESULTS.md fifth session)")
+                   help="time each row this many times and keep the fastest (runs of one engine spread by "
+                        "2-5%%; the slow first runs of the fifth and sixth sessions were offload's start-up "
+                        "graphs, fixed in DecodeGraphs since, RESULTS.md seventh session)")
     p.add_argument("--compare-pdl", action="store_true",
                    help="time each row again without programmatic dependent launch (MOEFERRY_PDL=0)")
     p.add_argument("--out")
