@@ -13,12 +13,10 @@ slowness in those graphs, or in the state they were captured from?), after a bar
                                         [--recapture-at-start] [--strategy gpu|offload] [--layers 48]
                                         [--profile [--keep-start-up]]"""
 import argparse
-import os
-import tempfile
 import time
 
 from benchmarks import bench_decode
-from benchmarks.common import QWEN3_30B_DIR_CONFIG, kernel_profile, replay_us, timed_decode, write_config_dir
+from benchmarks.common import QWEN3_30B_DIR_CONFIG, kernel_profile, replay_us, timed_decode
 
 
 def profile_graph(graphs, label: str) -> dict[str, float]:
@@ -49,11 +47,8 @@ def main():
     p.add_argument("--profile", action="store_true")
     p.add_argument("--keep-start-up", action="store_true")
     args = p.parse_args()
-    bench_args = bench_decode.parse_args(["--layers", str(args.layers), "--batch", "1"])
-    cfg = write_config_dir(os.path.join(tempfile.mkdtemp(), "m"), QWEN3_30B_DIR_CONFIG)
-    experts = args.layers * QWEN3_30B_DIR_CONFIG["num_experts"]
     offload = args.strategy == "offload"
-    engine = bench_decode.make_engine(cfg, bench_args, args.strategy, experts if offload else None, "layer_lru")
+    engine, experts = bench_decode.probe_engine(args.strategy, args.layers)
     if args.recapture_at_start:
         engine.runner.recapture_graphs()
     t0 = time.time()

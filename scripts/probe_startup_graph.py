@@ -15,13 +15,11 @@ L1/shared split changing between the kernels of a step?
                                          [--carveout PCT]"""
 import argparse
 import gc
-import os
-import tempfile
 
 import torch
 
 from benchmarks import bench_decode
-from benchmarks.common import QWEN3_30B_DIR_CONFIG, replay_us, timed_decode, write_config_dir
+from benchmarks.common import replay_us, timed_decode
 from moeferry.engine.cuda_graph import run_on_side_stream
 
 
@@ -81,11 +79,7 @@ def main():
     p.add_argument("--bisect", action="store_true")
     p.add_argument("--carveout", type=int)
     args = p.parse_args()
-    bench_args = bench_decode.parse_args(["--layers", str(args.layers), "--batch", "1"])
-    cfg = write_config_dir(os.path.join(tempfile.mkdtemp(), "m"), QWEN3_30B_DIR_CONFIG)
-    experts = args.layers * QWEN3_30B_DIR_CONFIG["num_experts"]
-    offload = args.strategy == "offload"
-    engine = bench_decode.make_engine(cfg, bench_args, args.strategy, experts if offload else None, "layer_lru")
+    engine, _ = bench_decode.probe_engine(args.strategy, args.layers)
     runner = engine.runner
     if args.carveout is not None:
         set_carveout(args.carveout)
