@@ -62,11 +62,6 @@ def make_engine(config_dir, args, strategy, slots=None, policy="lru"):
 def probe_engine(strategy: str, layers: int):
     """(engine, experts) for the probes in scripts/: `layers` layers of the Qwen3-30B-A3B shape,
     dummy weights, graphs for 1 request; offload with a `layer_lru` cache of all `experts`."""
-    import os
-    import tempfile
-
-    from benchmarks.common import QWEN3_30B_DIR_CONFIG, write_config_dir
-
     cfg = write_config_dir(os.path.join(tempfile.mkdtemp(), "m"), QWEN3_30B_DIR_CONFIG)
     experts = layers * QWEN3_30B_DIR_CONFIG["num_experts"]
     args = parse_args(["--layers", str(layers), "--batch", "1"])

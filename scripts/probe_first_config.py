@@ -1,17 +1,17 @@
-"""Is offload's slower first configuration in bench_decode a matter of the configuration or of the
-time since the engine was built? One offload engine (48 layers, cache of every expert), 1
+"""Was offload's slower first configuration in bench_decode a matter of the configuration or of
+the time since the engine was built? (Neither: of the start-up graphs, which
+scripts/probe_startup_graph.py traced to the SMs' shared-memory split; RESULTS.md seventh
+session.) One offload engine (48 layers, cache of every expert), 1
 request: timed runs one after another; then (--steps) the decode graphs recaptured, the cache
 rebuilt at the same size, at 50%, at 100% again; each run printed with the seconds since the
 engine was built.
 --recapture-at-start recaptures once before any forward (no prefill has run then, as at start-
 up); --strategy gpu asks the same of the `gpu` strategy (cache steps skipped). --profile times
 the 1-request decode graph alone after each step's runs (back-to-back replays, no host work)
-and prints, per kernel name, where its device time moved against the start-up graph; with
---keep-start-up the start-up graphs stay alive and are timed again after each later step (is the
-slowness in those graphs, or in the state they were captured from?), after a bare recapture only.
+and prints, per kernel name, where its device time moved against the start-up graph.
   python3 scripts/probe_first_config.py [--runs 8] [--steps recapture same 50 100]
                                         [--recapture-at-start] [--strategy gpu|offload] [--layers 48]
-                                        [--profile [--keep-start-up]]"""
+                                        [--profile]"""
 import argparse
 import time
 
@@ -19,9 +19,9 @@ from benchmarks import bench_decode
 from benchmarks.common import QWEN3_30B_DIR_CONFIG, kernel_profile, replay_us, timed_decode
 
 
-def profile_graph(graphs, label: str) -> dict[str, float]:
+def profile_graph(engine, label: str) -> dict[str, float]:
     """The 1-request decode graph's device time per replay, printed; its kernels' times."""
-    graph = graphs.graphs[1]
+    graph = engine.runner.graphs.graphs[1]
     per_name, busy, span = kernel_profile(graph.replay)
     print(f"        {label:<11} graph replay {replay_us(graph):.0f} us back to back; profiled: busy {busy:.0f} us, "
           f"span {span:.0f} us, {len(per_name)} kernel names", flush=True)
@@ -45,7 +45,6 @@ def main():
     p.add_argument("--strategy", choices=["offload", "gpu"], default="offload")
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--profile", action="store_true")
-    p.add_argument("--keep-start-up", action="store_true")
     args = p.parse_args()
     offload = args.strategy == "offload"
     engine, experts = bench_decode.probe_engine(args.strategy, args.layers)
@@ -55,7 +54,6 @@ def main():
     labels = {"recapture": "recaptured", "same": "rebuilt 100%", "50": "50%", "100": "100% again"}
     steps = args.steps if offload else [s for s in args.steps if s == "recapture"]
     profiles: dict[str, dict[str, float]] = {}
-    start_up_graphs = engine.runner.graphs if args.keep_start_up else None
     for step in ["first"] + steps:
         label = labels.get(step, "start-up" + (", recaptured" if args.recapture_at_start else ""))
         if step in ("same", "50", "100"):
@@ -67,9 +65,7 @@ def main():
             run = timed_decode(engine, 1, 32, 4, 24, lambda e: {})
             print(f"{time.time() - t0:7.1f} s  {label:<11} run {i}: {run['tok_s']:.1f} tok/s", flush=True)
         if args.profile:
-            profiles[label] = profile_graph(engine.runner.graphs, label)
-            if start_up_graphs is not None and step == "recapture":  # (a rebuilt pool frees what they read)
-                profiles[f"start-up graph after {label}"] = profile_graph(start_up_graphs, "start-up graph again")
+            profiles[label] = profile_graph(engine, label)
     first, *later = profiles or [None]
     for label in later:
         print_moves(profiles[first], profiles[label], label)

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from benchmarks.common import QWEN3_30B_DIR_CONFIG, write_config_dir
+from benchmarks.common import QWEN3_30B_DIR_CONFIG, busy_and_span, write_config_dir
 from moeferry.config import EngineConfig
 from moeferry.engine.engine import Engine
 from moeferry.sampling import SamplingParams
@@ -19,16 +19,11 @@ def busy_summary(intervals: list[tuple[float, float]], steps: int) -> str:
     """Kernels per step, GPU busy time (the union of the kernels' [start, end) in us) and the
     idle time between them inside the span from the first start to the last end: the gaps
     of a launch-bound step."""
-    intervals = sorted(intervals)
-    busy, span_start, covered_to = 0.0, intervals[0][0], intervals[0][0]
-    for start, end in intervals:
-        if end > covered_to:
-            busy += end - max(start, covered_to)
-            covered_to = end
-    idle = covered_to - span_start - busy
+    busy, span = busy_and_span(intervals)
+    idle = span - busy
     return (f"GPU per step: {len(intervals) / steps:.0f} kernels, busy {busy / steps:.0f} us, "
             f"idle between them {idle / steps:.0f} us ({idle / max(len(intervals) - 1, 1):.2f} us "
-            f"per boundary), span {(covered_to - span_start) / steps:.0f} us")
+            f"per boundary), span {span / steps:.0f} us")
 
 
 p = argparse.ArgumentParser()
