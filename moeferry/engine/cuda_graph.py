@@ -137,7 +137,7 @@ class DecodeGraphs:
         # an eager decode forward on the default stream can bring the slow mode back. With
         # every Triton kernel's preferred shared-memory carveout set to 100% the slow mode never
         # shows, so it is the driver's choice of the SMs' L1/shared split around the MoE GEMM
-        # (110 KB of shared memory). Triton has no launch option for the carveout.
+        # (110,592 bytes of shared memory). Triton has no launch option for the carveout.
         run_on_side_stream(functools.partial(model, self.batches[self.sizes[0]], kv))
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
