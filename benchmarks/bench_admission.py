@@ -61,8 +61,10 @@ def decode_totals(cache) -> dict | None:
     return cache.stats.snapshot()["decode"]["total"] if cache.stats else None
 
 
-def measure(args, requests: int, with_misses: bool, stats: bool) -> tuple[float, float]:
-    """(microseconds per admission, miss rate; NaN without ``stats``, the counters)."""
+def measure(args, requests: int, with_misses: bool, stats: bool,
+            before_timing=None) -> tuple[float, float]:
+    """(microseconds per admission, miss rate; NaN without ``stats``, the counters).
+    ``before_timing``, when given, is called once the graph is warm, before the timed replays."""
     from moeferry.moe.slot_cache import SlotCache
 
     width = requests * args.top_k
@@ -84,6 +86,8 @@ def measure(args, requests: int, with_misses: bool, stats: bool) -> tuple[float,
         static.copy_(variants[v])
         graph.replay()
     before = decode_totals(cache)
+    if before_timing is not None:
+        before_timing()
 
     def replays():
         for v in range(warm, warm + args.replays):

@@ -4,12 +4,16 @@ the measured pinned host-to-device bandwidth of torch's copy_.
 Rows are Qwen3-30B-A3B expert banks: w13 [1536, 2048] bf16 (6 MiB) and w2 [2048, 768] bf16
 (3 MiB). For 8 to 64 misses the gather copies that many rows chosen at random from a
 64-expert host bank into random slots; the reference bandwidth is one copy_ of the same
-number of bytes. GPU only: without CUDA it says so and exits 0.
+number of bytes. The two alternate (``--rounds`` times ``--iters`` calls of each) and the
+medians are compared: the link's speed drifts by a few percent between measurements, so a
+ratio of two separate runs says as much about the drift as about the kernel. GPU only:
+without CUDA it says so and exits 0.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import statistics
 import sys
 
 import torch
@@ -26,6 +30,8 @@ def parse_args(argv):
     p.add_argument("--misses", type=int, nargs="+", default=list(MISSES))
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=7,
+                   help="gather and copy_ alternate this many times; the medians are reported")
     p.add_argument("--programs-per-sm", type=int, help="the gather's grid (default: the kernel's)")
     p.add_argument("--out", help="append the tables to this file")
     return p.parse_args(argv)
@@ -43,13 +49,9 @@ def seconds_per_call(fn, iters: int) -> float:
     return start.elapsed_time(end) / 1000.0 / iters
 
 
-def h2d_gbps(nbytes: int, iters: int) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    return nbytes / seconds_per_call(lambda: dst.copy_(src, non_blocking=True), iters) / 1e9
-
-
-def gather_gbps(row_shape, experts: int, misses: int, iters: int) -> float:
+def gather_case(row_shape, experts: int, misses: int):
+    """(gather, copy_) callables over the same bytes: ``misses`` rows chosen at random from an
+    ``experts``-row pinned bank gathered into random slots, and one copy_ of as many bytes."""
     from moeferry.kernels.triton.gather_copy import gather_copy
 
     host = torch.empty((experts, *row_shape), dtype=torch.bfloat16).pin_memory()
@@ -57,8 +59,28 @@ def gather_gbps(row_shape, experts: int, misses: int, iters: int) -> float:
     plan_src = torch.randperm(experts)[:misses].int().cuda()
     plan_dst = torch.randperm(slots.shape[0])[:misses].int().cuda()
     count = torch.tensor([misses], dtype=torch.int32, device="cuda")
-    seconds = seconds_per_call(lambda: gather_copy([host], [slots], plan_src, plan_dst, count), iters)
-    return misses * host[0].numel() * host.element_size() / seconds / 1e9
+    nbytes = misses * host[0].numel() * host.element_size()
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    return (lambda: gather_copy([host], [slots], plan_src, plan_dst, count),
+            lambda: dst.copy_(src, non_blocking=True), nbytes)
+
+
+def h2d_gbps(nbytes: int, iters: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    return nbytes / seconds_per_call(lambda: dst.copy_(src, non_blocking=True), iters) / 1e9
+
+
+def gather_vs_copy(row_shape, experts: int, misses: int, iters: int, rounds: int):
+    """(gather GB/s, copy_ GB/s): the medians over ``rounds`` rounds, each timing ``iters``
+    gathers and then ``iters`` copy_ of the same bytes, so both see the same link state."""
+    gather, copy, nbytes = gather_case(row_shape, experts, misses)
+    gather_s, copy_s = [], []
+    for _ in range(rounds):
+        gather_s.append(seconds_per_call(gather, iters))
+        copy_s.append(seconds_per_call(copy, iters))
+    return nbytes / statistics.median(gather_s) / 1e9, nbytes / statistics.median(copy_s) / 1e9
 
 
 def main(argv=None) -> int:
@@ -85,8 +107,7 @@ def main(argv=None) -> int:
         args.experts = max(args.experts, max(args.misses))
         for misses in args.misses:
             nbytes = misses * shape[0] * shape[1] * 2
-            gather = gather_gbps(shape, args.experts, misses, args.iters)
-            h2d = h2d_gbps(nbytes, args.iters)
+            gather, h2d = gather_vs_copy(shape, args.experts, misses, args.iters, args.rounds)
             lines.append(f"| {name} | {misses} | {nbytes >> 20} | {gather:.1f} | {h2d:.1f} "
                          f"| {gather / h2d:.0%} |")
     text = "\n".join(lines) + "\n"

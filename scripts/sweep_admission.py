@@ -3,8 +3,11 @@ measurement) over the Cartesian product of the kernel module's knobs (module glo
 every launch, each value compiling its own kernel), at a few widths, all hits and with ~10%
 misses.
   python3 scripts/sweep_admission.py --set _NUM_WARPS=8,16 --set _RADIX_BITS=5,8 \\
-      [--set _KEYS_IN_REGISTERS=1,0] [--set _EXTRACT_MAX=0,16] [--set _FREQ_HISTOGRAM=1,0] \\
-      [--requests 1 16 128] [--policy lru] [--no-stats]"""
+      [--set _KEYS_IN_REGISTERS=1,0] [--set _EXTRACT_MAX=0,16] [--set _FREQ_REPLICAS=0,8,32] \\
+      [--requests 1 16 128] [--policy lru] [--no-stats] [--phases]
+--phases: the "with misses" run again with the kernel's phase clock (_PHASE_CLOCK: a barrier
+and an SM clock read at the end of each phase), and that row's time per call split by the
+phases' shares of the cycles over all its calls."""
 import argparse
 import itertools
 
@@ -19,7 +22,26 @@ p.add_argument("--set", action="append", default=[], metavar="KNOB=V1,V2",
 p.add_argument("--requests", type=int, nargs="+", default=[1, 16, 128])
 p.add_argument("--policy", default="lru")
 p.add_argument("--no-stats", action="store_true", help="admit without statistics counters")
+p.add_argument("--phases", action="store_true", help="split the time of calls with misses by phase")
 args = p.parse_args()
+
+
+def phase_split(requests, stats, miss_us):
+    """'phase us / ...' of a call with misses: its time by the phases' shares of the cycles,
+    measured in a second run with the phase clock on (which adds its own barriers)."""
+    cycles = admission.phase_cycles("cuda")
+    admission._PHASE_CLOCK = True
+    try:
+        bench_admission.measure(bench_args, requests, True, stats, before_timing=cycles.zero_)
+    finally:
+        admission._PHASE_CLOCK = False
+    per_phase = cycles[:-1].double() / max(int(cycles[-1]), 1)
+    shares = per_phase / per_phase.sum()
+    return " / ".join(f"{name} {miss_us * float(share):.2f}"
+                      for name, share in zip(admission._PHASES, shares) if share > 0.005) + (
+        f" ({float(per_phase.sum()):.0f} cycles a call)")
+
+
 knobs = {}
 for item in args.set:
     name, values = item.split("=")
@@ -41,3 +63,6 @@ for values in itertools.product(*knobs.values()):
         rate_text = f"{rate:.1%}" if stats else "-"  # the miss rate comes from the statistics
         print("| " + " | ".join(map(str, values)) + f" | {requests} | {hits_us:.2f} "
               f"| {miss_us:.2f} | {rate_text} |", flush=True)
+        if args.phases:
+            print(f"|   phases of a call with misses, us: {phase_split(requests, stats, miss_us)} |",
+                  flush=True)

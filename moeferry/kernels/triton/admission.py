@@ -74,6 +74,12 @@ _MAX_BLOCK_S = 4096  # slots per block; a pool of at most this many keeps its ke
 _KEYS_IN_REGISTERS = True  # (False: through the key buffer whatever the size; for sweeps)
 _EXTRACT_MAX = 16  # keys in registers: up to this many misses, victims by repeated minimum
 _ALL_HITS_FAST_PATH = True  # LRU policies without statistics: try the all-hits pass first
+_FREQ_REPLICAS = 0  # route counts: 0 = an atomic add per route into the histogram row; R > 0 =
+# into R copies of a scratch row (route r into copy r % R), folded into the row in phase B
+_PHASE_CLOCK = False  # (probes only) SM cycles per phase summed into phase_cycles(): see there
+_PHASES = ("all-hits try", "mark routes", "hits and misses", "slot keys", "victims",
+           "install", "slot ids and counters")
+_phase_cycles: dict = {}  # device -> int64 [len(_PHASES) + 1]: cycles per phase, then calls
 
 
 @triton.jit
@@ -86,8 +92,27 @@ def _decay_pow(dt, decay_ptr, POW_BITS: tl.constexpr, POW_TAIL: tl.constexpr):
 
 
 @triton.jit
+def _sm_clock():
+    return tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _stamp(phase_ptr, index, since, ON: tl.constexpr):
+    """(_PHASE_CLOCK probes) Adds the SM cycles since ``since`` to ``phase_ptr[index]`` once
+    every thread is done with the phase; returns the clock. Without ON, nothing."""
+    if ON:
+        tl.debug_barrier()
+        clock = _sm_clock()
+        tl.store(phase_ptr + index, tl.load(phase_ptr + index) + (clock - since))
+        return clock
+    return since
+
+
+@triton.jit
 def _mark_routes(topk_ptr, num_routes, num_experts, layer_base, now, mark_ptr, freq_ptr,
-                 COUNT_FREQ: tl.constexpr, BLOCK_R: tl.constexpr):
+                 count_ptr, COUNT_FREQ: tl.constexpr, FREQ_REPLICAS: tl.constexpr,
+                 BLOCK_R: tl.constexpr):
     # Route counts by atomics: a histogram per block of routes over the layer's experts
     # and one add of the row measured slower on an H200 (benchmarks/RESULTS.md).
     for start in range(0, num_routes, BLOCK_R):
@@ -97,8 +122,27 @@ def _mark_routes(topk_ptr, num_routes, num_experts, layer_base, now, mark_ptr, f
         valid = in_range & (e >= 0) & (e < num_experts)
         tl.store(mark_ptr + e, tl.full([BLOCK_R], 0, tl.int64) + now, mask=valid)
         if COUNT_FREQ:
-            tl.atomic_add(freq_ptr + layer_base + e, tl.full([BLOCK_R], 1, tl.int64),
-                          mask=valid, sem="relaxed")
+            if FREQ_REPLICAS > 0:  # fewer adds meet at one address; folded in phase B
+                copy = (r % FREQ_REPLICAS).to(tl.int64) * num_experts
+                tl.atomic_add(count_ptr + copy + e, tl.full([BLOCK_R], 1, tl.int32),
+                              mask=valid, sem="relaxed")
+            else:
+                tl.atomic_add(freq_ptr + layer_base + e, tl.full([BLOCK_R], 1, tl.int64),
+                              mask=valid, sem="relaxed")
+
+
+@triton.jit
+def _fold_route_counts(e, seen, num_experts, layer_base, freq_ptr, count_ptr,
+                       FREQ_REPLICAS: tl.constexpr):
+    """freq[layer, e] += the sum of e's copies in the scratch rows, which are zeroed again;
+    for this call's experts ``e`` (``seen``) only, the others' copies are already zero."""
+    copies = tl.arange(0, FREQ_REPLICAS).to(tl.int64)[:, None] * num_experts
+    ptrs = count_ptr + copies + e[None, :]
+    both = seen[None, :] & (copies < FREQ_REPLICAS * num_experts)
+    counts = tl.sum(tl.load(ptrs, mask=both, other=0, cache_modifier=".cg"), 0)
+    tl.store(ptrs, tl.zeros([FREQ_REPLICAS, e.shape[0]], tl.int32), mask=both)
+    total = tl.load(freq_ptr + layer_base + e, mask=seen, other=0)
+    tl.store(freq_ptr + layer_base + e, total + counts.to(tl.int64), mask=seen)
 
 
 @triton.jit
@@ -123,14 +167,18 @@ def _admit_if_all_hits(topk_ptr, num_routes, num_experts, layer_base, now, slot_
 
 @triton.jit
 def _refresh_hits_list_misses(num_experts, layer_base, now, mark_ptr, slot_of_ptr,
-                              last_used_ptr, score_ptr, plan_src_ptr, decay_ptr,
-                              LRFU: tl.constexpr, POW_BITS: tl.constexpr,
-                              POW_TAIL: tl.constexpr, BLOCK_E: tl.constexpr):
+                              last_used_ptr, score_ptr, plan_src_ptr, decay_ptr, freq_ptr,
+                              count_ptr, LRFU: tl.constexpr, POW_BITS: tl.constexpr,
+                              POW_TAIL: tl.constexpr, COUNT_FREQ: tl.constexpr,
+                              FREQ_REPLICAS: tl.constexpr, BLOCK_E: tl.constexpr):
     num_distinct = tl.sum(tl.zeros([BLOCK_E], tl.int32), 0)
     num_misses = tl.sum(tl.zeros([BLOCK_E], tl.int32), 0)
     for start in range(0, num_experts, BLOCK_E):
         e = start + tl.arange(0, BLOCK_E)
         seen = (e < num_experts) & (tl.load(mark_ptr + e, mask=e < num_experts, other=0) == now)
+        if COUNT_FREQ and FREQ_REPLICAS > 0:
+            _fold_route_counts(e, seen, num_experts, layer_base, freq_ptr, count_ptr,
+                               FREQ_REPLICAS)
         slot = tl.load(slot_of_ptr + layer_base + e, mask=seen, other=-1).to(tl.int64)
         hit = seen & (slot >= 0)
         miss = (seen & (slot < 0)).to(tl.int32)
@@ -378,9 +426,10 @@ def _admit_kernel(
     slot_of_ptr, owner_of_ptr, last_used_ptr, score_ptr, clock_ptr,
     plan_src_ptr, plan_dst_ptr, plan_count_ptr, out_ptr,
     mark_ptr, key_ptr, vkey_ptr, vslot_ptr, ordered_ptr, decay_ptr,
-    calls_ptr, distinct_ptr, misses_ptr, freq_ptr,
+    calls_ptr, distinct_ptr, misses_ptr, freq_ptr, count_ptr, phase_ptr,
     LRFU: tl.constexpr, LAYER_LRU: tl.constexpr, POW_BITS: tl.constexpr,
     POW_TAIL: tl.constexpr, COUNT_STATS: tl.constexpr, COUNT_FREQ: tl.constexpr,
+    FREQ_REPLICAS: tl.constexpr, PHASE_CLOCK: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
     RADIX: tl.constexpr, RADIX_BITS: tl.constexpr, KEYS_IN_REGISTERS: tl.constexpr,
     SLOT_BITS: tl.constexpr, EXTRACT_MAX: tl.constexpr, TILE: tl.constexpr,
@@ -388,6 +437,10 @@ def _admit_kernel(
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
+    t = 0
+    if PHASE_CLOCK:  # phase_ptr[7] counts the calls
+        tl.store(phase_ptr + 7, tl.load(phase_ptr + 7) + 1)
+        t = _sm_clock()
     now = tl.load(clock_ptr) + 1
     tl.store(clock_ptr, now)
     layer_base = layer.to(tl.int64) * num_experts
@@ -396,14 +449,18 @@ def _admit_kernel(
         misses_seen = _admit_if_all_hits(topk_ptr, num_routes, num_experts, layer_base, now,
                                          slot_of_ptr, last_used_ptr, plan_count_ptr, out_ptr,
                                          BLOCK_R)
+    t = _stamp(phase_ptr, 0, t, PHASE_CLOCK)
     if misses_seen > 0:
         _mark_routes(topk_ptr, num_routes, num_experts, layer_base, now, mark_ptr, freq_ptr,
-                     COUNT_FREQ, BLOCK_R)
+                     count_ptr, COUNT_FREQ, FREQ_REPLICAS, BLOCK_R)
         tl.debug_barrier()
+        t = _stamp(phase_ptr, 1, t, PHASE_CLOCK)
         num_distinct, num_misses = _refresh_hits_list_misses(
             num_experts, layer_base, now, mark_ptr, slot_of_ptr, last_used_ptr, score_ptr,
-            plan_src_ptr, decay_ptr, LRFU, POW_BITS, POW_TAIL, BLOCK_E)
+            plan_src_ptr, decay_ptr, freq_ptr, count_ptr, LRFU, POW_BITS, POW_TAIL,
+            COUNT_FREQ, FREQ_REPLICAS, BLOCK_E)
         tl.debug_barrier()
+        t = _stamp(phase_ptr, 2, t, PHASE_CLOCK)
         if num_misses > 0:
             if KEYS_IN_REGISTERS:  # the whole pool is one block: its keys never leave registers
                 s = tl.arange(0, BLOCK_S)
@@ -411,6 +468,7 @@ def _admit_kernel(
                                   last_used_ptr, score_ptr, decay_ptr, LRFU, LAYER_LRU,
                                   POW_BITS, POW_TAIL)
                 lo, hi = _key_range(keys)
+                t = _stamp(phase_ptr, 3, t, PHASE_CLOCK)
                 if (num_misses <= EXTRACT_MAX) & ((hi - lo) < (1 << (62 - SLOT_BITS))):
                     _extract_victims(keys, lo, num_misses, ordered_ptr, BLOCK_S, SLOT_BITS)
                 else:
@@ -422,12 +480,15 @@ def _admit_kernel(
                                           last_used_ptr, score_ptr, key_ptr, decay_ptr, LRFU,
                                           LAYER_LRU, POW_BITS, POW_TAIL, BLOCK_S)
                 tl.debug_barrier()
+                t = _stamp(phase_ptr, 3, t, PHASE_CLOCK)
                 _radix_victims(key_ptr, lo, num_slots, lo, hi, num_misses, vkey_ptr, vslot_ptr,
                                ordered_ptr, RADIX, RADIX_BITS, BLOCK_S, KEYS_IN_REGISTERS, TILE)
             tl.debug_barrier()
+            t = _stamp(phase_ptr, 4, t, PHASE_CLOCK)
             _install_misses(num_misses, layer_base, now, plan_src_ptr, plan_dst_ptr, ordered_ptr,
                             slot_of_ptr, owner_of_ptr, last_used_ptr, score_ptr, TILE)
             tl.debug_barrier()
+            t = _stamp(phase_ptr, 5, t, PHASE_CLOCK)
         tl.store(plan_count_ptr, num_misses)
         _write_slot_ids(topk_ptr, num_routes, num_experts, layer_base, slot_of_ptr, out_ptr,
                         BLOCK_R)
@@ -435,6 +496,17 @@ def _admit_kernel(
             tl.store(calls_ptr + layer, tl.load(calls_ptr + layer) + 1)
             tl.store(distinct_ptr + layer, tl.load(distinct_ptr + layer) + num_distinct)
             tl.store(misses_ptr + layer, tl.load(misses_ptr + layer) + num_misses)
+        _stamp(phase_ptr, 6, t, PHASE_CLOCK)
+
+
+def phase_cycles(device) -> torch.Tensor:
+    """(_PHASE_CLOCK probes) int64 [len(_PHASES) + 1] on ``device``: the SM cycles each phase
+    of _PHASES took, summed over the calls since it was zeroed, then the number of calls.
+    Each phase ends at a barrier of the whole program; a phase a call skips adds nothing."""
+    device = torch.device(device)
+    if device not in _phase_cycles:
+        _phase_cycles[device] = torch.zeros(len(_PHASES) + 1, dtype=torch.int64, device=device)
+    return _phase_cycles[device]
 
 
 def _block(n: int, low: int, high: int) -> int:
@@ -453,15 +525,20 @@ def admit(state: SlotState, layer: int, topk_ids: torch.Tensor,
     stats = counters if count_stats else (state.clock,) * 3 + (None,)
     freq = counters.freq if count_freq else state.clock
     block_s = _block(state.num_slots, 16, _MAX_BLOCK_S)
+    phases = phase_cycles(ids.device) if _PHASE_CLOCK else state.clock
+    if _FREQ_REPLICAS & (_FREQ_REPLICAS - 1) or _FREQ_REPLICAS > state.route_count.shape[0]:
+        raise ValueError(f"_FREQ_REPLICAS={_FREQ_REPLICAS}: a power of two up to "
+                         f"{state.route_count.shape[0]}, or 0")
     _admit_kernel[(1,)](
         ids, num_routes, layer, state.num_experts, state.num_slots,
         state.slot_of, state.owner_of, state.last_used, state.score, state.clock,
         state.plan_src, state.plan_dst, state.plan_count, state.slot_ids,
         state.expert_mark, state.slot_key, state.victim_key, state.victim_slot,
         state.ordered_victims, state.decay.table,
-        stats[0], stats[1], stats[2], freq,
+        stats[0], stats[1], stats[2], freq, state.route_count, phases,
         LRFU=state.policy == "lrfu", LAYER_LRU=state.policy == "layer_lru", POW_BITS=state.decay.bits, POW_TAIL=state.decay.tail,
-        COUNT_STATS=count_stats, COUNT_FREQ=count_freq,
+        COUNT_STATS=count_stats, COUNT_FREQ=count_freq, FREQ_REPLICAS=_FREQ_REPLICAS,
+        PHASE_CLOCK=_PHASE_CLOCK,
         BLOCK_R=_block(num_routes, 16, _MAX_BLOCK_R), BLOCK_E=_block(state.num_experts, 16, 1024),
         BLOCK_S=block_s, RADIX=1 << _RADIX_BITS, RADIX_BITS=_RADIX_BITS,
         KEYS_IN_REGISTERS=_KEYS_IN_REGISTERS and state.num_slots <= block_s,

@@ -38,6 +38,7 @@ _CHUNK_BYTES = 64 * 1024
 _PROGRAMS_PER_SM = 1  # the fixed grid, which a call with no misses still launches: 1 per SM
 # copies at the bandwidth of 4 (89-95% of copy_) and costs 0.75 us less per empty call (RESULTS.md)
 _BLOCK_BYTES = 16 * 1024
+_NUM_WARPS = 8
 _WORD_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 
@@ -142,7 +143,7 @@ def _launch(pairs, plan_src, plan_dst, plan_count) -> None:
             row_words[0], row_words[1], CHUNKS0=chunks[0], CHUNKS1=chunks[1],
             CHUNK_WORDS=chunk_words, BLOCK=block,
             EVEN0=row_words[0] % chunk_words == 0, EVEN1=row_words[1] % chunk_words == 0,
-            NUM_PROGRAMS=num_programs, num_warps=8, **pdl_launch(dst0.device))
+            NUM_PROGRAMS=num_programs, num_warps=_NUM_WARPS, **pdl_launch(dst0.device))
 
     if needs_host_pointer and _HostArgumentMode.wrap:
         run(HostPointer)
