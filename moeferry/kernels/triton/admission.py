@@ -504,6 +504,8 @@ def phase_cycles(device) -> torch.Tensor:
     of _PHASES took, summed over the calls since it was zeroed, then the number of calls.
     Each phase ends at a barrier of the whole program; a phase a call skips adds nothing."""
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     if device not in _phase_cycles:
         _phase_cycles[device] = torch.zeros(len(_PHASES) + 1, dtype=torch.int64, device=device)
     return _phase_cycles[device]
