@@ -24,8 +24,9 @@ How (one program, phases separated by barriers, every loop over fixed-size chunk
    2.1-2.4 at 1-48 requests on an H200); when any misses, that pass wrote nothing and A-D
    run (the try costs such a call about 0.3 us).
 A. mark each routed expert with the clock (``expert_mark[e] = now``): a mark array over the
-   layer's E experts dedups any width with no [K, K] block; the decode histogram is an
-   atomic add per route.
+   layer's E experts dedups any width with no [K, K] block. A scattered store costs a
+   memory transaction per route, so blocks of routes after the first read the marks and
+   store only those not yet marked. The decode histogram is an atomic add per route.
 B. walk the E experts in order: marked & resident -> hit (refresh), marked & absent -> miss,
    listed in ascending id by a prefix sum into ``plan_src``.
 C. (only when there are misses) rank every candidate slot by an int64 key (the policy's,
@@ -34,9 +35,10 @@ C. (only when there are misses) rank every candidate slot by an int64 key (the p
    victims, by one of two paths:
    - few misses (``M <= _EXTRACT_MAX``) over a pool of at most ``_MAX_BLOCK_S`` slots: the
      keys are computed once into registers, each packed with its slot as
-     ``(key - lo) << SLOT_BITS | slot``, and M minimum reductions take the victims in order
-     (one block-wide reduction per miss; measured about 5 us faster than the radix path
-     at 4 misses on an H200).
+     ``key << SLOT_BITS | slot`` (the bounds above keep that below 2**62 for any clock
+     below 2**49), and M minimum reductions take the victims in order (one block-wide
+     reduction per miss; measured about 5 us faster than the radix path at 4 misses on an
+     H200).
    - otherwise a radix select: find the key ``T`` of the M-th smallest (the smallest ``T``
      with ``#{key <= T} >= M``) over ``[lo, hi]``, the candidates' smallest and largest
      key: each sweep over the slots takes a histogram of the digits ``(key - lo) >> shift``
@@ -120,7 +122,11 @@ def _mark_routes(topk_ptr, num_routes, num_experts, layer_base, now, mark_ptr, f
         in_range = r < num_routes
         e = tl.load(topk_ptr + r, mask=in_range, other=-1).to(tl.int64)
         valid = in_range & (e >= 0) & (e < num_experts)
-        tl.store(mark_ptr + e, tl.full([BLOCK_R], 0, tl.int64) + now, mask=valid)
+        unmarked = valid
+        if start > 0:  # scattered stores cost a transaction a route: skip experts already
+            # marked by an earlier block (a stale read only repeats the same store)
+            unmarked = valid & (tl.load(mark_ptr + e, mask=valid, other=now) != now)
+        tl.store(mark_ptr + e, tl.full([BLOCK_R], 0, tl.int64) + now, mask=unmarked)
         if COUNT_FREQ:
             if FREQ_REPLICAS > 0:  # fewer adds meet at one address; folded in phase B
                 copy = (r % FREQ_REPLICAS).to(tl.int64) * num_experts
@@ -175,11 +181,11 @@ def _refresh_hits_list_misses(num_experts, layer_base, now, mark_ptr, slot_of_pt
     num_misses = tl.sum(tl.zeros([BLOCK_E], tl.int32), 0)
     for start in range(0, num_experts, BLOCK_E):
         e = start + tl.arange(0, BLOCK_E)
+        slot = tl.load(slot_of_ptr + layer_base + e, mask=e < num_experts, other=-1).to(tl.int64)
         seen = (e < num_experts) & (tl.load(mark_ptr + e, mask=e < num_experts, other=0) == now)
         if COUNT_FREQ and FREQ_REPLICAS > 0:
             _fold_route_counts(e, seen, num_experts, layer_base, freq_ptr, count_ptr,
                                FREQ_REPLICAS)
-        slot = tl.load(slot_of_ptr + layer_base + e, mask=seen, other=-1).to(tl.int64)
         hit = seen & (slot >= 0)
         miss = (seen & (slot < 0)).to(tl.int32)
         if LRFU:
@@ -202,10 +208,10 @@ def _slot_keys(s, in_range, now, layer_base, num_experts, owner_of_ptr, last_use
     """The keys of slots ``s``: the policy's for candidates, _KEY_NONE for this call's
     slots and for lanes out of range."""
     last = tl.load(last_used_ptr + s, mask=in_range, other=0)
-    candidate = in_range & (last != now)
-    owner = tl.load(owner_of_ptr + s, mask=candidate, other=-1)
+    owner = tl.load(owner_of_ptr + s, mask=in_range, other=-1)  # not masked by `candidate`:
+    candidate = in_range & (last != now)  # the loads go out together
     if LRFU:
-        score = tl.load(score_ptr + s, mask=candidate, other=0.0)
+        score = tl.load(score_ptr + s, mask=in_range, other=0.0)
         decayed = score * _decay_pow(now - last, decay_ptr, POW_BITS, POW_TAIL)
         key = decayed.to(tl.int32, bitcast=True).to(tl.int64) + 1
     else:
@@ -363,7 +369,8 @@ def _extract_victims(keys, lo, num_misses, ordered_ptr, BLOCK_S: tl.constexpr,
     """ordered[i] = the i-th victim in (key, slot) order, by ``num_misses`` minimum
     reductions over the register block: each candidate packed as ``(key - lo) << SLOT_BITS
     | slot`` (distinct, ordered like (key, slot); the caller checks that they stay below
-    2**62), the minimum taken and struck out. One reduction per miss, against the radix
+    2**62; ``lo`` may be any lower bound of the keys, 0 included), the minimum taken and
+    struck out. One reduction per miss, against the radix
     path's sweeps, victim list and ordering, which win once misses are many."""
     s = tl.arange(0, BLOCK_S).to(tl.int64)
     packed = tl.where(keys != _KEY_NONE, ((keys - lo) << SLOT_BITS) | s, _KEY_NONE)
@@ -467,11 +474,14 @@ def _admit_kernel(
                 keys = _slot_keys(s, s < num_slots, now, layer_base, num_experts, owner_of_ptr,
                                   last_used_ptr, score_ptr, decay_ptr, LRFU, LAYER_LRU,
                                   POW_BITS, POW_TAIL)
-                lo, hi = _key_range(keys)
                 t = _stamp(phase_ptr, 3, t, PHASE_CLOCK)
-                if (num_misses <= EXTRACT_MAX) & ((hi - lo) < (1 << (62 - SLOT_BITS))):
-                    _extract_victims(keys, lo, num_misses, ordered_ptr, BLOCK_S, SLOT_BITS)
+                # Every candidate key is at most 2 now + 1 (LRU, LAYER_LRU) or 2**31 (LRFU):
+                # packed with its slot from 0, no reduction for the keys' range first.
+                key_bound = tl.maximum(2 * now + 1, 1 << 31)
+                if (num_misses <= EXTRACT_MAX) & (key_bound < (1 << (62 - SLOT_BITS))):
+                    _extract_victims(keys, 0, num_misses, ordered_ptr, BLOCK_S, SLOT_BITS)
                 else:
+                    lo, hi = _key_range(keys)
                     _radix_victims(key_ptr, keys, num_slots, lo, hi, num_misses, vkey_ptr,
                                    vslot_ptr, ordered_ptr, RADIX, RADIX_BITS, BLOCK_S,
                                    KEYS_IN_REGISTERS, TILE)
