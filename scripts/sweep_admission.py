@@ -3,7 +3,7 @@ measurement) over the Cartesian product of the kernel module's knobs (module glo
 every launch, each value compiling its own kernel), at a few widths, all hits and with ~10%
 misses.
   python3 scripts/sweep_admission.py --set _NUM_WARPS=8,16 --set _RADIX_BITS=5,8 \\
-      [--set _KEYS_IN_REGISTERS=1,0] [--set _EXTRACT_MAX=0,16] [--set _FREQ_REPLICAS=0,8,32] \\
+      [--set _KEYS_IN_REGISTERS=1,0] [--set _EXTRACT_MAX=0,16] \\
       [--requests 1 16 128] [--policy lru] [--no-stats] [--phases]
 --phases: the "with misses" run again with the kernel's phase clock (_PHASE_CLOCK: a barrier
 and an SM clock read at the end of each phase), and that row's time per call split by the
@@ -49,7 +49,7 @@ for item in args.set:
         p.error(f"admission has no knob {name}")
     knobs[name] = [int(v) for v in values.split(",")]
 bench_args = bench_admission.parse_args(["--policy", args.policy])
-print(f"{torch.cuda.get_device_name()}, policy {args.policy}, {bench_args.slots} slots, "
+print(f"{torch.cuda.get_device_name()}, policy {args.policy}, {bench_args.slots} slots,
       f"{bench_args.layers} layers, statistics {'off' if args.no_stats else 'on'}")
 print("| " + " | ".join(knobs) + " | requests | all hits (us) | with misses (us) | miss rate |")
 print("|" + "---:|" * (len(knobs) + 4))
@@ -61,7 +61,7 @@ for values in itertools.product(*knobs.values()):
         hits_us, _ = bench_admission.measure(bench_args, requests, False, stats)
         miss_us, rate = bench_admission.measure(bench_args, requests, True, stats)
         rate_text = f"{rate:.1%}" if stats else "-"  # the miss rate comes from the statistics
-        print("| " + " | ".join(map(str, values)) + f" | {requests} | {hits_us:.2f} "
+        print("| " + " | ".join(map(str, values)) + f" | {requests} | {hits_us:.2f}
               f"| {miss_us:.2f} | {rate_text} |", flush=True)
         if args.phases:
             print(f"|   phases of a call with misses, us: {phase_split(requests, stats, miss_us)} |",

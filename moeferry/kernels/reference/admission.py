@@ -60,7 +60,6 @@ import numpy as np
 import torch
 
 POLICIES = ("lru", "lrfu", "layer_lru")
-ROUTE_COUNT_COPIES = 32  # the Triton kernel's scratch copies of a histogram row (at most)
 
 
 class AdmissionCounters(NamedTuple):
@@ -103,8 +102,7 @@ class SlotState:
     with ``P = min(E, max_routes)``. Output: ``slot_ids[max_routes]`` int32. Scratch for the
     Triton kernel (the reference does not touch it): ``expert_mark[E]`` int64,
     ``slot_key[S]`` int64, ``victim_key[P]`` int64, ``victim_slot[P]`` int32,
-    ``ordered_victims[P]`` int32, ``route_count[ROUTE_COUNT_COPIES, E]`` int32 (zero between
-    calls).
+    ``ordered_victims[P]`` int32.
     """
 
     slot_of: torch.Tensor
@@ -121,7 +119,6 @@ class SlotState:
     victim_key: torch.Tensor
     victim_slot: torch.Tensor
     ordered_victims: torch.Tensor
-    route_count: torch.Tensor
     decay: DecayPowers
     policy: str
     max_routes: int
@@ -151,7 +148,6 @@ class SlotState:
             victim_key=buf((plan_size,), torch.int64),
             victim_slot=buf((plan_size,), torch.int32),
             ordered_victims=buf((plan_size,), torch.int32),
-            route_count=buf((ROUTE_COUNT_COPIES, num_experts), torch.int32),
             decay=DecayPowers.build(lrfu_decay, device),
             policy=policy,
             max_routes=max_routes,
@@ -173,7 +169,7 @@ class SlotState:
         """Empty the cache in place (clock and plan included); nothing is reallocated."""
         for t, v in ((self.slot_of, -1), (self.owner_of, -1), (self.last_used, -1),
                      (self.score, 0), (self.clock, 0), (self.plan_count, 0),
-                     (self.expert_mark, 0), (self.route_count, 0)):
+                     (self.expert_mark, 0)):
             t.fill_(v)
 
 

@@ -76,8 +76,6 @@ _MAX_BLOCK_S = 4096  # slots per block; a pool of at most this many keeps its ke
 _KEYS_IN_REGISTERS = True  # (False: through the key buffer whatever the size; for sweeps)
 _EXTRACT_MAX = 16  # keys in registers: up to this many misses, victims by repeated minimum
 _ALL_HITS_FAST_PATH = True  # LRU policies without statistics: try the all-hits pass first
-_FREQ_REPLICAS = 0  # route counts: 0 = an atomic add per route into the histogram row; R > 0 =
-# into R copies of a scratch row (route r into copy r % R), folded into the row in phase B
 _PHASE_CLOCK = False  # (probes only) SM cycles per phase summed into phase_cycles(): see there
 _PHASES = ("all-hits try", "mark routes", "hits and misses", "slot keys", "victims",
            "install", "slot ids and counters")
@@ -113,10 +111,10 @@ def _stamp(phase_ptr, index, since, ON: tl.constexpr):
 
 @triton.jit
 def _mark_routes(topk_ptr, num_routes, num_experts, layer_base, now, mark_ptr, freq_ptr,
-                 count_ptr, COUNT_FREQ: tl.constexpr, FREQ_REPLICAS: tl.constexpr,
-                 BLOCK_R: tl.constexpr):
+                 COUNT_FREQ: tl.constexpr, BLOCK_R: tl.constexpr):
     # Route counts by atomics: a histogram per block of routes over the layer's experts
-    # and one add of the row measured slower on an H200 (benchmarks/RESULTS.md).
+    # and one add of the row measured slower on an H200, and so did adds spread over 8 or
+    # 32 copies of the row, folded in phase B (benchmarks/RESULTS.md).
     for start in range(0, num_routes, BLOCK_R):
         r = start + tl.arange(0, BLOCK_R)
         in_range = r < num_routes
@@ -128,27 +126,8 @@ def _mark_routes(topk_ptr, num_routes, num_experts, layer_base, now, mark_ptr, f
             unmarked = valid & (tl.load(mark_ptr + e, mask=valid, other=now) != now)
         tl.store(mark_ptr + e, tl.full([BLOCK_R], 0, tl.int64) + now, mask=unmarked)
         if COUNT_FREQ:
-            if FREQ_REPLICAS > 0:  # fewer adds meet at one address; folded in phase B
-                copy = (r % FREQ_REPLICAS).to(tl.int64) * num_experts
-                tl.atomic_add(count_ptr + copy + e, tl.full([BLOCK_R], 1, tl.int32),
-                              mask=valid, sem="relaxed")
-            else:
-                tl.atomic_add(freq_ptr + layer_base + e, tl.full([BLOCK_R], 1, tl.int64),
-                              mask=valid, sem="relaxed")
-
-
-@triton.jit
-def _fold_route_counts(e, seen, num_experts, layer_base, freq_ptr, count_ptr,
-                       FREQ_REPLICAS: tl.constexpr):
-    """freq[layer, e] += the sum of e's copies in the scratch rows, which are zeroed again;
-    for this call's experts ``e`` (``seen``) only, the others' copies are already zero."""
-    copies = tl.arange(0, FREQ_REPLICAS).to(tl.int64)[:, None] * num_experts
-    ptrs = count_ptr + copies + e[None, :]
-    both = seen[None, :] & (copies < FREQ_REPLICAS * num_experts)
-    counts = tl.sum(tl.load(ptrs, mask=both, other=0, cache_modifier=".cg"), 0)
-    tl.store(ptrs, tl.zeros([FREQ_REPLICAS, e.shape[0]], tl.int32), mask=both)
-    total = tl.load(freq_ptr + layer_base + e, mask=seen, other=0)
-    tl.store(freq_ptr + layer_base + e, total + counts.to(tl.int64), mask=seen)
+            tl.atomic_add(freq_ptr + layer_base + e, tl.full([BLOCK_R], 1, tl.int64),
+                          mask=valid, sem="relaxed")
 
 
 @triton.jit
@@ -173,19 +152,15 @@ def _admit_if_all_hits(topk_ptr, num_routes, num_experts, layer_base, now, slot_
 
 @triton.jit
 def _refresh_hits_list_misses(num_experts, layer_base, now, mark_ptr, slot_of_ptr,
-                              last_used_ptr, score_ptr, plan_src_ptr, decay_ptr, freq_ptr,
-                              count_ptr, LRFU: tl.constexpr, POW_BITS: tl.constexpr,
-                              POW_TAIL: tl.constexpr, COUNT_FREQ: tl.constexpr,
-                              FREQ_REPLICAS: tl.constexpr, BLOCK_E: tl.constexpr):
+                              last_used_ptr, score_ptr, plan_src_ptr, decay_ptr,
+                              LRFU: tl.constexpr, POW_BITS: tl.constexpr,
+                              POW_TAIL: tl.constexpr, BLOCK_E: tl.constexpr):
     num_distinct = tl.sum(tl.zeros([BLOCK_E], tl.int32), 0)
     num_misses = tl.sum(tl.zeros([BLOCK_E], tl.int32), 0)
     for start in range(0, num_experts, BLOCK_E):
         e = start + tl.arange(0, BLOCK_E)
         slot = tl.load(slot_of_ptr + layer_base + e, mask=e < num_experts, other=-1).to(tl.int64)
         seen = (e < num_experts) & (tl.load(mark_ptr + e, mask=e < num_experts, other=0) == now)
-        if COUNT_FREQ and FREQ_REPLICAS > 0:
-            _fold_route_counts(e, seen, num_experts, layer_base, freq_ptr, count_ptr,
-                               FREQ_REPLICAS)
         hit = seen & (slot >= 0)
         miss = (seen & (slot < 0)).to(tl.int32)
         if LRFU:
@@ -433,10 +408,10 @@ def _admit_kernel(
     slot_of_ptr, owner_of_ptr, last_used_ptr, score_ptr, clock_ptr,
     plan_src_ptr, plan_dst_ptr, plan_count_ptr, out_ptr,
     mark_ptr, key_ptr, vkey_ptr, vslot_ptr, ordered_ptr, decay_ptr,
-    calls_ptr, distinct_ptr, misses_ptr, freq_ptr, count_ptr, phase_ptr,
+    calls_ptr, distinct_ptr, misses_ptr, freq_ptr, phase_ptr,
     LRFU: tl.constexpr, LAYER_LRU: tl.constexpr, POW_BITS: tl.constexpr,
     POW_TAIL: tl.constexpr, COUNT_STATS: tl.constexpr, COUNT_FREQ: tl.constexpr,
-    FREQ_REPLICAS: tl.constexpr, PHASE_CLOCK: tl.constexpr,
+    PHASE_CLOCK: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
     RADIX: tl.constexpr, RADIX_BITS: tl.constexpr, KEYS_IN_REGISTERS: tl.constexpr,
     SLOT_BITS: tl.constexpr, EXTRACT_MAX: tl.constexpr, TILE: tl.constexpr,
@@ -459,13 +434,12 @@ def _admit_kernel(
     t = _stamp(phase_ptr, 0, t, PHASE_CLOCK)
     if misses_seen > 0:
         _mark_routes(topk_ptr, num_routes, num_experts, layer_base, now, mark_ptr, freq_ptr,
-                     count_ptr, COUNT_FREQ, FREQ_REPLICAS, BLOCK_R)
+                     COUNT_FREQ, BLOCK_R)
         tl.debug_barrier()
         t = _stamp(phase_ptr, 1, t, PHASE_CLOCK)
         num_distinct, num_misses = _refresh_hits_list_misses(
             num_experts, layer_base, now, mark_ptr, slot_of_ptr, last_used_ptr, score_ptr,
-            plan_src_ptr, decay_ptr, freq_ptr, count_ptr, LRFU, POW_BITS, POW_TAIL,
-            COUNT_FREQ, FREQ_REPLICAS, BLOCK_E)
+            plan_src_ptr, decay_ptr, LRFU, POW_BITS, POW_TAIL, BLOCK_E)
         tl.debug_barrier()
         t = _stamp(phase_ptr, 2, t, PHASE_CLOCK)
         if num_misses > 0:
@@ -538,19 +512,15 @@ def admit(state: SlotState, layer: int, topk_ids: torch.Tensor,
     freq = counters.freq if count_freq else state.clock
     block_s = _block(state.num_slots, 16, _MAX_BLOCK_S)
     phases = phase_cycles(ids.device) if _PHASE_CLOCK else state.clock
-    if _FREQ_REPLICAS & (_FREQ_REPLICAS - 1) or _FREQ_REPLICAS > state.route_count.shape[0]:
-        raise ValueError(f"_FREQ_REPLICAS={_FREQ_REPLICAS}: a power of two up to "
-                         f"{state.route_count.shape[0]}, or 0")
     _admit_kernel[(1,)](
         ids, num_routes, layer, state.num_experts, state.num_slots,
         state.slot_of, state.owner_of, state.last_used, state.score, state.clock,
         state.plan_src, state.plan_dst, state.plan_count, state.slot_ids,
         state.expert_mark, state.slot_key, state.victim_key, state.victim_slot,
         state.ordered_victims, state.decay.table,
-        stats[0], stats[1], stats[2], freq, state.route_count, phases,
+        stats[0], stats[1], stats[2], freq, phases,
         LRFU=state.policy == "lrfu", LAYER_LRU=state.policy == "layer_lru", POW_BITS=state.decay.bits, POW_TAIL=state.decay.tail,
-        COUNT_STATS=count_stats, COUNT_FREQ=count_freq, FREQ_REPLICAS=_FREQ_REPLICAS,
-        PHASE_CLOCK=_PHASE_CLOCK,
+        COUNT_STATS=count_stats, COUNT_FREQ=count_freq, PHASE_CLOCK=_PHASE_CLOCK,
         BLOCK_R=_block(num_routes, 16, _MAX_BLOCK_R), BLOCK_E=_block(state.num_experts, 16, 1024),
         BLOCK_S=block_s, RADIX=1 << _RADIX_BITS, RADIX_BITS=_RADIX_BITS,
         KEYS_IN_REGISTERS=_KEYS_IN_REGISTERS and state.num_slots <= block_s,
