@@ -49,7 +49,7 @@ for item in args.set:
         p.error(f"admission has no knob {name}")
     knobs[name] = [int(v) for v in values.split(",")]
 bench_args = bench_admission.parse_args(["--policy", args.policy])
-print(f"{torch.cuda.get_device_name()}, policy {args.policy}, {bench_args.slots} slots,
+print(f"{torch.cuda.get_device_name()}, policy {args.policy}, {bench_args.slots} slots, "
       f"{bench_args.layers} layers, statistics {'off' if args.no_stats else 'on'}")
 print("| " + " | ".join(knobs) + " | requests | all hits (us) | with misses (us) | miss rate |")
 print("|" + "---:|" * (len(knobs) + 4))
@@ -61,7 +61,7 @@ for values in itertools.product(*knobs.values()):
         hits_us, _ = bench_admission.measure(bench_args, requests, False, stats)
         miss_us, rate = bench_admission.measure(bench_args, requests, True, stats)
         rate_text = f"{rate:.1%}" if stats else "-"  # the miss rate comes from the statistics
-        print("| " + " | ".join(map(str, values)) + f" | {requests} | {hits_us:.2f}
+        print("| " + " | ".join(map(str, values)) + f" | {requests} | {hits_us:.2f} "
               f"| {miss_us:.2f} | {rate_text} |", flush=True)
         if args.phases:
             print(f"|   phases of a call with misses, us: {phase_split(requests, stats, miss_us)} |",
