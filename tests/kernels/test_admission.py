@@ -356,11 +356,11 @@ def test_decay_powers_follow_float32_squaring(decay):
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["lru", "lrfu", "layer_lru"])
 @pytest.mark.parametrize("num_slots", [2100, 32768])
-@pytest.mark.parametrize("wide_warps, stats", [(8, True), (16, True), (16, False)])
+@pytest.mark.parametrize("wide_warps, stats", [(8, True), (16, True), (16, False), (32, True)])
 def test_kernel_matches_reference_at_real_sizes_on_gpu(policy, num_slots, wide_warps, stats,
                                                        monkeypatch):
-    """Widths 10 to 4,100 routes; calls over one block of routes with 8 and 16 warps (16:
-    the default); without statistics the LRU policies try the all-hits pass first."""
+    """Widths 10 to 4,100 routes; calls over one block of routes with 8, 16 and 32 warps
+    (see _NUM_WARPS_WIDE); without statistics the LRU policies try the all-hits pass first."""
     from moeferry.kernels.triton import admission
     monkeypatch.setattr(admission, "_NUM_WARPS_WIDE", wide_warps)
     rng = np.random.default_rng(3)
