@@ -130,6 +130,19 @@ def hbm_bandwidth(nbytes: int = 2 << 30, iters: int = 10) -> float:
     return 2 * nbytes * iters / (start.elapsed_time(end) / 1e3)
 
 
+def knob_grid(parser, module, items: list[str]) -> dict[str, list[int]]:
+    """A sweep script's ``--set NAME=V1,V2`` items -> {NAME: [V1, V2]}, each NAME a module
+    global of ``module`` (a kernel's tuning knob, read at every launch); a NAME the module
+    lacks is a usage error."""
+    knobs = {}
+    for item in items:
+        name, values = item.split("=")
+        if not hasattr(module, name):
+            parser.error(f"{module.__name__} has no knob {name}")
+        knobs[name] = [int(v) for v in values.split(",")]
+    return knobs
+
+
 def markdown_table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]

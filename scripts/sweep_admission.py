@@ -14,6 +14,7 @@ import itertools
 import torch
 
 from benchmarks import bench_admission
+from benchmarks.common import knob_grid
 from moeferry.kernels.triton import admission
 
 p = argparse.ArgumentParser()
@@ -42,12 +43,7 @@ def phase_split(requests, stats, miss_us):
         f" ({float(per_phase.sum()):.0f} cycles a call)")
 
 
-knobs = {}
-for item in args.set:
-    name, values = item.split("=")
-    if not hasattr(admission, name):
-        p.error(f"admission has no knob {name}")
-    knobs[name] = [int(v) for v in values.split(",")]
+knobs = knob_grid(p, admission, args.set)
 bench_args = bench_admission.parse_args(["--policy", args.policy])
 print(f"{torch.cuda.get_device_name()}, policy {args.policy}, {bench_args.slots} slots, "
       f"{bench_args.layers} layers, statistics {'off' if args.no_stats else 'on'}")

@@ -9,6 +9,7 @@ import itertools
 import torch
 
 from benchmarks import bench_copy
+from benchmarks.common import knob_grid
 from moeferry.kernels.triton import gather_copy
 
 p = argparse.ArgumentParser()
@@ -19,12 +20,7 @@ p.add_argument("--banks", nargs="+", default=["w13", "w2"], choices=["w13", "w2"
 p.add_argument("--iters", type=int, default=10)
 p.add_argument("--rounds", type=int, default=7)
 args = p.parse_args()
-knobs = {}
-for item in args.set:
-    name, values = item.split("=")
-    if not hasattr(gather_copy, name):
-        p.error(f"gather_copy has no knob {name}")
-    knobs[name] = [int(v) for v in values.split(",")]
+knobs = knob_grid(p, gather_copy, args.set)
 banks = {name.split()[0]: shape for name, shape in bench_copy.BANKS.items()}
 print(f"{torch.cuda.get_device_name()}: medians of {args.rounds} alternating rounds of {args.iters} calls")
 print("| " + " | ".join(knobs) + " | bank | misses | gather GB/s | copy_ GB/s | % of copy_ |")

@@ -79,6 +79,7 @@ _ALL_HITS_FAST_PATH = True  # LRU policies without statistics: try the all-hits 
 _PHASE_CLOCK = False  # (probes only) SM cycles per phase summed into phase_cycles(): see there
 _PHASES = ("all-hits try", "mark routes", "hits and misses", "slot keys", "victims",
            "install", "slot ids and counters")
+_CALLS_INDEX = tl.constexpr(len(_PHASES))  # where phase_cycles() counts the calls
 _phase_cycles: dict = {}  # device -> int64 [len(_PHASES) + 1]: cycles per phase, then calls
 
 
@@ -335,16 +336,15 @@ def _order_victims(num_victims, vkey_ptr, vslot_ptr, ordered_ptr, TILE: tl.const
 
 
 @triton.jit
-def _extract_victims(keys, lo, num_misses, ordered_ptr, BLOCK_S: tl.constexpr,
+def _extract_victims(keys, num_misses, ordered_ptr, BLOCK_S: tl.constexpr,
                      SLOT_BITS: tl.constexpr):
     """ordered[i] = the i-th victim in (key, slot) order, by ``num_misses`` minimum
-    reductions over the register block: each candidate packed as ``(key - lo) << SLOT_BITS
-    | slot`` (distinct, ordered like (key, slot); the caller checks that they stay below
-    2**62; ``lo`` may be any lower bound of the keys, 0 included), the minimum taken and
-    struck out. One reduction per miss, against the radix
-    path's sweeps, victim list and ordering, which win once misses are many."""
+    reductions over the register block: each candidate packed as ``key << SLOT_BITS | slot``
+    (distinct, ordered like (key, slot); the caller checks that they stay below 2**62), the
+    minimum taken and struck out. One reduction per miss, against the radix path's sweeps,
+    victim list and ordering, which win once misses are many."""
     s = tl.arange(0, BLOCK_S).to(tl.int64)
-    packed = tl.where(keys != _KEY_NONE, ((keys - lo) << SLOT_BITS) | s, _KEY_NONE)
+    packed = tl.where(keys != _KEY_NONE, (keys << SLOT_BITS) | s, _KEY_NONE)
     for i in range(num_misses):
         smallest = tl.min(packed, 0)
         packed = tl.where(packed == smallest, _KEY_NONE, packed)
@@ -416,8 +416,8 @@ def _admit_kernel(
 ):
     wait_for_previous_kernel(PDL)
     t = 0
-    if PHASE_CLOCK:  # phase_ptr[7] counts the calls
-        tl.store(phase_ptr + 7, tl.load(phase_ptr + 7) + 1)
+    if PHASE_CLOCK:
+        tl.store(phase_ptr + _CALLS_INDEX, tl.load(phase_ptr + _CALLS_INDEX) + 1)
         t = _sm_clock()
     now = tl.load(clock_ptr) + 1
     tl.store(clock_ptr, now)
@@ -449,7 +449,7 @@ def _admit_kernel(
                 # packed with its slot from 0, no reduction for the keys' range first.
                 key_bound = tl.maximum(2 * now + 1, 1 << 31)
                 if (num_misses <= EXTRACT_MAX) & (key_bound < (1 << (62 - SLOT_BITS))):
-                    _extract_victims(keys, 0, num_misses, ordered_ptr, BLOCK_S, SLOT_BITS)
+                    _extract_victims(keys, num_misses, ordered_ptr, BLOCK_S, SLOT_BITS)
                 else:
                     lo, hi = _key_range(keys)
                     _radix_victims(key_ptr, keys, num_slots, lo, hi, num_misses, vkey_ptr,
