@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from benchmarks.common import emit
+from benchmarks.common import emit, h2d_bandwidth, pinned_h2d_copy, us_per_call
 
 BANKS = {"w13 6 MiB": (1536, 2048), "w2 3 MiB": (2048, 768)}
 MISSES = (8, 16, 32, 64)
@@ -37,18 +37,6 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def seconds_per_call(fn, iters: int) -> float:
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1000.0 / iters
-
-
 def gather_case(row_shape, experts: int, misses: int):
     """(gather, copy_) callables over the same bytes: ``misses`` rows chosen at random from an
     ``experts``-row pinned bank gathered into random slots, and one copy_ of as many bytes."""
@@ -60,27 +48,19 @@ def gather_case(row_shape, experts: int, misses: int):
     plan_dst = torch.randperm(slots.shape[0])[:misses].int().cuda()
     count = torch.tensor([misses], dtype=torch.int32, device="cuda")
     nbytes = misses * host[0].numel() * host.element_size()
-    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     return (lambda: gather_copy([host], [slots], plan_src, plan_dst, count),
-            lambda: dst.copy_(src, non_blocking=True), nbytes)
-
-
-def h2d_gbps(nbytes: int, iters: int) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    return nbytes / seconds_per_call(lambda: dst.copy_(src, non_blocking=True), iters) / 1e9
+            pinned_h2d_copy(nbytes), nbytes)
 
 
 def gather_vs_copy(row_shape, experts: int, misses: int, iters: int, rounds: int):
     """(gather GB/s, copy_ GB/s): the medians over ``rounds`` rounds, each timing ``iters``
     gathers and then ``iters`` copy_ of the same bytes, so both see the same link state."""
     gather, copy, nbytes = gather_case(row_shape, experts, misses)
-    gather_s, copy_s = [], []
+    gather_us, copy_us = [], []
     for _ in range(rounds):
-        gather_s.append(seconds_per_call(gather, iters))
-        copy_s.append(seconds_per_call(copy, iters))
-    return nbytes / statistics.median(gather_s) / 1e9, nbytes / statistics.median(copy_s) / 1e9
+        gather_us.append(us_per_call(gather, iters))
+        copy_us.append(us_per_call(copy, iters))
+    return nbytes / statistics.median(gather_us) / 1e3, nbytes / statistics.median(copy_us) / 1e3
 
 
 def main(argv=None) -> int:
@@ -96,7 +76,7 @@ def main(argv=None) -> int:
     lines = [f"### Pinned H2D copy_, {gpu}, {datetime.date.today()}", "",
              "| MiB | GB/s |", "|---:|---:|"]
     for mib in H2D_SIZES_MIB:
-        lines.append(f"| {mib} | {h2d_gbps(mib << 20, args.iters):.1f} |")
+        lines.append(f"| {mib} | {h2d_bandwidth(mib << 20, args.iters) / 1e9:.1f} |")
     from moeferry.kernels.triton import gather_copy
 
     lines += ["", f"### Miss gather from pinned memory ({gather_copy._PROGRAMS_PER_SM} programs per SM), "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import itertools
 import subprocess
 
 import torch
@@ -99,19 +100,28 @@ def kernel_profile(fn, repeats: int = 5) -> tuple[dict[str, float], float, float
     return per_name, busy / repeats, span / repeats
 
 
-def h2d_bandwidth(nbytes: int = 1 << 30, iters: int = 5) -> float:
-    """Measured pinned host-to-device copy bandwidth in bytes/s."""
+def us_per_call(fn, iters: int) -> float:
+    """Device microseconds per call of ``fn``: one untimed call, then ``iters`` back to back."""
+    fn()
+
+    def calls():
+        for _ in range(iters):
+            fn()
+
+    return elapsed_us(calls) / iters
+
+
+def pinned_h2d_copy(nbytes: int):
+    """A callable copying ``nbytes`` from a new pinned host buffer into a new device buffer
+    (a non-blocking copy_: the DMA path the H2D figures are measured on)."""
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        dst.copy_(src, non_blocking=True)
-    end.record()
-    torch.cuda.synchronize()
-    return nbytes * iters / (start.elapsed_time(end) / 1e3)
+    return lambda: dst.copy_(src, non_blocking=True)
+
+
+def h2d_bandwidth(nbytes: int = 1 << 30, iters: int = 5) -> float:
+    """Measured pinned host-to-device copy bandwidth in bytes/s."""
+    return nbytes / (us_per_call(pinned_h2d_copy(nbytes), iters) / 1e6)
 
 
 def hbm_bandwidth(nbytes: int = 2 << 30, iters: int = 10) -> float:
@@ -141,6 +151,25 @@ def knob_grid(parser, module, items: list[str]) -> dict[str, list[int]]:
             parser.error(f"{module.__name__} has no knob {name}")
         knobs[name] = [int(v) for v in values.split(",")]
     return knobs
+
+
+def knob_settings(module, knobs: dict[str, list[int]]):
+    """Every combination of knob_grid's ``knobs``, each set on ``module`` in turn before it is
+    yielded (as the tuple of its values): the outer loop of a sweep script."""
+    for values in itertools.product(*knobs.values()):
+        for name, value in zip(knobs, values):
+            setattr(module, name, value)
+        yield values
+
+
+def table_row(cells) -> str:
+    """One markdown table row, the cells printed with str()."""
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
+def sweep_header(knobs: dict[str, list[int]], columns: list[str]) -> str:
+    """The header of a sweep's table: a column per knob, then ``columns``, right-aligned."""
+    return table_row([*knobs, *columns]) + "\n|" + "---:|" * (len(knobs) + len(columns))
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:

@@ -9,12 +9,11 @@ misses.
 and an SM clock read at the end of each phase), and that row's time per call split by the
 phases' shares of the cycles over all its calls."""
 import argparse
-import itertools
 
 import torch
 
 from benchmarks import bench_admission
-from benchmarks.common import knob_grid
+from benchmarks.common import knob_grid, knob_settings, sweep_header, table_row
 from moeferry.kernels.triton import admission
 
 p = argparse.ArgumentParser()
@@ -47,18 +46,15 @@ knobs = knob_grid(p, admission, args.set)
 bench_args = bench_admission.parse_args(["--policy", args.policy])
 print(f"{torch.cuda.get_device_name()}, policy {args.policy}, {bench_args.slots} slots, "
       f"{bench_args.layers} layers, statistics {'off' if args.no_stats else 'on'}")
-print("| " + " | ".join(knobs) + " | requests | all hits (us) | with misses (us) | miss rate |")
-print("|" + "---:|" * (len(knobs) + 4))
-for values in itertools.product(*knobs.values()):
-    for name, value in zip(knobs, values):
-        setattr(admission, name, value)
+print(sweep_header(knobs, ["requests", "all hits (us)", "with misses (us)", "miss rate"]))
+for values in knob_settings(admission, knobs):
     for requests in args.requests:
         stats = not args.no_stats
         hits_us, _ = bench_admission.measure(bench_args, requests, False, stats)
         miss_us, rate = bench_admission.measure(bench_args, requests, True, stats)
         rate_text = f"{rate:.1%}" if stats else "-"  # the miss rate comes from the statistics
-        print("| " + " | ".join(map(str, values)) + f" | {requests} | {hits_us:.2f} "
-              f"| {miss_us:.2f} | {rate_text} |", flush=True)
+        print(table_row([*values, requests, f"{hits_us:.2f}", f"{miss_us:.2f}", rate_text]),
+              flush=True)
         if args.phases:
             print(f"|   phases of a call with misses, us: {phase_split(requests, stats, miss_us)} |",
                   flush=True)

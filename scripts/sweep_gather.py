@@ -4,12 +4,11 @@ the kernel module's knobs (module globals read at every launch).
   python3 scripts/sweep_gather.py --set _CHUNK_BYTES=16384,65536 --set _NUM_WARPS=4,8 \\
       [--set _PROGRAMS_PER_SM=1,2] [--set _BLOCK_BYTES=8192,16384] [--misses 8 16] [--banks w2]"""
 import argparse
-import itertools
 
 import torch
 
 from benchmarks import bench_copy
-from benchmarks.common import knob_grid
+from benchmarks.common import knob_grid, knob_settings, sweep_header, table_row
 from moeferry.kernels.triton import gather_copy
 
 p = argparse.ArgumentParser()
@@ -23,14 +22,11 @@ args = p.parse_args()
 knobs = knob_grid(p, gather_copy, args.set)
 banks = {name.split()[0]: shape for name, shape in bench_copy.BANKS.items()}
 print(f"{torch.cuda.get_device_name()}: medians of {args.rounds} alternating rounds of {args.iters} calls")
-print("| " + " | ".join(knobs) + " | bank | misses | gather GB/s | copy_ GB/s | % of copy_ |")
-print("|" + "---:|" * (len(knobs) + 5))
-for values in itertools.product(*knobs.values()):
-    for name, value in zip(knobs, values):
-        setattr(gather_copy, name, value)
+print(sweep_header(knobs, ["bank", "misses", "gather GB/s", "copy_ GB/s", "% of copy_"]))
+for values in knob_settings(gather_copy, knobs):
     for bank in args.banks:
         for misses in args.misses:
             gather, copy = bench_copy.gather_vs_copy(banks[bank], max(64, misses), misses,
                                                      args.iters, args.rounds)
-            print("| " + " | ".join(map(str, values)) + f" | {bank} | {misses} | {gather:.1f} "
-                  f"| {copy:.1f} | {gather / copy:.1%} |", flush=True)
+            print(table_row([*values, bank, misses, f"{gather:.1f}", f"{copy:.1f}",
+                             f"{gather / copy:.1%}"]), flush=True)
