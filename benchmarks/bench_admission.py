@@ -62,14 +62,16 @@ def decode_totals(cache) -> dict | None:
 
 
 def measure(args, requests: int, with_misses: bool, stats: bool,
-            before_timing=None) -> tuple[float, float]:
-    """(microseconds per admission, miss rate; NaN without ``stats``, the counters).
-    ``before_timing``, when given, is called once the graph is warm, before the timed replays."""
+            before_timing=None, tuning=None) -> tuple[float, float]:
+    """(microseconds per admission, miss rate; NaN without ``stats``, the counters), the kernel
+    run with ``tuning`` (an AdmissionTuning; default its defaults). ``before_timing``, when
+    given, is called once the graph is warm, before the timed replays."""
+    from moeferry.kernels.admission import AdmissionTuning
     from moeferry.moe.slot_cache import SlotCache
 
     width = requests * args.top_k
     cache = SlotCache(args.layers, args.experts, args.slots, device="cuda", policy=args.policy,
-                      max_routes=max(width, 4096), collect_stats=stats)
+                      max_routes=max(width, 4096), collect_stats=stats, tuning=tuning or AdmissionTuning())
     window = min(args.experts, args.slots // args.layers)
     shift = max(1, round(args.miss_share * window)) if with_misses else 0
     warm = 4

@@ -76,8 +76,8 @@ def seconds_per_call(fn, iters: int, repeats: int) -> float:
 
 
 def measure(batch: int, context: int, args) -> dict:
-    from moeferry.kernels.reference import attention as reference
-    from moeferry.kernels.triton import attention as triton_attn
+    from moeferry.kernels.attention import reference
+    from moeferry.kernels.attention import triton as triton_attn
 
     kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 2
     copies = -(-L2_FLUSH_BYTES // kv_bytes)

@@ -32,15 +32,18 @@ def parse_args(argv):
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--rounds", type=int, default=7,
                    help="gather and copy_ alternate this many times; the medians are reported")
-    p.add_argument("--programs-per-sm", type=int, help="the gather's grid (default: the kernel's)")
+    p.add_argument("--programs-per-sm", type=int, help="the gather's grid (default: GatherTuning's)")
     p.add_argument("--out", help="append the tables to this file")
     return p.parse_args(argv)
 
 
-def gather_case(row_shape, experts: int, misses: int):
+def gather_case(row_shape, experts: int, misses: int, tuning=None):
     """(gather, copy_) callables over the same bytes: ``misses`` rows chosen at random from an
-    ``experts``-row pinned bank gathered into random slots, and one copy_ of as many bytes."""
-    from moeferry.kernels.triton.gather_copy import gather_copy
+    ``experts``-row pinned bank gathered into random slots (the gather run with ``tuning``, a
+    GatherTuning), and one copy_ of as many bytes."""
+    from moeferry.kernels.gather_copy import GatherTuning, gather_copy
+
+    tuning = tuning or GatherTuning()
 
     host = torch.empty((experts, *row_shape), dtype=torch.bfloat16).pin_memory()
     slots = torch.empty((max(experts, misses), *row_shape), dtype=torch.bfloat16, device="cuda")
@@ -48,14 +51,14 @@ def gather_case(row_shape, experts: int, misses: int):
     plan_dst = torch.randperm(slots.shape[0])[:misses].int().cuda()
     count = torch.tensor([misses], dtype=torch.int32, device="cuda")
     nbytes = misses * host[0].numel() * host.element_size()
-    return (lambda: gather_copy([host], [slots], plan_src, plan_dst, count),
+    return (lambda: gather_copy([host], [slots], plan_src, plan_dst, count, tuning=tuning, impl="triton"),
             pinned_h2d_copy(nbytes), nbytes)
 
 
-def gather_vs_copy(row_shape, experts: int, misses: int, iters: int, rounds: int):
+def gather_vs_copy(row_shape, experts: int, misses: int, iters: int, rounds: int, tuning=None):
     """(gather GB/s, copy_ GB/s): the medians over ``rounds`` rounds, each timing ``iters``
     gathers and then ``iters`` copy_ of the same bytes, so both see the same link state."""
-    gather, copy, nbytes = gather_case(row_shape, experts, misses)
+    gather, copy, nbytes = gather_case(row_shape, experts, misses, tuning)
     gather_us, copy_us = [], []
     for _ in range(rounds):
         gather_us.append(us_per_call(gather, iters))
@@ -68,18 +71,15 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_copy: needs a CUDA GPU; none found, nothing measured.")
         return 0
-    if args.programs_per_sm:
-        from moeferry.kernels.triton import gather_copy
+    from moeferry.kernels.gather_copy import GatherTuning
 
-        gather_copy._PROGRAMS_PER_SM = args.programs_per_sm
+    tuning = GatherTuning(**({"programs_per_sm": args.programs_per_sm} if args.programs_per_sm else {}))
     gpu = torch.cuda.get_device_name()
     lines = [f"### Pinned H2D copy_, {gpu}, {datetime.date.today()}", "",
              "| MiB | GB/s |", "|---:|---:|"]
     for mib in H2D_SIZES_MIB:
         lines.append(f"| {mib} | {h2d_bandwidth(mib << 20, args.iters) / 1e9:.1f} |")
-    from moeferry.kernels.triton import gather_copy
-
-    lines += ["", f"### Miss gather from pinned memory ({gather_copy._PROGRAMS_PER_SM} programs per SM), "
+    lines += ["", f"### Miss gather from pinned memory ({tuning.programs_per_sm} programs per SM), "
               f"{gpu}, {datetime.date.today()}", "",
               "| bank | misses | MiB | gather GB/s | copy_ GB/s (same bytes) | % of H2D |",
               "|---|---:|---:|---:|---:|---:|"]
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
         args.experts = max(args.experts, max(args.misses))
         for misses in args.misses:
             nbytes = misses * shape[0] * shape[1] * 2
-            gather, h2d = gather_vs_copy(shape, args.experts, misses, args.iters, args.rounds)
+            gather, h2d = gather_vs_copy(shape, args.experts, misses, args.iters, args.rounds, tuning)
             lines.append(f"| {name} | {misses} | {nbytes >> 20} | {gather:.1f} | {h2d:.1f} "
                          f"| {gather / h2d:.0%} |")
     text = "\n".join(lines) + "\n"

@@ -89,7 +89,7 @@ def fastest(engine, args, batch: int) -> dict:
 
 def set_pdl(engine, on: bool) -> None:
     """Programmatic dependent launch on or off for every kernel, the decode graphs recaptured."""
-    from moeferry.kernels.triton import common
+    from moeferry.kernels import triton_common as common
 
     common.set_pdl(on)
     engine.runner.recapture_graphs()

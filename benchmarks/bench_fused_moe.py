@@ -40,7 +40,7 @@ def _make_layers(num_tokens: int, seed: int = 0) -> list[tuple]:
 def _time_per_layer_us(layers: list[tuple], assignment: str) -> float:
     import triton.testing
 
-    from moeferry.kernels.ops import fused_moe
+    from moeferry.kernels.fused_moe import fused_moe
 
     def step():
         for hidden, w13, w2, weights, ids, out in layers:
@@ -52,7 +52,7 @@ def _time_per_layer_us(layers: list[tuple], assignment: str) -> float:
 
 
 def _rows(token_counts: list[int]) -> list[str]:
-    from moeferry.kernels.triton.fused_moe import naive_allowed
+    from moeferry.kernels.fused_moe.triton import naive_allowed
 
     rows = []
     for num_tokens in token_counts:

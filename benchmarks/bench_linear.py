@@ -85,7 +85,7 @@ def describe(config) -> str:
 
 
 def compare(args) -> str:
-    from moeferry.kernels.triton import linear as skinny
+    from moeferry.kernels.linear import triton as skinny
 
     lines = [(f"### Skinny linear vs cuBLAS, Qwen3-30B-A3B shapes, bf16, {torch.cuda.get_device_name()}, "
               f"{datetime.date.today()}"), "",
@@ -114,7 +114,7 @@ def compare(args) -> str:
 def candidate_configs(m: int, k: int):
     """Tiles worth timing at m rows: CUDA cores (at most 64 fp32 partial sums a thread), and
     tensor cores from 2 rows."""
-    from moeferry.kernels.triton.linear import LinearConfig
+    from moeferry.kernels.linear.triton import LinearConfig
 
     block_m = min(16, 1 << (m - 1).bit_length())
     for bn, bk, warps in itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048), (4, 8)):
@@ -128,7 +128,7 @@ def candidate_configs(m: int, k: int):
 def sweep(args) -> str:
     from triton.runtime.errors import OutOfResources
 
-    from moeferry.kernels.triton import linear as skinny
+    from moeferry.kernels.linear import triton as skinny
 
     lines = [(f"### Skinny linear tile sweep, bf16, {torch.cuda.get_device_name()}, {datetime.date.today()}: "
               f"µs per call, best {args.top} per shape and row count, and select_config's"), "",

@@ -121,7 +121,7 @@ def run_uva(engine, args, routing: str, stale: bool) -> list[dict]:
     """Both paths at every batch size; naive only where the rule allows it at the padded size.
     Starts with the path the graphs hold now, so a routing costs one recapture, plus one
     first if the graphs are `stale` (router hooks added since they were captured)."""
-    from moeferry.kernels.triton.fused_moe import naive_allowed
+    from moeferry.kernels.fused_moe.triton import naive_allowed
 
     strategy, mc = engine.runner.strategy, engine.mc
     order = ["auto", "naive"] if strategy.block_assignment == "auto" else ["naive", "auto"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import itertools
 import subprocess
@@ -140,26 +141,25 @@ def hbm_bandwidth(nbytes: int = 2 << 30, iters: int = 10) -> float:
     return 2 * nbytes * iters / (start.elapsed_time(end) / 1e3)
 
 
-def knob_grid(parser, module, items: list[str]) -> dict[str, list[int]]:
-    """A sweep script's ``--set NAME=V1,V2`` items -> {NAME: [V1, V2]}, each NAME a module
-    global of ``module`` (a kernel's tuning knob, read at every launch); a NAME the module
-    lacks is a usage error."""
+def knob_grid(parser, default, items: list[str]) -> dict[str, list[int]]:
+    """A sweep's ``--set NAME=V1,V2`` items -> {NAME: [V1, V2]}, each NAME a field of the frozen
+    tuning value ``default`` (AdmissionTuning, GatherTuning; booleans as 0/1); an unknown NAME
+    is a usage error."""
+    names = {f.name for f in dataclasses.fields(default)}
     knobs = {}
     for item in items:
         name, values = item.split("=")
-        if not hasattr(module, name):
-            parser.error(f"{module.__name__} has no knob {name}")
+        if name not in names:
+            parser.error(f"{type(default).__name__} has no field {name}; fields: {', '.join(sorted(names))}")
         knobs[name] = [int(v) for v in values.split(",")]
     return knobs
 
 
-def knob_settings(module, knobs: dict[str, list[int]]):
-    """Every combination of knob_grid's ``knobs``, each set on ``module`` in turn before it is
-    yielded (as the tuple of its values): the outer loop of a sweep script."""
+def knob_settings(default, knobs: dict[str, list[int]]):
+    """Every combination of knob_grid's ``knobs``: (the tuple of its values, ``default`` with
+    them replaced), the outer loop of a sweep."""
     for values in itertools.product(*knobs.values()):
-        for name, value in zip(knobs, values):
-            setattr(module, name, value)
-        yield values
+        yield values, dataclasses.replace(default, **dict(zip(knobs, values)))
 
 
 def table_row(cells) -> str:

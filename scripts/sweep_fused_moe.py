@@ -10,7 +10,7 @@ import torch
 import triton.testing
 
 from benchmarks.bench_fused_moe import HBM_BYTES_PER_S, HIDDEN, INTERMEDIATE, NUM_EXPERTS, TOP_K, _make_layers
-from moeferry.kernels.triton import fused_moe as fm
+from moeferry.kernels.fused_moe import triton as fm
 
 
 def gemm_inputs(layers, config):

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.bench_linear import SHAPES, describe, us_per_call, weight_copies
-from moeferry.kernels.triton import linear as skinny
-from moeferry.kernels.triton.linear import LinearConfig
+from moeferry.kernels.linear import triton as skinny
+from moeferry.kernels.linear.triton import LinearConfig
 
 TILES = [(1, 512, 4), (1, 1024, 4), (1, 2048, 4), (1, 2048, 8), (1, 4096, 4), (1, 4096, 8),
          (2, 1024, 4), (2, 2048, 4), (2, 2048, 8), (4, 512, 4), (4, 1024, 4), (4, 2048, 8), (8, 1024, 8)]

@@ -14,7 +14,7 @@ import logging
 import torch
 
 from moeferry.config import ConfigError, resolve_max_model_len
-from moeferry.kernels import ops
+from moeferry.kernels.fused_moe import fused_moe
 from moeferry.moe.prefill_policy import PrefillDecision, PrefillPolicy
 from moeferry.moe.slot_cache import DEFAULT_MAX_ROUTES, SlotCache
 from moeferry.moe.strategies import ExpertBanks, MoEStrategy
@@ -173,17 +173,17 @@ class OffloadStrategy(MoEStrategy):
         host = self.banks[layer_id]
         slot_ids = self.cache.load_experts(self.moe_index[layer_id], topk_ids, [host.w13, host.w2],
                                            [self.pool.w13, self.pool.w2], phase=phase)
-        return ops.fused_moe(hidden, self.pool.w13, self.pool.w2, topk_weights, slot_ids,
+        return fused_moe(hidden, self.pool.w13, self.pool.w2, topk_weights, slot_ids,
                              num_routed_experts=host.num_experts, sum_routes=sum_routes)
 
     def _streamed(self, layer_id, hidden, topk_weights, topk_ids, sum_routes):
         host = self.banks[layer_id]
         self.streamed_bytes += host.num_experts * self.expert_bytes
         if self.stream is None:  # CPU: the host banks are already where the compute runs
-            return ops.fused_moe(hidden, host.w13, host.w2, topk_weights, topk_ids,
+            return fused_moe(hidden, host.w13, host.w2, topk_weights, topk_ids,
                                  num_routed_experts=host.num_experts, sum_routes=sum_routes)
         w13, w2, buf = self.stream.acquire(layer_id)
-        out = ops.fused_moe(hidden, w13, w2, topk_weights, topk_ids, num_routed_experts=host.num_experts,
+        out = fused_moe(hidden, w13, w2, topk_weights, topk_ids, num_routed_experts=host.num_experts,
                             sum_routes=sum_routes)
         self.stream.release(buf)
         return out

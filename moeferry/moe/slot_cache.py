@@ -1,8 +1,8 @@
 """The GPU expert slot cache: which experts of which layer sit in which slot of the pool.
 
 One ``SlotCache`` serves every MoE layer of a model. ``admit`` (device-side admission,
-kernels/*/admission.py) turns a call's routes into slot ids and writes a copy plan;
-``copy_misses`` (kernels/*/gather_copy.py) brings the planned experts from host memory into
+kernels/admission/) turns a call's routes into slot ids and writes a copy plan;
+``copy_misses`` (kernels/gather_copy/) brings the planned experts from host memory into
 their slots. Both run on the current stream without host syncs on the GPU path, so a decode
 step's admissions and copies replay inside one CUDA graph.
 """
@@ -10,20 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from moeferry.kernels.reference import admission as reference_admission
-from moeferry.kernels.reference import gather_copy as reference_gather_copy
-from moeferry.kernels.reference.admission import SlotState
-from moeferry.kernels.reference.gather_copy import row_bytes
+from moeferry.kernels.admission import AdmissionTuning, SlotState, admit
+from moeferry.kernels.gather_copy import gather_copy, row_bytes
 from moeferry.moe.stats import PHASES, MoEStats
 
 DEFAULT_MAX_ROUTES = 8192
-
-
-def _kernels(use_triton: bool):
-    if use_triton:
-        from moeferry.kernels.triton import admission, gather_copy
-        return admission.admit, gather_copy.gather_copy
-    return reference_admission.admit, reference_gather_copy.gather_copy
 
 
 class SlotCache:
@@ -35,7 +26,7 @@ class SlotCache:
     free), ``last_used[S]`` int64, ``score[S]`` float32 (LRFU), ``clock[1]`` int64, the copy
     plan ``plan_src/plan_dst[P]`` int32 + ``plan_count[1]``, ``P = min(E, max_routes)``.
 
-    Policies (``policy``; exact victim order in kernels/reference/admission.py):
+    Policies (``policy``; exact victim order in kernels/admission/reference.py):
     ``"lru"`` evicts the least recently used slot of any layer; ``"lrfu"`` the lowest
     decayed-frequency score (``lrfu_decay``); ``"layer_lru"`` first the layer's own least
     recently used slots, then other layers' MOST recently used ones. Layers are admitted
@@ -56,7 +47,7 @@ class SlotCache:
                  device: torch.device | str = "cpu", policy: str = "lru",
                  lrfu_decay: float = 0.5, max_routes: int = DEFAULT_MAX_ROUTES,
                  collect_stats: bool = True, expert_bytes: int = 0,
-                 use_triton: bool | None = None):
+                 impl: str | None = None, tuning: AdmissionTuning = AdmissionTuning()):
         if num_slots < num_experts:
             raise ValueError(f"a slot cache of {num_slots} slots cannot hold one layer's "
                              f"{num_experts} experts: use at least {num_experts} slots")
@@ -68,8 +59,7 @@ class SlotCache:
                                         device, policy, lrfu_decay)
         self.stats = (MoEStats(num_layers, num_experts, device, expert_bytes)
                       if collect_stats else None)
-        self.use_triton = device.type == "cuda" if use_triton is None else use_triton
-        self._admit, self._gather_copy = _kernels(self.use_triton)
+        self.impl, self.tuning = impl, tuning
 
     # -- the two operations -------------------------------------------------------------
 
@@ -80,7 +70,7 @@ class SlotCache:
         if phase not in PHASES:
             raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
         counters = self.stats.bucket(phase) if self.stats is not None else None
-        return self._admit(self.state, layer, topk_ids, counters)
+        return admit(self.state, layer, topk_ids, counters, tuning=self.tuning, impl=self.impl)
 
     def copy_misses(self, host_banks: list[torch.Tensor], slot_banks: list[torch.Tensor]) -> None:
         """Copy the last admission's misses: rows ``plan_src`` of the layer's host banks
@@ -95,7 +85,7 @@ class SlotCache:
         if self.stats is not None and not self.stats.expert_bytes:
             self.stats.expert_bytes = sum(row_bytes(bank) for bank in host_banks)
         s = self.state
-        self._gather_copy(host_banks, slot_banks, s.plan_src, s.plan_dst, s.plan_count)
+        gather_copy(host_banks, slot_banks, s.plan_src, s.plan_dst, s.plan_count, impl=self.impl)
 
     def load_experts(self, layer: int, topk_ids: torch.Tensor, host_banks: list[torch.Tensor],
                      slot_banks: list[torch.Tensor], phase: str = "decode") -> torch.Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from moeferry.kernels.reference.admission import AdmissionCounters
+from moeferry.kernels.admission import AdmissionCounters
 
 PHASES = ("decode", "prefill")
 

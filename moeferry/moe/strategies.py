@@ -14,7 +14,7 @@ from functools import cached_property
 import torch
 
 from moeferry.config import ConfigError
-from moeferry.kernels import ops
+from moeferry.kernels.fused_moe import fused_moe
 
 # name -> "module:Class"; imported only when chosen.
 _REGISTRY: dict[str, str] = {
@@ -114,5 +114,5 @@ class GpuStrategy(MoEStrategy):
 
     def forward(self, layer_id, hidden, topk_weights, topk_ids, is_decode, sum_routes=True):
         banks = self.banks[layer_id]
-        return ops.fused_moe(hidden, banks.w13, banks.w2, topk_weights, topk_ids,
+        return fused_moe(hidden, banks.w13, banks.w2, topk_weights, topk_ids,
                              num_routed_experts=banks.num_experts, sum_routes=sum_routes)

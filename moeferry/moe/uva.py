@@ -1,14 +1,14 @@
 """The uva strategy: every expert stays in pinned host memory and the fused MoE kernels read
 it in place over PCIe (no copies, no slot cache). The kernel's block assignment takes the
 sorted path for host-resident weights, so an expert routed to several tokens of a step
-crosses the link once (kernels/triton/fused_moe.py: choose_block_assignment)."""
+crosses the link once (kernels/fused_moe/triton.py: choose_block_assignment)."""
 
 from __future__ import annotations
 
 import torch
 
-from moeferry.kernels import ops
-from moeferry.kernels.reference.fused_moe import BLOCK_ASSIGNMENTS
+from moeferry.kernels.fused_moe import fused_moe
+from moeferry.kernels.fused_moe import BLOCK_ASSIGNMENTS
 from moeferry.moe.strategies import MoEStrategy
 
 
@@ -58,7 +58,7 @@ class UvaStrategy(MoEStrategy):
         """The block assignment handed to the kernel: the override, "naive" only where allowed."""
         if self._block_assignment != "naive":
             return self._block_assignment
-        from moeferry.kernels.triton.fused_moe import naive_allowed
+        from moeferry.kernels.fused_moe.triton import naive_allowed
 
         return "naive" if naive_allowed(num_tokens, top_k, num_experts) else "sorted"
 
@@ -80,7 +80,7 @@ class UvaStrategy(MoEStrategy):
         assignment = self._assignment(topk_ids.shape[0], topk_ids.shape[1], banks.num_experts)
         if is_decode and self.engine_config.moe_collect_stats:
             self._count_reads(layer_id, topk_ids, naive=assignment == "naive")
-        return ops.fused_moe(hidden, banks.w13, banks.w2, topk_weights, topk_ids,
+        return fused_moe(hidden, banks.w13, banks.w2, topk_weights, topk_ids,
                              num_routed_experts=banks.num_experts, block_assignment=assignment,
                              sum_routes=sum_routes)
 

@@ -9,7 +9,7 @@ import torch
 from benchmarks.common import QWEN3_30B_DIR_CONFIG, write_config_dir
 from moeferry.config import EngineConfig
 from moeferry.engine.engine import Engine
-from moeferry.kernels.triton import common
+from moeferry.kernels import triton_common as common
 from moeferry.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu

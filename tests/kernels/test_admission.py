@@ -10,17 +10,16 @@ import torch
 import triton
 import triton.language as tl
 
-from moeferry.kernels.reference import admission as reference
-from moeferry.kernels.reference.admission import (POLICIES, AdmissionCounters, DecayPowers,
-                                                  SlotState)
-from moeferry.kernels.triton.admission import _threshold_key
+from moeferry.kernels.admission import (POLICIES, AdmissionCounters, AdmissionTuning, DecayPowers,
+                                        SlotState, reference)
+from moeferry.kernels.admission.triton import _threshold_key
 
 STATE_FIELDS = ("slot_of", "owner_of", "last_used", "score", "clock",
                 "plan_src", "plan_dst", "plan_count")
 
 
 def triton_admit():
-    from moeferry.kernels.triton import admission
+    from moeferry.kernels.admission import triton as admission
     return admission.admit
 
 
@@ -48,9 +47,10 @@ def assert_same_counters(expected, actual, context=""):
         assert a is None or torch.equal(a, b), f"{context}: counter {name} differs"
 
 
-def run_both(ref_state, tri_state, layer, ids, ref_counters=None, tri_counters=None):
+def run_both(ref_state, tri_state, layer, ids, ref_counters=None, tri_counters=None,
+             tuning=AdmissionTuning()):
     ref_out = reference.admit(ref_state, layer, ids, ref_counters).clone()
-    tri_out = triton_admit()(tri_state, layer, ids, tri_counters).clone()
+    tri_out = triton_admit()(tri_state, layer, ids, tri_counters, tuning).clone()
     assert tri_out.shape == ids.shape and tri_out.dtype == torch.int32
     assert torch.equal(ref_out, tri_out), f"slot ids differ\n{ref_out}\n{tri_out}"
     return ref_out
@@ -66,13 +66,11 @@ def random_routes(rng, num_experts, width, hot=None, dtype=torch.int64):
 @pytest.mark.parametrize("seed, max_block, extract_max", [(0, 4096, 16), (1, 4096, 0),
                                                          (2, 16, 16)])
 def test_kernel_matches_reference_on_random_sequences(policy, seed, max_block, extract_max,
-                                                      device, monkeypatch):
+                                                      device):
     """Every path of the kernel: max_block 4096, every pool is one block, keys in registers,
     victims by repeated minimum up to ``extract_max`` misses and by radix select past it;
     16: pools of up to 57 slots in several blocks, keys through the key buffer."""
-    from moeferry.kernels.triton import admission
-    monkeypatch.setattr(admission, "_MAX_BLOCK_S", max_block)
-    monkeypatch.setattr(admission, "_EXTRACT_MAX", extract_max)
+    tuning = AdmissionTuning(max_block_s=max_block, extract_max=extract_max)
     rng = np.random.default_rng(seed)
     num_layers, num_experts, num_slots = 3, int(rng.integers(6, 20)), 0
     num_slots = num_experts + int(rng.integers(0, 2 * num_experts))
@@ -83,7 +81,7 @@ def test_kernel_matches_reference_on_random_sequences(policy, seed, max_block, e
         hot = rng.choice(num_experts, size=int(rng.integers(1, num_experts + 1)), replace=False)
         ids = random_routes(rng, num_experts, int(rng.integers(1, 96)), hot,
                             dtype=torch.int32 if step % 2 else torch.int64).to(device)
-        run_both(ref_state, tri_state, layer, ids, ref_counters, tri_counters)
+        run_both(ref_state, tri_state, layer, ids, ref_counters, tri_counters, tuning)
         assert_same_state(ref_state, tri_state, f"step {step}")
         assert_same_counters(ref_counters, tri_counters, f"step {step}")
     assert int(ref_counters.misses.sum()) > 0 and int(ref_state.clock) == 14
@@ -121,12 +119,11 @@ def test_calls_without_counters_leave_maps_identical(device):
 
 @pytest.mark.parametrize("policy", ["lru", "layer_lru"])
 @pytest.mark.parametrize("fast_path", [True, False])
-def test_all_hit_calls_without_statistics(policy, fast_path, device, monkeypatch):
+def test_all_hit_calls_without_statistics(policy, fast_path, device):
     """LRU policies without statistics try a one-pass admission that commits only when
     every route hits. It must leave what the full path leaves; that it ran shows in the
     scratch mark array, which only the full path writes."""
-    from moeferry.kernels.triton import admission
-    monkeypatch.setattr(admission, "_ALL_HITS_FAST_PATH", fast_path)
+    tuning = AdmissionTuning(all_hits_fast_path=fast_path)
     rng = np.random.default_rng(11)
     ref_state, tri_state = twin_states(3, 12, 20, 64, policy, device=device)
     hot = [rng.choice(12, size=5, replace=False) for _ in range(3)]  # 15 of the 20 slots
@@ -140,7 +137,7 @@ def test_all_hit_calls_without_statistics(policy, fast_path, device, monkeypatch
             ids[0] = -1 if step % 2 else 12  # ignored routes take either path
         marks = tri_state.expert_mark.clone()
         all_hit = bool((ref_state.slot_of[layer, ids[(ids >= 0) & (ids < 12)]] >= 0).all())
-        run_both(ref_state, tri_state, layer, ids)
+        run_both(ref_state, tri_state, layer, ids, tuning=tuning)
         assert_same_state(ref_state, tri_state, f"step {step}")
         took_short_path = torch.equal(marks, tri_state.expert_mark)
         assert took_short_path == (fast_path and all_hit), f"step {step}"
@@ -357,12 +354,11 @@ def test_decay_powers_follow_float32_squaring(decay):
 @pytest.mark.parametrize("policy", ["lru", "lrfu", "layer_lru"])
 @pytest.mark.parametrize("num_slots", [2100, 32768])
 @pytest.mark.parametrize("wide_warps, stats", [(8, True), (16, True), (16, False), (32, True)])
-def test_kernel_matches_reference_at_real_sizes_on_gpu(policy, num_slots, wide_warps, stats,
-                                                       monkeypatch):
+def test_kernel_matches_reference_at_real_sizes_on_gpu(policy, num_slots, wide_warps, stats):
     """Widths 10 to 4,100 routes; calls over one block of routes with 8, 16 and 32 warps
-    (see _NUM_WARPS_WIDE); without statistics the LRU policies try the all-hits pass first."""
-    from moeferry.kernels.triton import admission
-    monkeypatch.setattr(admission, "_NUM_WARPS_WIDE", wide_warps)
+    (AdmissionTuning.num_warps_wide); without statistics the LRU policies try the all-hits
+    pass first."""
+    tuning = AdmissionTuning(num_warps_wide=wide_warps)
     rng = np.random.default_rng(3)
     num_layers, num_experts = 48, 512
     ref_state, tri_state = twin_states(num_layers, num_experts, num_slots, 8192, policy,
@@ -373,7 +369,7 @@ def test_kernel_matches_reference_at_real_sizes_on_gpu(policy, num_slots, wide_w
         layer = step % num_layers
         hot = rng.choice(num_experts, size=int(rng.integers(16, num_experts)), replace=False)
         ids = random_routes(rng, num_experts, width, hot).cuda()
-        run_both(ref_state, tri_state, layer, ids, ref_counters, tri_counters)
+        run_both(ref_state, tri_state, layer, ids, ref_counters, tri_counters, tuning)
         assert_same_state(ref_state, tri_state, f"step {step} width {width}")
     if stats:
         assert_same_counters(ref_counters, tri_counters)

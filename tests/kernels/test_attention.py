@@ -1,4 +1,4 @@
-"""Attention kernels against the plain-torch oracle (kernels/reference/attention.py).
+"""Attention kernels against the plain-torch oracle (kernels/attention/reference.py).
 
 The Triton decode kernel runs under TRITON_INTERPRET=1 on CPU (tests/conftest.py). The
 oracle always runs in fp32 on the same (rounded) inputs, so a bf16 case measures only the
@@ -11,8 +11,8 @@ import torch
 
 from moeferry.engine.cuda_graph import capture
 from moeferry.kernels import attention as attn_ops
-from moeferry.kernels.reference import attention as reference
-from moeferry.kernels.triton import attention as triton_attn
+from moeferry.kernels.attention import reference
+from moeferry.kernels.attention import triton as triton_attn
 
 POISON = 1000.0
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
@@ -101,7 +101,7 @@ def test_split_count_comes_from_shapes_only():
 def test_default_split_count_and_dispatch(poisoned_workspace):
     q, k, v, table, seq_lens = make_decode_case(7, 1, 4, 2, 16, 16, 32, [300], torch.float32)
     want = oracle_decode(q, k, v, table, seq_lens, 16, 0.25, None)
-    got = attn_ops.decode_attention(q, k, v, table, seq_lens, 16, 0.25, use_triton=True)
+    got = attn_ops.decode_attention(q, k, v, table, seq_lens, 16, 0.25, impl="triton")
     torch.testing.assert_close(got, want, **TOL[torch.float32])
     on_cpu = attn_ops.decode_attention(q, k, v, table, seq_lens, 16, 0.25)  # CPU tensors: the reference
     assert torch.equal(on_cpu, reference.decode_attention(q, k, v, table, seq_lens, 16, 0.25))

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeferry.kernels import ops
-from moeferry.kernels.triton import fused_moe as triton_fused_moe
+from moeferry.kernels.fused_moe import fused_moe
+from moeferry.kernels.fused_moe import triton as triton_fused_moe
 
 
 def make_layer(num_experts, hidden_size, intermediate_size, dtype, device="cpu", seed=0):
@@ -69,7 +69,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 def test_reference_matches_per_token_oracle(dtype):
     w13, w2 = make_layer(16, 80, 48, dtype)
     hidden, weights, ids = make_routes(33, 80, 16, 4, dtype)
-    got = ops.fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=16, use_triton=False)
+    got = fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=16, impl="reference")
     assert got.dtype == dtype and got.shape == hidden.shape
     assert rel_err(got, oracle(hidden, w13, w2, weights, ids)) < TOLERANCE[dtype]
 
@@ -82,10 +82,10 @@ def test_triton_matches_reference_and_oracle(dtype, num_tokens, assignment):
     hidden, weights, ids = make_routes(num_tokens, hidden_size, num_experts, top_k, dtype)
     if num_tokens > 3:
         ids[:, 0] = ids[0, 0]  # one expert shared by every token: a group of several blocks
-    got = ops.fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=num_experts,
-                        block_assignment=assignment, use_triton=True)
-    ref = ops.fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=num_experts,
-                        use_triton=False)
+    got = fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=num_experts,
+                        block_assignment=assignment, impl="triton")
+    ref = fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=num_experts,
+                        impl="reference")
     want = oracle(hidden, w13, w2, weights, ids)
     assert got.dtype == dtype and got.abs().max() > 0.1
     assert rel_err(got, want) < TOLERANCE[dtype]
@@ -108,12 +108,11 @@ def test_slot_pool_gives_bit_identical_output(impl, dtype, assignment):
     w13, w2 = make_layer(num_experts, hidden_size, intermediate_size, dtype)
     pool13, pool2, slot_of = scatter_into_pool(w13, w2, 1100)
     hidden, weights, ids = make_routes(num_tokens, hidden_size, num_experts, top_k, dtype)
-    use_triton = impl == "triton"
-    over_bank = ops.fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=num_experts,
-                              block_assignment=assignment, use_triton=use_triton)
-    over_pool = ops.fused_moe(hidden, pool13, pool2, weights, slot_of[ids],
+    over_bank = fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=num_experts,
+                              block_assignment=assignment, impl=impl)
+    over_pool = fused_moe(hidden, pool13, pool2, weights, slot_of[ids],
                               num_routed_experts=num_experts, block_assignment=assignment,
-                              use_triton=use_triton)
+                              impl=impl)
     assert over_bank.abs().max() > 0.1
     assert torch.equal(over_bank, over_pool)
 
@@ -126,9 +125,9 @@ def test_tiles_depend_on_the_routed_layer_not_the_pool(monkeypatch):
     w13, w2 = make_layer(8, 32, 16, torch.float32)
     pool13, pool2, slot_of = scatter_into_pool(w13, w2, 300)
     hidden, weights, ids = make_routes(5, 32, 8, 2, torch.float32)
-    ops.fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=8, use_triton=True)
-    ops.fused_moe(hidden, pool13, pool2, weights, slot_of[ids], num_routed_experts=8,
-                  use_triton=True)
+    fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=8, impl="triton")
+    fused_moe(hidden, pool13, pool2, weights, slot_of[ids], num_routed_experts=8,
+                  impl="triton")
     assert seen[0] == seen[1] == (5, 2, 32, 16, 8, torch.float32)
 
 
@@ -156,10 +155,10 @@ def test_pipeline_depth_per_gemm_at_decode_sizes():
 def test_out_is_written_in_place():
     w13, w2 = make_layer(8, 32, 16, torch.float32)
     hidden, weights, ids = make_routes(4, 32, 8, 2, torch.float32)
-    for use_triton in (False, True):
+    for impl in ("reference", "triton"):
         out = torch.full_like(hidden, float("nan"))
-        got = ops.fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=8, out=out,
-                            use_triton=use_triton)
+        got = fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=8, out=out,
+                            impl=impl)
         assert got.data_ptr() == out.data_ptr() and not out.isnan().any()
         assert rel_err(out, oracle(hidden, w13, w2, weights, ids)) < 1e-5
 
@@ -196,8 +195,8 @@ def test_moe_align_runs_exactly_when_sorted(monkeypatch, host_resident):
         hidden, weights, ids = make_routes(num_tokens, 32, num_experts, top_k, torch.float32,
                                            seed=num_tokens)
         calls.clear()
-        got = ops.fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=num_experts,
-                            use_triton=True)
+        got = fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=num_experts,
+                            impl="triton")
         sorted_path = host_resident or num_tokens == 5
         assert len(calls) == (1 if sorted_path else 0)
         assert rel_err(got, oracle(hidden, w13, w2, weights, ids)) < 1e-5
@@ -207,38 +206,38 @@ def test_naive_is_refused_past_the_small_batch_rule():
     w13, w2 = make_layer(8, 32, 16, torch.float32)
     hidden, weights, ids = make_routes(3, 32, 8, 2, torch.float32)
     with pytest.raises(ValueError, match="naive"):
-        ops.fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=8,
-                      block_assignment="naive", use_triton=True)
+        fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=8,
+                      block_assignment="naive", impl="triton")
 
 
-def summed_then_normed_both_ways(hidden, w13, w2, weights, ids, num_experts, use_triton, seed=3):
+def summed_then_normed_both_ways(hidden, w13, w2, weights, ids, num_experts, impl, seed=3):
     """(norm and residual after fused_moe's own sum, the same after the residual add summed
     the route partials, the partials)."""
     from moeferry.kernels import norm_rope
     gen = torch.Generator().manual_seed(seed)
     residual = torch.randn(hidden.shape, generator=gen).to(hidden.dtype).to(hidden.device)
     norm_weight = (1 + 0.5 * torch.randn(hidden.shape[1], generator=gen)).to(hidden.dtype).to(hidden.device)
-    kwargs = dict(num_routed_experts=num_experts, use_triton=use_triton)
-    summed = ops.fused_moe(hidden, w13, w2, weights, ids, **kwargs)
-    partials = ops.fused_moe(hidden, w13, w2, weights, ids, sum_routes=False, **kwargs)
-    want = norm_rope.fused_add_rms_norm(summed, residual, norm_weight, 1e-6, use_triton=use_triton)
-    got = norm_rope.fused_add_rms_norm(partials, residual, norm_weight, 1e-6, use_triton=use_triton)
+    kwargs = dict(num_routed_experts=num_experts, impl=impl)
+    summed = fused_moe(hidden, w13, w2, weights, ids, **kwargs)
+    partials = fused_moe(hidden, w13, w2, weights, ids, sum_routes=False, **kwargs)
+    want = norm_rope.fused_add_rms_norm(summed, residual, norm_weight, 1e-6, impl=impl)
+    got = norm_rope.fused_add_rms_norm(partials, residual, norm_weight, 1e-6, impl=impl)
     return want, got, partials
 
 
-@pytest.mark.parametrize("use_triton", [False, True])
+@pytest.mark.parametrize("impl", ["reference", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens,top_k", [(1, 4), (5, 2), (21, 3)])
-def test_route_partials_summed_by_the_residual_add_give_the_same_bits(use_triton, dtype,
+def test_route_partials_summed_by_the_residual_add_give_the_same_bits(impl, dtype,
                                                                       num_tokens, top_k):
     """A decoder layer hands a MoE block's per-route outputs to the next residual add +
     RMSNorm, which sums them: its results must be those of the MoE's own sum, bit for bit."""
     w13, w2 = make_layer(16, 80, 48, dtype)
     hidden, weights, ids = make_routes(num_tokens, 80, 16, top_k, dtype)
     (want_norm, want_res), (got_norm, got_res), partials = summed_then_normed_both_ways(
-        hidden, w13, w2, weights, ids, 16, use_triton)
+        hidden, w13, w2, weights, ids, 16, impl)
     assert partials.shape == (num_tokens, top_k, 80)
-    assert partials.dtype == (dtype if use_triton else torch.float32)
+    assert partials.dtype == (dtype if impl == "triton" else torch.float32)
     assert torch.equal(got_res, want_res) and torch.equal(got_norm, want_norm)
     assert not torch.equal(partials[:, 0], partials[:, 1])  # real partials, not one row K times
 
@@ -246,9 +245,9 @@ def test_route_partials_summed_by_the_residual_add_give_the_same_bits(use_triton
 def test_route_partials_of_an_empty_batch():
     w13, w2 = make_layer(8, 32, 16, torch.float32)
     hidden, weights, ids = make_routes(0, 32, 8, 2, torch.float32)
-    for use_triton in (False, True):
-        partials = ops.fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=8, sum_routes=False,
-                                 use_triton=use_triton)
+    for impl in ("reference", "triton"):
+        partials = fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=8, sum_routes=False,
+                                 impl=impl)
         assert partials.shape == (0, 2, 32)
 
 
@@ -256,19 +255,19 @@ def test_route_partials_refuse_an_output_buffer_and_aliasing():
     from moeferry.kernels import norm_rope
     w13, w2 = make_layer(8, 32, 16, torch.float32)
     hidden, weights, ids = make_routes(3, 32, 8, 2, torch.float32)
-    for use_triton in (False, True):
+    for impl in ("reference", "triton"):
         with pytest.raises(ValueError, match="sum_routes"):
-            ops.fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=8, out=torch.empty_like(hidden),
-                          sum_routes=False, use_triton=use_triton)
-    partials = ops.fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=8, sum_routes=False,
-                             use_triton=True)
+            fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=8, out=torch.empty_like(hidden),
+                          sum_routes=False, impl=impl)
+    partials = fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=8, sum_routes=False,
+                             impl="triton")
     weight = torch.ones(32)
     with pytest.raises(ValueError, match="residual_out"):
         norm_rope.fused_add_rms_norm(partials, hidden.clone(), weight, 1e-6, residual_out=partials[:, 0],
-                                     use_triton=True)
+                                     impl="triton")
     with pytest.raises(ValueError, match="one dtype"):
         norm_rope.fused_add_rms_norm(partials, hidden.to(torch.bfloat16), weight.bfloat16(), 1e-6,
-                                     use_triton=True)
+                                     impl="triton")
 
 
 # --- GPU: real Qwen3-30B-A3B shapes ------------------------------------------------------
@@ -288,11 +287,11 @@ def _qwen3_layer(num_tokens, seed=0):
 @pytest.mark.parametrize("num_tokens", [1, 4, 64, 600])
 def test_triton_matches_reference_on_gpu(num_tokens):
     hidden, w13, w2, weights, ids = _qwen3_layer(num_tokens)
-    got = ops.fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=128)
-    ref = ops.fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=128, use_triton=False)
+    got = fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=128)
+    ref = fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=128, impl="reference")
     assert rel_err(got, ref) < 1e-2
     for assignment in ("sorted", "naive") if num_tokens <= 4 else ("sorted",):
-        again = ops.fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=128,
+        again = fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=128,
                               block_assignment=assignment)
         assert rel_err(again, ref) < 1e-2
 
@@ -303,9 +302,9 @@ def test_slot_pool_bit_identity_on_gpu(num_tokens):
     hidden, w13, w2, weights, ids = _qwen3_layer(num_tokens)
     pool13, pool2, slot_of = scatter_into_pool(w13, w2, 1100)
     for assignment in ("auto", "sorted"):
-        over_bank = ops.fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=128,
+        over_bank = fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=128,
                                   block_assignment=assignment)
-        over_pool = ops.fused_moe(hidden, pool13, pool2, weights, slot_of[ids],
+        over_pool = fused_moe(hidden, pool13, pool2, weights, slot_of[ids],
                                   num_routed_experts=128, block_assignment=assignment)
         assert torch.equal(over_bank, over_pool)
 
@@ -315,17 +314,17 @@ def test_slot_pool_bit_identity_on_gpu(num_tokens):
 def test_cuda_graph_replays_identically(num_tokens):
     hidden, w13, w2, weights, ids = _qwen3_layer(num_tokens)
     out = torch.empty_like(hidden)
-    ops.fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=128, out=out)  # compile
+    fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=128, out=out)  # compile
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        ops.fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=128, out=out)
+        fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=128, out=out)
     new_hidden, _, _, new_weights, new_ids = _qwen3_layer(num_tokens, seed=10)
     hidden.copy_(new_hidden)
     weights.copy_(new_weights)
     ids.copy_(new_ids)
     graph.replay()
-    eager = ops.fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=128)
+    eager = fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=128)
     assert torch.equal(out, eager)
 
 
@@ -336,10 +335,10 @@ def test_pinned_host_weights_are_read_in_place(num_tokens):
     host13, host2 = w13.cpu().pin_memory(), w2.cpu().pin_memory()
     assert triton_fused_moe.is_host_resident(host13)
     assert triton_fused_moe.choose_block_assignment(num_tokens, 8, 128, host13, host2) == "sorted"
-    on_device = ops.fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=128,
+    on_device = fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=128,
                               block_assignment="sorted")
-    from_host = ops.fused_moe(hidden, host13, host2, weights, ids, num_routed_experts=128)
-    half_host = ops.fused_moe(hidden, host13, w2, weights, ids, num_routed_experts=128)
+    from_host = fused_moe(hidden, host13, host2, weights, ids, num_routed_experts=128)
+    half_host = fused_moe(hidden, host13, w2, weights, ids, num_routed_experts=128)
     assert torch.equal(from_host, on_device)
     assert torch.equal(half_host, on_device)
 

@@ -4,7 +4,7 @@ mixes word sizes so that some banks launch alone and others share a launch in pa
 import pytest
 import torch
 
-from moeferry.kernels.reference import gather_copy as reference
+from moeferry.kernels.gather_copy import reference
 
 BANK_SHAPES = [  # (row shape, dtype): words of 8, 4, 2 and 1 byte, masked and even chunks
     ((6, 16), torch.bfloat16),
@@ -19,7 +19,7 @@ BANK_SHAPES = [  # (row shape, dtype): words of 8, 4, 2 and 1 byte, masked and e
 
 
 def copy_fns():
-    from moeferry.kernels.triton import gather_copy as triton_gather
+    from moeferry.kernels.gather_copy import triton as triton_gather
     return {"reference": reference.gather_copy, "triton": triton_gather.gather_copy}
 
 
@@ -77,7 +77,7 @@ def test_mismatched_banks_are_refused():
                                              ((2048, 768), torch.bfloat16),
                                              ((4, 4), torch.float32), ((1000, 3), torch.uint8)])
 def test_gather_reads_pinned_host_memory_on_gpu(row_shape, dtype):
-    from moeferry.kernels.triton import gather_copy as triton_gather
+    from moeferry.kernels.gather_copy import triton as triton_gather
     generator = torch.Generator().manual_seed(0)
     num_experts, num_slots, plan_size, count = 12, 16, 10, 7
     host = [random_bank(num_experts, row_shape, dtype, generator).pin_memory()]

@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from moeferry.kernels import linear as ops
-from moeferry.kernels.reference import linear as reference
-from moeferry.kernels.triton import linear as triton_linear
-from moeferry.kernels.triton.linear import LinearConfig, select_config
+from moeferry.kernels.linear import reference
+from moeferry.kernels.linear import triton as triton_linear
+from moeferry.kernels.linear.triton import LinearConfig, select_config
 from moeferry.layers.linear import Linear
 
 SHAPES = [(16, 64), (40, 200), (130, 200)]  # (N, K): N a multiple of BLOCK_N or not, K of none
@@ -151,12 +151,12 @@ def test_dispatcher_routes_cpu_to_f_linear_and_forces_either(triton_calls):
     x, w, b = inputs(6, 40, 200, torch.bfloat16, True, seed=2)
     x3 = x.view(2, 3, 200)
     assert torch.equal(ops.linear(x3, w, b), F.linear(x3, w, b))  # CPU: the reference, bit for bit
-    assert torch.equal(ops.linear(x3, w, b, use_triton=False), reference.linear(x3, w, b))
+    assert torch.equal(ops.linear(x3, w, b, impl="reference"), reference.linear(x3, w, b))
     assert triton_calls == []
-    got = ops.linear(x3, w, b, use_triton=True)  # leading dims flattened, then restored
+    got = ops.linear(x3, w, b, impl="triton")  # leading dims flattened, then restored
     assert triton_calls == [(6, 200)] and got.shape == (2, 3, 40)
     assert torch.equal(got.view(6, 40), triton_linear.linear(x, w, b))
-    assert ops.linear(x[0], w, b, use_triton=True).shape == (40,)  # a 1-D x, as F.linear takes
+    assert ops.linear(x[0], w, b, impl="triton").shape == (40,)  # a 1-D x, as F.linear takes
     assert not ops.skinny(x, w)  # CPU tensors never take the kernel by default
 
 

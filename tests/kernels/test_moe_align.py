@@ -5,10 +5,10 @@ reference exactly; both are checked against the contract directly, not only each
 import pytest
 import torch
 
-from moeferry.kernels import ops
-from moeferry.kernels.reference.moe_align import padded_route_capacity
+from moeferry.kernels.moe_align import moe_align_block_size
+from moeferry.kernels.moe_align import padded_route_capacity
 
-IMPLS = {"reference": False, "triton": True}
+IMPLS = ("reference", "triton")
 
 
 def _random_ids(num_tokens, top_k, num_experts, dtype=torch.int64, seed=0):
@@ -59,8 +59,8 @@ def check_alignment(topk_ids, block_size, num_experts, result):
 def test_every_route_lands_once_in_a_block_of_its_expert(impl, num_experts):
     topk_ids = _random_ids(37, 4, num_experts, seed=num_experts)
     for block_size in (16, 5):
-        result = ops.moe_align_block_size(topk_ids, block_size, num_experts,
-                                          use_triton=IMPLS[impl])
+        result = moe_align_block_size(topk_ids, block_size, num_experts,
+                                          impl=impl)
         check_alignment(topk_ids, block_size, num_experts, result)
 
 
@@ -71,8 +71,8 @@ def test_triton_equals_reference_exactly(num_experts):
         gen = torch.Generator().manual_seed(num_experts)
         uniform = torch.randint(0, num_experts, (23, 3), generator=gen, dtype=dtype)
         for topk_ids in (_random_ids(19, 6, num_experts, dtype, seed=1), uniform):
-            ref = ops.moe_align_block_size(topk_ids, 16, num_experts, use_triton=False)
-            tri = ops.moe_align_block_size(topk_ids, 16, num_experts, use_triton=True)
+            ref = moe_align_block_size(topk_ids, 16, num_experts, impl="reference")
+            tri = moe_align_block_size(topk_ids, 16, num_experts, impl="triton")
             for got, want in zip(tri, ref):
                 assert torch.equal(got, want)
 
@@ -81,16 +81,16 @@ def test_slot_ids_of_a_32768_slot_cache_align_in_triton():
     topk_ids = _random_ids(9, 8, 32768, seed=7)
     topk_ids[0, 0] = 32767  # the last slot
     check_alignment(topk_ids, 16, 32768,
-                    ops.moe_align_block_size(topk_ids, 16, 32768, use_triton=True))
+                    moe_align_block_size(topk_ids, 16, 32768, impl="triton"))
 
 
 @pytest.mark.parametrize("num_experts", [8, 2100])
 def test_groups_spanning_several_route_chunks_stay_ascending(num_experts):
     """More routes than one ROUTE_CHUNK (1024): ranks carry across chunks."""
     topk_ids = _random_ids(330, 8, num_experts, seed=3)
-    result = ops.moe_align_block_size(topk_ids, 16, num_experts, use_triton=True)
+    result = moe_align_block_size(topk_ids, 16, num_experts, impl="triton")
     check_alignment(topk_ids, 16, num_experts, result)
-    ref = ops.moe_align_block_size(topk_ids, 16, num_experts, use_triton=False)
+    ref = moe_align_block_size(topk_ids, 16, num_experts, impl="reference")
     assert all(torch.equal(got, want) for got, want in zip(result, ref))
 
 
@@ -103,8 +103,8 @@ def test_capacity_follows_routes_not_expert_count():
 @pytest.mark.parametrize("impl", IMPLS)
 def test_no_routes_gives_empty_blocks(impl):
     topk_ids = torch.empty(0, 8, dtype=torch.int64)
-    sorted_route_ids, block_expert, total = ops.moe_align_block_size(
-        topk_ids, 16, 128, use_triton=IMPLS[impl])
+    sorted_route_ids, block_expert, total = moe_align_block_size(
+        topk_ids, 16, 128, impl=impl)
     assert sorted_route_ids.numel() == 0 and block_expert.numel() == 0 and total.item() == 0
 
 
@@ -113,8 +113,8 @@ def test_no_routes_gives_empty_blocks(impl):
 @pytest.mark.parametrize("num_tokens", [1, 64, 8192])
 def test_triton_align_on_gpu_equals_reference(num_experts, num_tokens):
     topk_ids = _random_ids(num_tokens, 8, num_experts, seed=num_tokens).cuda()
-    tri = ops.moe_align_block_size(topk_ids, 64, num_experts)
-    ref = ops.moe_align_block_size(topk_ids.cpu(), 64, num_experts)
+    tri = moe_align_block_size(topk_ids, 64, num_experts)
+    ref = moe_align_block_size(topk_ids.cpu(), 64, num_experts)
     for got, want in zip(tri, ref):
         assert torch.equal(got.cpu(), want)
 
@@ -122,13 +122,13 @@ def test_triton_align_on_gpu_equals_reference(num_experts, num_tokens):
 @pytest.mark.gpu
 def test_triton_align_is_graph_capturable():
     topk_ids = _random_ids(64, 8, 2100, seed=5).cuda()
-    ops.moe_align_block_size(topk_ids, 16, 2100)  # compile outside the capture
+    moe_align_block_size(topk_ids, 16, 2100)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = ops.moe_align_block_size(topk_ids, 16, 2100)
+        captured = moe_align_block_size(topk_ids, 16, 2100)
     topk_ids.copy_(_random_ids(64, 8, 2100, seed=6).cuda())
     graph.replay()
-    want = ops.moe_align_block_size(topk_ids.cpu(), 16, 2100)
+    want = moe_align_block_size(topk_ids.cpu(), 16, 2100)
     for got, expected in zip(captured, want):
         assert torch.equal(got.cpu(), expected)

@@ -9,7 +9,7 @@ import torch
 
 from moeferry.engine.cuda_graph import capture
 from moeferry.kernels import norm_rope as ops
-from moeferry.kernels.reference import norm_rope as reference
+from moeferry.kernels.norm_rope import reference
 from moeferry.layers.norm import RMSNorm
 from moeferry.layers.rotary import RotaryEmbedding
 
@@ -106,7 +106,7 @@ def test_rms_norm_matches(dtype, weight_dtype, d):
     def check(x, out):
         expected = reference.rms_norm(x, module.weight, EPS)
         assert torch.equal(expected, module(x))
-        got = ops.rms_norm(x, module.weight, EPS, out=out, use_triton=True)
+        got = ops.rms_norm(x, module.weight, EPS, out=out, impl="triton")
         assert out is None or got is out
         assert_close(got, expected, dtype)
 
@@ -130,7 +130,7 @@ def test_fused_add_rms_norm_matches(dtype, d):
         expected_normed = module(expected_total)
         residual_out = {"new": None, "buffer": poisoned(x.shape, dtype), "x": x, "residual": residual}[target]
         normed, total = ops.fused_add_rms_norm(x, residual, module.weight, EPS, out=poisoned(x.shape, dtype),
-                                               residual_out=residual_out, use_triton=True)
+                                               residual_out=residual_out, impl="triton")
         assert residual_out is None or total is residual_out
         assert torch.equal(total, expected_total)
         assert_close(normed, expected_normed, dtype)
@@ -145,15 +145,15 @@ def test_fused_add_rms_norm_matches(dtype, d):
 
 def test_empty_batches_and_refused_arguments():
     w = torch.ones(48)
-    assert ops.rms_norm(torch.empty(0, 48), w, EPS, use_triton=True).shape == (0, 48)
+    assert ops.rms_norm(torch.empty(0, 48), w, EPS, impl="triton").shape == (0, 48)
     x = torch.randn(3, 48)
-    for use_triton in (True, False):
+    for impl in ("triton", "reference"):
         with pytest.raises(ValueError):
-            ops.fused_add_rms_norm(x, x.bfloat16(), w, EPS, use_triton=use_triton)
+            ops.fused_add_rms_norm(x, x.bfloat16(), w, EPS, impl=impl)
     with pytest.raises(ValueError):
-        ops.rms_norm(x, w, EPS, out=torch.empty(3, 48, dtype=torch.bfloat16), use_triton=True)
+        ops.rms_norm(x, w, EPS, out=torch.empty(3, 48, dtype=torch.bfloat16), impl="triton")
     with pytest.raises(ValueError):
-        ops.rms_norm(x, torch.ones(47), EPS, use_triton=True)
+        ops.rms_norm(x, torch.ones(47), EPS, impl="triton")
 
 
 # q/k norm + rotary + KV-cache store in one launch (the attention prologue of a decode step).
@@ -176,7 +176,7 @@ def norm_weights(d, dtype, generator, device="cpu"):
             for name in ("q_norm_weight", "k_norm_weight")}
 
 
-def run_store(t, rotary, weights, q_out=None, use_triton=None):
+def run_store(t, rotary, weights, q_out=None, impl=None):
     """The op on copies of t's caches, the written slots poisoned with NaN first:
     (q_rot, k_rot, k_cache, v_cache)."""
     k_cache, v_cache = t["k_cache"].clone(), t["v_cache"].clone()
@@ -184,7 +184,7 @@ def run_store(t, rotary, weights, q_out=None, use_triton=None):
     v_cache[t["out_slots"]] = float("nan")
     q_rot, k_rot = ops.qk_norm_rope_store(t["q"], t["k"], t["v"], t["positions"], rotary.cos, rotary.sin,
                                           k_cache, v_cache, t["out_slots"], **weights, eps=EPS, q_out=q_out,
-                                          use_triton=use_triton)
+                                          impl=impl)
     assert q_out is None or q_rot is q_out
     return q_rot, k_rot, k_cache, v_cache
 
@@ -214,8 +214,8 @@ def test_reference_qk_norm_rope_store_is_the_module_steps(dtype, norm):
     e_k_cache, e_v_cache = t["k_cache"].clone(), t["v_cache"].clone()
     e_k_cache.index_copy_(0, t["out_slots"], e_k)
     e_v_cache.index_copy_(0, t["out_slots"], t["v"])
-    for use_triton in (False, None):  # the reference, and the CPU dispatch
-        q_rot, k_rot, k_cache, v_cache = run_store(t, rotary, weights, use_triton=use_triton)
+    for impl in ("reference", None):  # the reference, and the CPU dispatch
+        q_rot, k_rot, k_cache, v_cache = run_store(t, rotary, weights, impl=impl)
         for got, expected in ((q_rot, e_q), (k_rot, e_k), (k_cache, e_k_cache), (v_cache, e_v_cache)):
             assert torch.equal(got, expected)
 
@@ -230,9 +230,9 @@ def test_qk_norm_rope_store_matches(dtype, norm, hq, hkv, d):
     weights = norm_weights(d, dtype, g) if norm else {}
     for n in (1, 3, 17):
         t = qkv_step(n, hq, hkv, d, dtype, g)
-        e_q, e_k, _, _ = run_store(t, rotary, weights, use_triton=False)
+        e_q, e_k, _, _ = run_store(t, rotary, weights, impl="reference")
         q_rot, k_rot, k_cache, v_cache = run_store(t, rotary, weights, q_out=poisoned((n, hq, d), dtype),
-                                                   use_triton=True)
+                                                   impl="triton")
         if norm:  # the norms' reduction order and rsqrt; rotary and stores exact given them
             assert_close(q_rot, e_q, dtype)
             assert_close(k_rot, e_k, dtype)
@@ -247,9 +247,9 @@ def test_qk_norm_rope_store_in_place_and_promoted_weights():
     # q_out = q in place (q contiguous), int32 positions and slots.
     t = qkv_step(6, 4, 2, d, torch.bfloat16, g)
     weights = norm_weights(d, torch.bfloat16, g)
-    e_q, e_k, _, _ = run_store(t, rotary, weights, use_triton=False)
+    e_q, e_k, _, _ = run_store(t, rotary, weights, impl="reference")
     t.update(q=t["q"].contiguous(), positions=t["positions"].int(), out_slots=t["out_slots"].int())
-    q_rot, k_rot, k_cache, v_cache = run_store(t, rotary, weights, q_out=t["q"], use_triton=True)
+    q_rot, k_rot, k_cache, v_cache = run_store(t, rotary, weights, q_out=t["q"], impl="triton")
     assert_close(q_rot, e_q, torch.bfloat16)
     assert_close(k_rot, e_k, torch.bfloat16)
     t["out_slots"] = t["out_slots"].long()
@@ -257,8 +257,8 @@ def test_qk_norm_rope_store_in_place_and_promoted_weights():
     # fp32 weights on bf16 heads: normed heads, rotary and k_cache in fp32, v stays bf16.
     t = qkv_step(5, 4, 2, d, torch.bfloat16, g, cache_dtype=torch.float32)
     weights = norm_weights(d, torch.float32, g)
-    e_q, e_k, _, _ = run_store(t, rotary, weights, use_triton=False)
-    q_rot, k_rot, k_cache, v_cache = run_store(t, rotary, weights, use_triton=True)
+    e_q, e_k, _, _ = run_store(t, rotary, weights, impl="reference")
+    q_rot, k_rot, k_cache, v_cache = run_store(t, rotary, weights, impl="triton")
     assert q_rot.dtype == k_rot.dtype == torch.float32
     assert_close(q_rot, e_q, torch.bfloat16)
     assert_close(k_rot, e_k, torch.bfloat16)
@@ -269,19 +269,19 @@ def test_qk_norm_rope_store_empty_batch_and_refused_arguments():
     g = torch.Generator().manual_seed(12)
     rotary = make_rotary(64, 64)
     t = qkv_step(0, 4, 2, 64, torch.float32, g)
-    q_rot, k_rot, k_cache, v_cache = run_store(t, rotary, {}, use_triton=True)
+    q_rot, k_rot, k_cache, v_cache = run_store(t, rotary, {}, impl="triton")
     assert q_rot.shape == (0, 4, 64) and k_rot.shape == (0, 2, 64)
     assert torch.equal(k_cache, t["k_cache"]) and torch.equal(v_cache, t["v_cache"])
 
-    def refused(use_triton=True, **change):
+    def refused(impl="triton", **change):
         t = qkv_step(3, 4, 2, 64, torch.float32, torch.Generator().manual_seed(13))
         weights = change.pop("weights", {})
         t.update(change)
         with pytest.raises(ValueError):
-            run_store(t, rotary, weights, use_triton=use_triton)
+            run_store(t, rotary, weights, impl=impl)
 
-    for use_triton in (True, False):  # one weight without the other
-        refused(use_triton, weights={"q_norm_weight": torch.ones(64)})
+    for impl in ("triton", "reference"):  # one weight without the other
+        refused(impl, weights={"q_norm_weight": torch.ones(64)})
     refused(k_cache=torch.zeros(11, 2, 64, dtype=torch.bfloat16))  # cache dtype is not k_rot's
     refused(v_cache=torch.zeros(11, 64, 2).transpose(1, 2))  # cache without a unit last stride
     refused(k_cache=torch.zeros(11, 1, 64))  # cache heads
@@ -370,7 +370,7 @@ def test_qk_norm_rope_store_real_sizes_on_gpu(n):
         return qkv_step(n, HQ, HKV, HEAD_DIM, torch.bfloat16, generator, device="cuda", max_pos=MAX_POS)
 
     t = step(g)
-    e_q, e_k, _, _ = run_store(t, rotary, weights, use_triton=False)
+    e_q, e_k, _, _ = run_store(t, rotary, weights, impl="reference")
     q_rot, k_rot, k_cache, v_cache = run_store(t, rotary, weights, q_out=poisoned((n, HQ, HEAD_DIM), torch.bfloat16,
                                                                                   "cuda"))
     assert_close(q_rot, e_q, torch.bfloat16)
@@ -400,7 +400,7 @@ def test_qk_norm_rope_store_real_sizes_on_gpu(n):
         v_cache.copy_(fresh["v_cache"])
         graph.replay()
         torch.cuda.synchronize()
-        e_q, e_k, _, _ = run_store(fresh, rotary, weights, use_triton=False)
+        e_q, e_k, _, _ = run_store(fresh, rotary, weights, impl="reference")
         assert_close(q_out, e_q, torch.bfloat16)
         assert_close(k_rot, e_k, torch.bfloat16)
         assert_stored(fresh, k_rot, k_cache, v_cache)

@@ -1,5 +1,5 @@
 """Every Triton kernel of the engine may be launched with programmatic dependent launch
-(kernels/triton/common.py): each takes PDL and calls wait_for_previous_kernel(PDL) before any
+(kernels/triton_common.py): each takes PDL and calls wait_for_previous_kernel(PDL) before any
 other statement, so that no kernel touches memory before the one before it has finished; and
 pdl_launch asks for PDL only on a CUDA device. (PDL on the GPU: tests/engine/test_pdl_gpu.py.)"""
 import ast
@@ -7,17 +7,17 @@ import pathlib
 
 import torch
 
-import moeferry.kernels.triton as triton_kernels
-from moeferry.kernels.triton.common import pdl_launch
+import moeferry.kernels as kernels
+from moeferry.kernels.triton_common import pdl_launch
 
 
 def _jit_kernels():
-    for path in sorted(pathlib.Path(triton_kernels.__file__).parent.glob("*.py")):
+    for path in sorted(pathlib.Path(kernels.__file__).parent.glob("*/triton.py")):
         for node in ast.parse(path.read_text()).body:
             jitted = isinstance(node, ast.FunctionDef) and any("triton.jit" in ast.unparse(d)
                                                                for d in node.decorator_list)
             if jitted and node.name.startswith("_") and node.name.endswith("_kernel"):
-                yield f"{path.name}:{node.name}", node
+                yield f"{path.parent.name}/{path.name}:{node.name}", node
 
 
 def test_every_kernel_waits_for_the_previous_one_before_anything_else():
@@ -50,9 +50,9 @@ def import_without_gdc(name, globals=None, locals=None, fromlist=(), level=0):
     return real_import(name, globals, locals, fromlist, level)
 builtins.__import__ = import_without_gdc
 import torch
-from moeferry.kernels.triton import common
-from moeferry.kernels.triton.norm_rope import rms_norm
-from moeferry.kernels.reference.norm_rope import rms_norm as reference
+from moeferry.kernels import triton_common as common
+from moeferry.kernels.norm_rope.triton import rms_norm
+from moeferry.kernels.norm_rope.reference import rms_norm as reference
 assert not common._TRITON_HAS_GDC and not common._triton_has_pdl()
 x, w = torch.randn(3, 64), torch.rand(64) + 0.5
 torch.testing.assert_close(rms_norm(x, w, 1e-6), reference(x, w, 1e-6))

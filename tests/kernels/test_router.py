@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from moeferry.kernels import router as ops
-from moeferry.kernels.reference import router as reference
-from moeferry.kernels.triton.router import MAX_EXPERTS
+from moeferry.kernels.router import reference
+from moeferry.kernels.router.triton import MAX_EXPERTS
 
 TOKENS = [1, 3, 16, 33]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -87,7 +87,7 @@ def test_kernel_matches_reference(experts, top_k, renormalize, dtype):
 
     def check(logits, outputs):
         ref_weights, ref_ids = reference.softmax_topk(logits, top_k, renormalize)
-        weights, ids = ops.softmax_topk(logits, top_k, renormalize, use_triton=True, **outputs)
+        weights, ids = ops.softmax_topk(logits, top_k, renormalize, impl="triton", **outputs)
         if outputs:
             assert weights is outputs["weights_out"] and ids is outputs["ids_out"]
         assert ids.dtype == torch.int32 and torch.equal(ids, ref_ids)
@@ -106,25 +106,25 @@ def test_kernel_matches_reference(experts, top_k, renormalize, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_ties_go_to_the_lowest_index(dtype):
     logits = torch.tensor([[1., 3, 3, 0, 3, 2, 3, 3]], dtype=dtype)
-    weights, ids = ops.softmax_topk(logits, 5, False, use_triton=True)
+    weights, ids = ops.softmax_topk(logits, 5, False, impl="triton")
     assert ids.tolist() == [[1, 2, 4, 6, 7]]
     assert (weights[0, :] == weights[0, 0]).all()
     # A tie across the k-th place keeps the lowest indices.
-    assert ops.softmax_topk(logits, 2, True, use_triton=True)[1].tolist() == [[1, 2]]
+    assert ops.softmax_topk(logits, 2, True, impl="triton")[1].tolist() == [[1, 2]]
     flat = torch.zeros(3, 160, dtype=dtype)
-    weights, ids = ops.softmax_topk(flat, 8, True, use_triton=True)
+    weights, ids = ops.softmax_topk(flat, 8, True, impl="triton")
     assert ids.tolist() == [list(range(8))] * 3 and (weights == 0.125).all()
     # Natural ties of bf16 logits: the order the kernel promises, the reference's values.
     g = torch.Generator().manual_seed(7)
     logits = torch.randn(16, 128, generator=g).to(dtype).mul(4).round()  # many exact ties
     for renormalize in (True, False):
-        assert_tie_consistent(*ops.softmax_topk(logits, 8, renormalize, use_triton=True), logits, 8, renormalize)
+        assert_tie_consistent(*ops.softmax_topk(logits, 8, renormalize, impl="triton"), logits, 8, renormalize)
 
 
 def test_minus_infinity_logits_are_chosen_last_once_each():
     inf = float("inf")
     logits = torch.tensor([[-inf, 0.0, -inf, 1.0, -inf]])
-    weights, ids = ops.softmax_topk(logits, 4, False, use_triton=True)
+    weights, ids = ops.softmax_topk(logits, 4, False, impl="triton")
     assert ids.tolist() == [[3, 1, 0, 2]]  # each -inf expert taken once, lowest index first
     expected = torch.softmax(logits, -1)[0, [3, 1]]
     assert ulps(weights[0, :2], expected, torch.float32).max() <= ULPS[torch.float32]
@@ -137,7 +137,7 @@ def test_every_output_element_is_written(dtype):
     logits = distinct_logits(5, 60, dtype, g)
     weights_out = torch.full((5, 4), float("nan"))
     ids_out = torch.full((5, 4), -1, dtype=torch.int32)
-    weights, ids = ops.softmax_topk(logits, 4, True, weights_out=weights_out, ids_out=ids_out, use_triton=True)
+    weights, ids = ops.softmax_topk(logits, 4, True, weights_out=weights_out, ids_out=ids_out, impl="triton")
     assert weights is weights_out and ids is ids_out
     assert not weights.isnan().any() and (ids >= 0).all() and (ids < 60).all()
     torch.testing.assert_close(weights.sum(-1), torch.ones(5), rtol=0, atol=2e-2)
@@ -150,14 +150,14 @@ def test_every_output_element_is_written(dtype):
 def test_wide_rows(experts, dtype):  # (bf16 has too few distinct normal values for 4096 experts)
     g = torch.Generator().manual_seed(experts)
     logits = distinct_logits(2, experts, dtype, g)
-    weights, ids = ops.softmax_topk(logits, 8, True, use_triton=True)
+    weights, ids = ops.softmax_topk(logits, 8, True, impl="triton")
     ref_weights, ref_ids = reference.softmax_topk(logits, 8, True)
     assert torch.equal(ids, ref_ids)
     assert_weights_close(weights, ref_weights, dtype)
 
 
 def test_empty_batch_and_refused_arguments():
-    weights, ids = ops.softmax_topk(torch.empty(0, 8), 2, True, use_triton=True)
+    weights, ids = ops.softmax_topk(torch.empty(0, 8), 2, True, impl="triton")
     assert weights.shape == (0, 2) and ids.shape == (0, 2)
     x = torch.randn(3, 8)
     refused = [  # (logits, top_k, output buffers)
@@ -172,7 +172,7 @@ def test_empty_batch_and_refused_arguments():
     ]
     for logits, top_k, outputs in refused:
         with pytest.raises(ValueError):
-            ops.softmax_topk(logits, top_k, True, use_triton=True, **outputs)
+            ops.softmax_topk(logits, top_k, True, impl="triton", **outputs)
 
 
 # Real sizes on the GPU (Qwen3-30B-A3B: 128 experts, top 8, bf16 logits with natural ties).

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from moeferry.config import ConfigError, EngineConfig
-from moeferry.kernels import ops
+from moeferry.kernels.fused_moe import fused_moe
+from moeferry.moe import offload
 from moeferry.moe.offload import OffloadStrategy
 from moeferry.moe.prefill_policy import PrefillPolicy, parse_demand_tokens, validate_demand_prefill
 
@@ -43,13 +44,12 @@ def _chunk(tokens, gen, cover_all=True):
 @pytest.fixture
 def calls(monkeypatch):
     seen = []
-    real = ops.fused_moe
 
     def spy(hidden, w13, w2, weights, ids, **kw):
         seen.append(SimpleNamespace(w13=w13, num_routed_experts=kw["num_routed_experts"]))
-        return real(hidden, w13, w2, weights, ids, **kw)
+        return fused_moe(hidden, w13, w2, weights, ids, **kw)
 
-    monkeypatch.setattr(ops, "fused_moe", spy)
+    monkeypatch.setattr(offload, "fused_moe", spy)
     return seen
 
 
@@ -67,7 +67,7 @@ def test_a_96_token_chunk_goes_on_demand_and_a_97_token_chunk_streams(calls):
     assert stats["prefill"]["per_layer"]["misses"] == [E, 0]
     assert stats["decode"]["total"]["calls"] == 0 and sum(map(sum, stats["decode"]["freq"])) == 0
     host = strategy.banks[0]
-    streamed = ops.fused_moe(hidden, host.w13, host.w2, weights, ids, num_routed_experts=E)
+    streamed = fused_moe(hidden, host.w13, host.w2, weights, ids, num_routed_experts=E)
     assert torch.equal(got, streamed)
 
     hidden, weights, ids = _chunk(97, gen)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moeferry.engine.cuda_graph import capture
-from moeferry.kernels import ops
+from moeferry.kernels.fused_moe import fused_moe
 from moeferry.moe.slot_cache import SlotCache
 
 pytestmark = pytest.mark.gpu
@@ -39,8 +39,8 @@ def test_wide_step_over_slots_is_bit_identical_to_the_resident_layer(slots):
     hidden = torch.randn(600, H, generator=gen).to(torch.bfloat16).cuda()
     weights, ids = _routes(gen, 600)
     slot_ids = cache.load_experts(0, ids, [w13[0], w2[0]], [pool13, pool2])
-    got = ops.fused_moe(hidden, pool13, pool2, weights, slot_ids, num_routed_experts=E)
-    ref = ops.fused_moe(hidden, w13[0].cuda(), w2[0].cuda(), weights, ids, num_routed_experts=E)
+    got = fused_moe(hidden, pool13, pool2, weights, slot_ids, num_routed_experts=E)
+    ref = fused_moe(hidden, w13[0].cuda(), w2[0].cuda(), weights, ids, num_routed_experts=E)
     assert torch.equal(got, ref)
     snap = cache.stats.snapshot()["decode"]["per_layer"]
     assert snap["calls"][0] == 1 and snap["distinct"][0] == len(torch.unique(ids))
@@ -60,7 +60,7 @@ def test_offload_step_replays_as_a_cuda_graph_from_a_cold_cache():
         outs = []
         for layer in range(3):
             s = cache.load_experts(layer, ids, [w13[layer], w2[layer]], [pool13, pool2])
-            outs.append(ops.fused_moe(hidden, pool13, pool2, weights, s, num_routed_experts=E))
+            outs.append(fused_moe(hidden, pool13, pool2, weights, s, num_routed_experts=E))
         return outs
 
     graph, outs = capture(step)
@@ -70,7 +70,7 @@ def test_offload_step_replays_as_a_cuda_graph_from_a_cold_cache():
     graph.replay()
     torch.cuda.synchronize()
     for layer in range(3):
-        ref = ops.fused_moe(hidden, w13[layer].cuda(), w2[layer].cuda(), weights, ids, num_routed_experts=E)
+        ref = fused_moe(hidden, w13[layer].cuda(), w2[layer].cuda(), weights, ids, num_routed_experts=E)
         assert torch.equal(outs[layer], ref)
 
 

@@ -3,7 +3,7 @@ cyclic-layer thrash that LAYER_LRU avoids, the wide-step
 scenario of background/pr-wide-decode-admission.txt, statistics, and (GPU) graph capture.
 
 The model below uses dicts, lists and numpy float32 scalars only; it follows the documented
-semantics (kernels/reference/admission.py), not the torch code.
+semantics (kernels/admission/reference.py), not the torch code.
 """
 import numpy as np
 import pytest
@@ -125,13 +125,13 @@ def assert_slots_hold_their_owners(cache, host_banks, banks):
                 assert torch.equal(pool[slot].cpu(), source[owner % E].cpu()), f"slot {slot} owner {owner}"
 
 
-def run_against_model(use_triton, policy, seed, steps, device, layers=(1, 4), warm=False):
+def run_against_model(impl, policy, seed, steps, device, layers=(1, 4), warm=False):
     rng = np.random.default_rng(seed)
     num_layers = int(rng.integers(*layers))
     num_experts = int(rng.integers(4, 25))
     num_slots = int(rng.integers(max(8, num_experts), 41))
     cache = SlotCache(num_layers, num_experts, num_slots, policy=policy, lrfu_decay=0.75,
-                      max_routes=64, use_triton=use_triton, device=device)
+                      max_routes=64, impl=impl, device=device)
     model = PyCache(num_layers, num_experts, num_slots, policy, 0.75)
     host = encoded_banks(num_layers, num_experts, device)
     banks = slot_banks(host, num_slots, device)
@@ -164,13 +164,13 @@ def run_against_model(use_triton, policy, seed, steps, device, layers=(1, 4), wa
 @pytest.mark.parametrize("policy", ["lru", "lrfu"])
 @pytest.mark.parametrize("seed", range(6))
 def test_reference_path_follows_the_python_model(policy, seed):
-    run_against_model(use_triton=False, policy=policy, seed=seed, steps=40, device="cpu")
+    run_against_model(impl="reference", policy=policy, seed=seed, steps=40, device="cpu")
 
 
 @pytest.mark.parametrize("policy", ["lru", "lrfu"])
 @pytest.mark.parametrize("seed", range(2))
 def test_triton_path_follows_the_python_model(policy, seed, device):
-    run_against_model(use_triton=True, policy=policy, seed=100 + seed, steps=18, device=device)
+    run_against_model(impl="triton", policy=policy, seed=100 + seed, steps=18, device=device)
 
 
 def test_reference_layer_lru_follows_the_python_model():
@@ -178,7 +178,7 @@ def test_reference_layer_lru_follows_the_python_model():
     layers' slots) happen, and every step matches the model."""
     evicted = {"own": 0, "other": 0}
     for seed in range(8):
-        model = run_against_model(use_triton=False, policy="layer_lru", seed=200 + seed,
+        model = run_against_model(impl="reference", policy="layer_lru", seed=200 + seed,
                                   steps=40, device="cpu", layers=(2, 5))
         for kind, count in model.evicted.items():
             evicted[kind] += count
@@ -187,7 +187,7 @@ def test_reference_layer_lru_follows_the_python_model():
 
 @pytest.mark.parametrize("seed", range(2))
 def test_triton_layer_lru_follows_the_python_model(seed, device):
-    model = run_against_model(use_triton=True, policy="layer_lru", seed=301 + seed,
+    model = run_against_model(impl="triton", policy="layer_lru", seed=301 + seed,
                               steps=24, device=device, layers=(2, 5))
     assert model.evicted["own"] > 0 and model.evicted["other"] > 0, model.evicted
 
@@ -197,18 +197,18 @@ def test_from_a_warm_start_the_reference_follows_the_python_model(policy):
     """Filled slots rank like free ones until used: a warm start never keeps an expert it
     guessed over one in use (the model's sort key says so independently)."""
     for seed in range(4):
-        run_against_model(use_triton=False, policy=policy, seed=400 + seed, steps=30, device="cpu",
+        run_against_model(impl="reference", policy=policy, seed=400 + seed, steps=30, device="cpu",
                           layers=(2, 5), warm=True)
 
 
 @pytest.mark.parametrize("policy", ["lru", "layer_lru"])
 def test_from_a_warm_start_the_triton_path_follows_the_python_model(policy, device):
-    run_against_model(use_triton=True, policy=policy, seed=500, steps=14, device=device, layers=(2, 5),
+    run_against_model(impl="triton", policy=policy, seed=500, steps=14, device=device, layers=(2, 5),
                       warm=True)
 
 
 def test_a_warm_expert_never_used_is_evicted_before_one_in_use():
-    cache = SlotCache(2, 4, 6, policy="layer_lru", use_triton=False)
+    cache = SlotCache(2, 4, 6, policy="layer_lru", impl="reference")
     host = encoded_banks(2, 4)
     banks = slot_banks(host, 6)
     cache.fill(host, banks)  # slots 0-3: layer 0's experts, 4-5: layer 1's experts 0 and 1
@@ -220,10 +220,10 @@ def test_a_warm_expert_never_used_is_evicted_before_one_in_use():
     assert cache.slot_of[0, 1] == -1 and cache.slot_of[1, 0] == 4 and cache.slot_of[0, 0] == 0
 
 
-@pytest.mark.parametrize("use_triton", [False, True])
-def test_layer_lru_takes_own_lru_slots_then_other_layers_mru_slots(use_triton, device):
-    device = device if use_triton else "cpu"
-    cache = SlotCache(3, 4, 6, policy="layer_lru", max_routes=8, use_triton=use_triton,
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_layer_lru_takes_own_lru_slots_then_other_layers_mru_slots(impl, device):
+    device = device if impl == "triton" else "cpu"
+    cache = SlotCache(3, 4, 6, policy="layer_lru", max_routes=8, impl=impl,
                       device=device)
     admit = lambda layer, ids: cache.admit(layer, torch.tensor(ids, device=device)).tolist()  # noqa: E731
     assert admit(0, [0, 1]) == [0, 1]  # free slots first, in index order
@@ -251,16 +251,16 @@ def thrash_routes(layer):
     return [(layer + j) % THRASH_EXPERTS for j in range(6)] * 2
 
 
-@pytest.mark.parametrize("use_triton", [False, True])
-def test_layer_lru_stops_the_cyclic_thrash_of_lru(use_triton, device):
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_layer_lru_stops_the_cyclic_thrash_of_lru(impl, device):
     """Every step admits the 4 layers in order, each with the same 6 experts: a working set
     of 24 over 16 slots. LRU always evicts the layer admitted next and never hits after the
     first step; LAYER_LRU settles, from the second step on, into a 3-step cycle of 16, 14
     and 10 hits out of 24 (40 of 72: 5/9) that the model predicts exactly."""
-    device = device if use_triton else "cpu"
+    device = device if impl == "triton" else "cpu"
     for policy, expected_hits in (("lru", 0), ("layer_lru", 80)):
         cache = SlotCache(THRASH_LAYERS, THRASH_EXPERTS, THRASH_SLOTS, policy=policy,
-                          max_routes=16, use_triton=use_triton, device=device)
+                          max_routes=16, impl=impl, device=device)
         model = PyCache(THRASH_LAYERS, THRASH_EXPERTS, THRASH_SLOTS, policy, 0.5)
         model_hits = []
         for step in range(7):  # one warm-up step, then two periods of LAYER_LRU's cycle
@@ -285,11 +285,11 @@ def test_layer_lru_stops_the_cyclic_thrash_of_lru(use_triton, device):
             assert total["hit_rate"] == pytest.approx(5 / 9) and total["hit_rate"] >= 0.4
 
 
-@pytest.mark.parametrize("use_triton", [False, True])
-def test_wide_decode_step_admits_all_its_experts_in_one_call(use_triton, device):
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_wide_decode_step_admits_all_its_experts_in_one_call(impl, device):
     """background PR: 150 rows route 300 times to all 160 experts, 7 already resident."""
-    device = device if use_triton else "cpu"
-    cache = SlotCache(2, 160, 200, max_routes=512, use_triton=use_triton, device=device)
+    device = device if impl == "triton" else "cpu"
+    cache = SlotCache(2, 160, 200, max_routes=512, impl=impl, device=device)
     host = encoded_banks(2, 160, device)
     banks = slot_banks(host, 200, device)
     resident = torch.tensor([3, 17, 40, 41, 99, 120, 159], device=device)

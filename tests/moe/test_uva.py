@@ -11,11 +11,12 @@ import torch
 
 from moeferry import LLM, SamplingParams
 from moeferry.config import EngineConfig, ModelConfig
-from moeferry.kernels import ops
-from moeferry.kernels.reference import fused_moe as reference
+from moeferry.kernels.fused_moe import fused_moe
+from moeferry.kernels.fused_moe import reference
 from moeferry.kernels.router import softmax_topk
-from moeferry.kernels.triton import fused_moe as triton_fused_moe
+from moeferry.kernels.fused_moe import triton as triton_fused_moe
 from moeferry.layers.moe import MoEBlock
+from moeferry.moe import offload, strategies, uva
 from moeferry.moe.strategies import create_strategy
 from tests.tiny_checkpoints import family_configs, make_checkpoint
 
@@ -71,13 +72,13 @@ def align_calls(monkeypatch):
 def kernel_calls(monkeypatch):
     """Forces the Triton kernel (interpreted on the CPU) for every strategy; records each call's T."""
     calls = []
-    real = ops.fused_moe
 
     def forced(hidden, *args, **kwargs):
         calls.append(hidden.shape[0])
-        return real(hidden, *args, use_triton=True, **kwargs)
+        return fused_moe(hidden, *args, impl="triton", **kwargs)
 
-    monkeypatch.setattr(ops, "fused_moe", forced)
+    for module in (strategies, uva, offload):
+        monkeypatch.setattr(module, "fused_moe", forced)
     return calls
 
 
@@ -206,7 +207,7 @@ def test_pinned_banks_take_sorted_path_device_banks_naive(align_calls, num_token
     on_device = gpu(x, is_decode=True)
     assert len(align_calls) == 1  # the control: naive over device memory
     weights, ids = softmax_topk(gpu.gate(x), K, True)
-    sorted_on_device = ops.fused_moe(x, gpu.banks.w13, gpu.banks.w2, weights, ids, num_routed_experts=E,
+    sorted_on_device = fused_moe(x, gpu.banks.w13, gpu.banks.w2, weights, ids, num_routed_experts=E,
                                      block_assignment="sorted")
     assert torch.equal(from_host, sorted_on_device)  # same kernel, same bytes, read in place
     assert rel_err(on_device, reference_out(gpu, x)) < 2e-2

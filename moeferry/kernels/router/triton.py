@@ -1,5 +1,5 @@
 """The MoE router as one Triton launch: fp32 softmax, top-k, optional renormalisation and the
-casts, in place of the ~8 small torch kernels of kernels/reference/router.py (the oracle).
+casts, in place of the ~8 small torch kernels of kernels/router/reference.py (the oracle).
 
 Contract of ``softmax_topk`` (the reference's signature and results):
     logits       [T, E] bf16|fp16|fp32, unit last stride, any row stride; read only.
@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeferry.kernels.triton.common import output_buffer, pdl_launch, rounded, wait_for_previous_kernel
+from moeferry.kernels.triton_common import output_buffer, pdl_launch, rounded, wait_for_previous_kernel
 
 __all__ = ["MAX_EXPERTS", "softmax_topk"]
 

@@ -12,7 +12,7 @@ so the kernel has two paths (LinearConfig.tensor_cores; select_config picks):
         software pipeline. At most N / 16 programs, so on these shapes it trails cuBLAS by
         ~10% (benchmarks/bench_linear.py; the dispatcher sends those calls to cuBLAS).
 
-Contract of ``linear`` (the oracle is kernels/reference/linear.py, F.linear):
+Contract of ``linear`` (the oracle is kernels/linear/reference.py, F.linear):
     x       [M, K] bf16|fp16|fp32, unit last stride, any row stride; read only. Any M >= 0;
             rows past one row block take more programs, each re-reading its weight rows.
     weight  [N, K] dtype of x, unit last stride, any row stride; read only.
@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeferry.kernels.triton.common import dot, exact_dot, pdl_launch, rounded, wait_for_previous_kernel
+from moeferry.kernels.triton_common import dot, exact_dot, pdl_launch, rounded, wait_for_previous_kernel
 
 __all__ = ["LinearConfig", "linear", "select_config"]
 

@@ -1,7 +1,7 @@
 """Grouped MoE expert GEMM (fused MoE) in Triton, after vLLM's fused_moe: two GEMMs over
 blocks of routes that each belong to one expert, then a fixed-order sum over top-k.
 
-Contract (the oracle is moeferry.kernels.reference.fused_moe):
+Contract (the oracle is moeferry.kernels.fused_moe.reference):
     hidden        [T, H] bf16|fp16|fp32; read only.
     w13           [S, 2I, H] dtype of hidden, rows [0:I] gate, [I:2I] up; read only.
     w2            [S, H, I] dtype of hidden; read only.
@@ -39,11 +39,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moeferry.kernels.reference.fused_moe import (
-    BLOCK_ASSIGNMENTS,  # one list for both paths
-)
-from moeferry.kernels.triton.common import dot, exact_dot, pdl_launch, rounded, wait_for_previous_kernel
-from moeferry.kernels.triton.moe_align import moe_align_block_size
+from moeferry.kernels.fused_moe import BLOCK_ASSIGNMENTS
+from moeferry.kernels.moe_align.triton import moe_align_block_size
+from moeferry.kernels.triton_common import dot, exact_dot, pdl_launch, rounded, wait_for_previous_kernel
 
 __all__ = [
     "FusedMoEConfig",
@@ -283,7 +281,7 @@ def fused_moe(
 ) -> torch.Tensor:
     """Triton fused MoE; see the module docstring for the contract. sum_routes=False skips
     kernel 4 and returns route_out as [T, K, H] (hidden's dtype): the caller sums it, as
-    the residual add + RMSNorm after a MoE layer does (kernels/triton/norm_rope.py)."""
+    the residual add + RMSNorm after a MoE layer does (kernels/norm_rope/triton.py)."""
     _check_shapes(hidden, w13, w2, topk_weights, topk_ids)
     if block_assignment not in BLOCK_ASSIGNMENTS:
         raise ValueError(f"block_assignment {block_assignment!r} not in {BLOCK_ASSIGNMENTS}")

@@ -1,7 +1,7 @@
 """Paged decode attention in Triton: one query per request, GQA, split-K over the context.
 
 ``decode_attention(q, k_cache, v_cache, page_table, seq_lens, page_size, scale, window=None)``
-has the signature and the results (to rounding) of ``kernels/reference/attention.py``.
+has the signature and the results (to rounding) of ``kernels/attention/reference.py``.
 
 Contract
 - ``q``: [B, Hq, D] bf16|fp16|fp32, any strides with a unit last stride; read only.
@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeferry.kernels.triton.common import exact_dot, pdl_launch, wait_for_previous_kernel
+from moeferry.kernels.triton_common import exact_dot, pdl_launch, wait_for_previous_kernel
 
 __all__ = ["decode_attention", "num_splits_for"]
 

@@ -1,5 +1,5 @@
 """RMSNorm, residual add + RMSNorm, rotate-half RoPE, and q/k norm + RoPE + KV-cache store in
-plain torch: the oracle for kernels/triton/norm_rope.py and the CPU path of layers/norm.py and
+plain torch: the oracle for kernels/norm_rope/triton.py and the CPU path of layers/norm.py and
 the attention prologue (``apply_rotary`` is the rotary part of ``qk_norm_rope_store``).
 
 The arithmetic is the modules' own, op for op (normalise in fp32, cast to the input dtype,
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from moeferry.kernels.reference.fused_moe import sum_route_partials
+from moeferry.kernels.fused_moe.reference import sum_route_partials
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,

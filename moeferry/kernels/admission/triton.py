@@ -1,7 +1,7 @@
 """Expert slot cache admission as ONE Triton program per call: no host sync, fixed launch.
 
 ``admit(state, layer, topk_ids, counters) -> slot_ids`` has the signature and the exact
-results (maps, plan, slot ids, counters, bit for bit) of ``kernels/reference/admission.py``,
+results (maps, plan, slot ids, counters, bit for bit) of ``kernels/admission/reference.py``,
 whose module docstring defines the semantics and the LRFU arithmetic.
 
 Contract
@@ -18,7 +18,7 @@ Contract
   filled) is never evicted by this call (``S >= E`` guarantees enough candidates).
 
 How (one program, phases separated by barriers, every loop over fixed-size chunks):
-0. (LRU policies without statistics, at most ``_MAX_BLOCK_R`` routes) one pass first: each
+0. (LRU policies without statistics, at most ``max_block_r`` routes) one pass first: each
    route's slot looked up; when all hit, their recency refreshed, the slot ids written and
    the plan left empty, and the call ends (the common decode step: 1.0-1.6 us instead of
    2.1-2.4 at 1-48 requests on an H200); when any misses, that pass wrote nothing and A-D
@@ -33,7 +33,7 @@ C. (only when there are misses) rank every candidate slot by an int64 key (the p
    see the reference; LRU's lie in ``[0, now]``, LAYER_LRU's in ``[0, 2 * now]``, LRFU's
    are float32 bits, below ``2 ** 31``) and take the M smallest in (key, slot) order as
    victims, by one of two paths:
-   - few misses (``M <= _EXTRACT_MAX``) over a pool of at most ``_MAX_BLOCK_S`` slots: the
+   - few misses (``M <= extract_max``) over a pool of at most ``max_block_s`` slots: the
      keys are computed once into registers, each packed with its slot as
      ``key << SLOT_BITS | slot`` (the bounds above keep that below 2**62 for any clock
      below 2**49), and M minimum reductions take the victims in order (one block-wide
@@ -58,29 +58,16 @@ import torch
 import triton
 import triton.language as tl
 
-from moeferry.kernels.reference.admission import (
-    AdmissionCounters,
-    SlotState,
-    check_call,
-)
-from moeferry.kernels.triton.common import pdl_launch, wait_for_previous_kernel
+from moeferry.kernels.admission import AdmissionTuning
+from moeferry.kernels.admission.state import AdmissionCounters, SlotState, check_call
+from moeferry.kernels.triton_common import pdl_launch, wait_for_previous_kernel
 
 _KEY_NONE = tl.constexpr(9223372036854775807)  # int64 max: "not a candidate"
-_NUM_WARPS = 8
-_NUM_WARPS_WIDE = 16  # calls wider than one block of routes (16 measured 0.5 us faster than 8
-# at 4,100 routes, benchmarks/RESULTS.md)
 _VICTIM_TILE = 64
-_RADIX_BITS = 5  # threshold search: key bits resolved per sweep over the slots
-_MAX_BLOCK_R = 1024  # routes per block (marking and writing the slot ids)
-_MAX_BLOCK_S = 4096  # slots per block; a pool of at most this many keeps its keys in registers
-_KEYS_IN_REGISTERS = True  # (False: through the key buffer whatever the size; for sweeps)
-_EXTRACT_MAX = 16  # keys in registers: up to this many misses, victims by repeated minimum
-_ALL_HITS_FAST_PATH = True  # LRU policies without statistics: try the all-hits pass first
-_PHASE_CLOCK = False  # (probes only) SM cycles per phase summed into phase_cycles(): see there
-_PHASES = ("all-hits try", "mark routes", "hits and misses", "slot keys", "victims",
+PHASES = ("all-hits try", "mark routes", "hits and misses", "slot keys", "victims",
            "install", "slot ids and counters")
-_CALLS_INDEX = tl.constexpr(len(_PHASES))  # where phase_cycles() counts the calls
-_phase_cycles: dict = {}  # device -> int64 [len(_PHASES) + 1]: cycles per phase, then calls
+_CALLS_INDEX = tl.constexpr(len(PHASES))  # where phase_cycles() counts the calls
+_phase_cycles: dict = {}  # device -> int64 [len(PHASES) + 1]: cycles per phase, then calls
 
 
 @triton.jit
@@ -100,7 +87,7 @@ def _sm_clock():
 
 @triton.jit
 def _stamp(phase_ptr, index, since, ON: tl.constexpr):
-    """(_PHASE_CLOCK probes) Adds the SM cycles since ``since`` to ``phase_ptr[index]`` once
+    """(AdmissionTuning.phase_clock) Adds the SM cycles since ``since`` to ``phase_ptr[index]`` once
     every thread is done with the phase; returns the clock. Without ON, nothing."""
     if ON:
         tl.debug_barrier()
@@ -480,14 +467,14 @@ def _admit_kernel(
 
 
 def phase_cycles(device) -> torch.Tensor:
-    """(_PHASE_CLOCK probes) int64 [len(_PHASES) + 1] on ``device``: the SM cycles each phase
-    of _PHASES took, summed over the calls since it was zeroed, then the number of calls.
+    """(AdmissionTuning.phase_clock) int64 [len(PHASES) + 1] on ``device``: the SM cycles each
+    phase of PHASES took, summed over the calls since it was zeroed, then the number of calls.
     Each phase ends at a barrier of the whole program; a phase a call skips adds nothing."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if device not in _phase_cycles:
-        _phase_cycles[device] = torch.zeros(len(_PHASES) + 1, dtype=torch.int64, device=device)
+        _phase_cycles[device] = torch.zeros(len(PHASES) + 1, dtype=torch.int64, device=device)
     return _phase_cycles[device]
 
 
@@ -496,7 +483,8 @@ def _block(n: int, low: int, high: int) -> int:
 
 
 def admit(state: SlotState, layer: int, topk_ids: torch.Tensor,
-          counters: AdmissionCounters | None = None) -> torch.Tensor:
+          counters: AdmissionCounters | None = None,
+          tuning: AdmissionTuning = AdmissionTuning()) -> torch.Tensor:
     """One launch, grid (1,): admit ``topk_ids`` into layer ``layer`` (see module contract)."""
     num_routes = check_call(state, layer, topk_ids)
     ids = topk_ids.reshape(-1)
@@ -506,8 +494,8 @@ def admit(state: SlotState, layer: int, topk_ids: torch.Tensor,
     count_freq = count_stats and counters.freq is not None
     stats = counters if count_stats else (state.clock,) * 3 + (None,)
     freq = counters.freq if count_freq else state.clock
-    block_s = _block(state.num_slots, 16, _MAX_BLOCK_S)
-    phases = phase_cycles(ids.device) if _PHASE_CLOCK else state.clock
+    block_s = _block(state.num_slots, 16, tuning.max_block_s)
+    phases = phase_cycles(ids.device) if tuning.phase_clock else state.clock
     _admit_kernel[(1,)](
         ids, num_routes, layer, state.num_experts, state.num_slots,
         state.slot_of, state.owner_of, state.last_used, state.score, state.clock,
@@ -516,14 +504,14 @@ def admit(state: SlotState, layer: int, topk_ids: torch.Tensor,
         state.ordered_victims, state.decay.table,
         stats[0], stats[1], stats[2], freq, phases,
         LRFU=state.policy == "lrfu", LAYER_LRU=state.policy == "layer_lru", POW_BITS=state.decay.bits, POW_TAIL=state.decay.tail,
-        COUNT_STATS=count_stats, COUNT_FREQ=count_freq, PHASE_CLOCK=_PHASE_CLOCK,
-        BLOCK_R=_block(num_routes, 16, _MAX_BLOCK_R), BLOCK_E=_block(state.num_experts, 16, 1024),
-        BLOCK_S=block_s, RADIX=1 << _RADIX_BITS, RADIX_BITS=_RADIX_BITS,
-        KEYS_IN_REGISTERS=_KEYS_IN_REGISTERS and state.num_slots <= block_s,
-        SLOT_BITS=block_s.bit_length() - 1, EXTRACT_MAX=_EXTRACT_MAX, TILE=_VICTIM_TILE,
-        ALL_HITS_FAST_PATH=(_ALL_HITS_FAST_PATH and state.policy != "lrfu" and not count_stats
-                            and num_routes <= _MAX_BLOCK_R),
-        num_warps=_NUM_WARPS_WIDE if num_routes > _MAX_BLOCK_R else _NUM_WARPS,
+        COUNT_STATS=count_stats, COUNT_FREQ=count_freq, PHASE_CLOCK=tuning.phase_clock,
+        BLOCK_R=_block(num_routes, 16, tuning.max_block_r), BLOCK_E=_block(state.num_experts, 16, 1024),
+        BLOCK_S=block_s, RADIX=1 << tuning.radix_bits, RADIX_BITS=tuning.radix_bits,
+        KEYS_IN_REGISTERS=tuning.keys_in_registers and state.num_slots <= block_s,
+        SLOT_BITS=block_s.bit_length() - 1, EXTRACT_MAX=tuning.extract_max, TILE=_VICTIM_TILE,
+        ALL_HITS_FAST_PATH=(tuning.all_hits_fast_path and state.policy != "lrfu" and not count_stats
+                            and num_routes <= tuning.max_block_r),
+        num_warps=tuning.num_warps_wide if num_routes > tuning.max_block_r else tuning.num_warps,
         enable_fp_fusion=False, **pdl_launch(ids.device),
     )
     return state.slot_ids[:num_routes].view(topk_ids.shape)

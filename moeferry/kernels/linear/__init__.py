@@ -1,8 +1,6 @@
-"""Linear layers by shape and device: the skinny Triton kernel (kernels/triton/linear.py) for
-decode-sized inputs on CUDA, F.linear (kernels/reference/linear.py, cuBLAS on the GPU)
-otherwise. ``use_triton`` forces either (Triton on CPU tensors needs TRITON_INTERPRET=1, set
-before triton is imported). Triton is imported lazily so CPU-only callers never pay for it.
-See the Triton module for the full contract.
+"""Linear layers: the skinny Triton kernel (triton.py, the full contract) for decode-sized
+calls on CUDA (its shape rule: `skinny`), F.linear (reference.py; cuBLAS on the GPU)
+otherwise; `impl` names one.
 """
 from __future__ import annotations
 
@@ -37,11 +35,8 @@ def skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           use_triton: bool | None = None) -> torch.Tensor:
-    """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N] in x.dtype, fp32 accumulation;
-    the Triton kernel when ``skinny(x, weight)`` (or use_triton=True), else F.linear."""
-    chosen = skinny(x, weight) if use_triton is None else use_triton
-    if not chosen:
-        return implementation("linear", False, x).linear(x, weight, bias)
-    y = implementation("linear", True, x).linear(x.reshape(-1, x.shape[-1]), weight, bias)
+           impl: str | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N] in x.dtype, fp32 accumulation."""
+    module = implementation("linear", x, impl, triton_eligible=skinny(x, weight))
+    y = module.linear(x.reshape(-1, x.shape[-1]), weight, bias)
     return y.view(*x.shape[:-1], weight.shape[0])

@@ -1,5 +1,5 @@
 """The MoE router in plain torch: softmax over the experts, top-k, optional renormalisation.
-The oracle for kernels/triton/router.py and the CPU path of layers/moe.py.
+The oracle for kernels/router/triton.py and the CPU path of layers/moe.py.
 
 The arithmetic is the one MoEBlock had inline (and the HF reference models have), op for op:
 fp32 softmax, torch.topk (sorted, descending), the k weights divided by their sum, then the

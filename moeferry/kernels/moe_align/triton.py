@@ -1,6 +1,6 @@
 """moe_align_block_size in Triton: routes grouped by expert, each group padded to whole blocks.
 
-Contract (same as moeferry.kernels.reference.moe_align, which is the oracle):
+Contract (same as moeferry.kernels.moe_align.reference, which is the oracle):
     topk_ids          [T, K] int32|int64, each id in [0, num_experts); read only.
     sorted_route_ids  [P] int32 (written): route r = t * K + k, grouped by ascending expert,
                       ascending r within a group, each group padded to a multiple of
@@ -33,10 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
-from moeferry.kernels.reference.moe_align import padded_route_capacity
-from moeferry.kernels.triton.common import pdl_launch, wait_for_previous_kernel
+from moeferry.kernels.moe_align import padded_route_capacity
+from moeferry.kernels.triton_common import pdl_launch, wait_for_previous_kernel
 
-__all__ = ["moe_align_block_size", "padded_route_capacity"]
+__all__ = ["moe_align_block_size"]
 
 ROUTE_BLOCK = 64  # routes per program; _place_routes_kernel compares [64, 64] tiles
 ROUTE_CHUNK = 1024  # a multiple of ROUTE_BLOCK: one route block never spans two chunks

@@ -1,24 +1,10 @@
-"""moe_align_block_size in plain torch: the oracle for the Triton kernel and the CPU path.
-
-Routes are the flat indices r = t * K + k of topk_ids[T, K]. The routes are grouped by
-expert id in ascending order, each group padded to a multiple of block_size with the
-sentinel T * K, routes ascending within a group; block b of the result belongs to
-block_expert[b] (-1 past the last group). The result has a fixed length P that depends on
-(T * K, num_experts, block_size) only, so a kernel grid sized from it is the same every
-step (CUDA-graph capturable); see padded_route_capacity.
-"""
+"""moe_align_block_size in plain torch: the oracle for the Triton kernel and the CPU path
+(the contract: kernels/moe_align/__init__.py)."""
 import torch
 
-__all__ = ["moe_align_block_size", "padded_route_capacity"]
+from moeferry.kernels.moe_align import padded_route_capacity
 
-
-def padded_route_capacity(num_routes: int, num_experts: int, block_size: int) -> int:
-    """Upper bound P on the padded route count: every route, plus at most block_size - 1
-    padding slots for each expert that can appear (at most min(num_experts, num_routes)),
-    rounded up to whole blocks."""
-    groups = min(num_experts, num_routes)
-    bound = num_routes + groups * (block_size - 1)
-    return -(-bound // block_size) * block_size
+__all__ = ["moe_align_block_size"]
 
 
 def moe_align_block_size(

@@ -1,11 +1,10 @@
-"""Attention dispatch by device: fast paths for CUDA tensors, plain torch elsewhere.
+"""Attention over the paged KV cache.
 
-decode_attention: the Triton paged kernel (kernels/triton/attention.py) on CUDA, the
-reference (kernels/reference/attention.py, the oracle) otherwise; ``use_triton`` forces
-either (Triton on CPU tensors needs TRITON_INTERPRET=1, set before triton is imported).
-prefill_attention: torch's scaled_dot_product_attention on CUDA (flash / memory-efficient
-kernels), the reference otherwise; ``use_sdpa`` forces either.
-Triton is imported lazily so CPU-only callers never pay for it.
+decode_attention: one query row per request against its pages (Triton kernel on CUDA, the
+reference elsewhere: kernels/attention/triton.py, reference.py; `impl` names one).
+prefill_attention: a chunk of queries against its request's prefix and itself: torch's
+scaled_dot_product_attention on CUDA (flash / memory-efficient kernels), the reference
+otherwise; ``use_sdpa`` forces either.
 """
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from moeferry.kernels import implementation
-from moeferry.kernels.reference import attention as reference
+from moeferry.kernels.attention import reference
 
 __all__ = ["decode_attention", "prefill_attention", "sdpa_prefill_attention"]
 
@@ -25,10 +24,10 @@ _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                      seq_lens: torch.Tensor, page_size: int, scale: float, window: int | None = None, *,
-                     use_triton: bool | None = None) -> torch.Tensor:
+                     impl: str | None = None) -> torch.Tensor:
     """q [B, Hq, D]; caches [slots, Hkv, D]; page_table [B, P]; seq_lens [B] (new token included)
     -> [B, Hq, D]. Fixed shapes and no host sync on either path: CUDA-graph capturable."""
-    return implementation("attention", use_triton, q).decode_attention(q, k_cache, v_cache, page_table, seq_lens, page_size, scale, window)
+    return implementation("attention", q, impl).decode_attention(q, k_cache, v_cache, page_table, seq_lens, page_size, scale, window)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float,

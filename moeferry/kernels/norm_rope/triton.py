@@ -3,7 +3,7 @@ Triton launches.
 
 ``rms_norm``, ``fused_add_rms_norm`` and ``qk_norm_rope_store`` have the signatures and the
 results (to the rounding of the fp32 row reduction and rsqrt) of
-``kernels/reference/norm_rope.py``. They replace the ~7 small torch kernels of an fp32 RMSNorm
+``kernels/norm_rope/reference.py``. They replace the ~7 small torch kernels of an fp32 RMSNorm
 and the add before it; ``qk_norm_rope_store`` replaces an attention layer's per-head q/k
 norms, the ~12 kernels of rotary on q and k, and both KV-cache stores (rotary alone is that
 op without norm weights).
@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeferry.kernels.triton.common import output_buffer, pdl_launch, rounded, wait_for_previous_kernel
+from moeferry.kernels.triton_common import output_buffer, pdl_launch, rounded, wait_for_previous_kernel
 
 _TILE = 2048  # elements per program for short rows (per-head q/k norm and rotary)
 

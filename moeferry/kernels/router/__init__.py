@@ -1,8 +1,6 @@
-"""MoE router dispatch by device: the single-launch Triton kernel (kernels/triton/router.py)
-on CUDA tensors, the plain-torch reference (kernels/reference/router.py, MoEBlock's original
-arithmetic) otherwise. ``use_triton`` forces either (Triton on CPU tensors needs
-TRITON_INTERPRET=1, set before triton is imported). Triton is imported lazily so CPU-only
-callers never pay for it. See the Triton module for the full contract.
+"""The MoE router's scores and top-k: one Triton launch on CUDA tensors (triton.py, the full
+contract), the plain-torch reference (reference.py, MoEBlock's original arithmetic) otherwise;
+`impl` names one.
 """
 from __future__ import annotations
 
@@ -15,9 +13,9 @@ __all__ = ["softmax_topk"]
 
 def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool, *,
                  weights_out: torch.Tensor | None = None, ids_out: torch.Tensor | None = None,
-                 use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] -> (weights [T, top_k] fp32, ids [T, top_k] int32): fp32 softmax over the
     experts, the top_k in descending order (ties to the lowest index), optionally divided by
     their sum, weights rounded through logits.dtype."""
-    return implementation("router", use_triton, logits).softmax_topk(
+    return implementation("router", logits, impl).softmax_topk(
         logits, top_k, renormalize, weights_out=weights_out, ids_out=ids_out)

@@ -1,4 +1,4 @@
-"""Expert slot cache admission, plain torch: the oracle for kernels/triton/admission.py.
+"""Expert slot cache admission, plain torch: the oracle for kernels/admission/triton.py.
 
 Both modules expose ``admit(state, layer, topk_ids, counters) -> slot_ids`` with the same
 contract; this one may sync with the host (it is the CPU path), the Triton one may not.
@@ -53,138 +53,9 @@ cache has at least as many slots as a layer has experts (``S >= E >= |D|``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
-
-import numpy as np
 import torch
 
-POLICIES = ("lru", "lrfu", "layer_lru")
-
-
-class AdmissionCounters(NamedTuple):
-    """One statistics bucket (decode or prefill): int64 device tensors, ``[L]`` and ``[L, E]``."""
-
-    calls: torch.Tensor
-    distinct: torch.Tensor
-    misses: torch.Tensor
-    freq: torch.Tensor | None  # route histogram; None where not collected (prefill)
-
-
-@dataclass(frozen=True)
-class DecayPowers:
-    """``decay ** (2 ** k)`` for k < bits, in float32, and the value past them (see module)."""
-
-    table: torch.Tensor  # float32 [max(bits, 1)]
-    bits: int
-    tail: float
-
-    @classmethod
-    def build(cls, decay: float, device) -> "DecayPowers":
-        if not 0.0 < decay <= 1.0:
-            raise ValueError(f"lrfu_decay must be in (0, 1], got {decay}")
-        powers = [np.float32(decay)]
-        while powers[-1] != 0.0 and powers[-1] != 1.0 and len(powers) < 62:
-            powers.append(np.float32(powers[-1] * powers[-1]))
-        tail = float(powers[-1]) if powers[-1] in (0.0, 1.0) else 0.0
-        bits = len(powers) - 1 if powers[-1] in (0.0, 1.0) else len(powers)
-        table = torch.tensor([float(p) for p in powers], dtype=torch.float32, device=device)
-        return cls(table=table, bits=bits, tail=tail)
-
-
-@dataclass(frozen=True)
-class SlotState:
-    """Every tensor an admission reads or writes, allocated once (static for CUDA graphs).
-
-    Maps: ``slot_of[L, E]`` int32, ``owner_of[S]`` int32 (flat ``layer * E + e``),
-    ``last_used[S]`` int64, ``score[S]`` float32 (LRFU only, kept at 0 under LRU),
-    ``clock[1]`` int64. Plan: ``plan_src[P]``, ``plan_dst[P]`` int32, ``plan_count[1]`` int32
-    with ``P = min(E, max_routes)``. Output: ``slot_ids[max_routes]`` int32. Scratch for the
-    Triton kernel (the reference does not touch it): ``expert_mark[E]`` int64,
-    ``slot_key[S]`` int64, ``victim_key[P]`` int64, ``victim_slot[P]`` int32,
-    ``ordered_victims[P]`` int32.
-    """
-
-    slot_of: torch.Tensor
-    owner_of: torch.Tensor
-    last_used: torch.Tensor
-    score: torch.Tensor
-    clock: torch.Tensor
-    plan_src: torch.Tensor
-    plan_dst: torch.Tensor
-    plan_count: torch.Tensor
-    slot_ids: torch.Tensor
-    expert_mark: torch.Tensor
-    slot_key: torch.Tensor
-    victim_key: torch.Tensor
-    victim_slot: torch.Tensor
-    ordered_victims: torch.Tensor
-    decay: DecayPowers
-    policy: str
-    max_routes: int
-
-    @classmethod
-    def allocate(cls, num_layers: int, num_experts: int, num_slots: int, max_routes: int,
-                 device, policy: str = "lru", lrfu_decay: float = 0.5) -> "SlotState":
-        if policy not in POLICIES:
-            raise ValueError(f"cache policy must be one of {POLICIES}, got {policy!r}")
-        plan_size = min(num_experts, max_routes)
-
-        def buf(n, dtype, fill=0):
-            return torch.full(n, fill, dtype=dtype, device=device)
-
-        return cls(
-            slot_of=buf((num_layers, num_experts), torch.int32, -1),
-            owner_of=buf((num_slots,), torch.int32, -1),
-            last_used=buf((num_slots,), torch.int64, -1),
-            score=buf((num_slots,), torch.float32),
-            clock=buf((1,), torch.int64),
-            plan_src=buf((plan_size,), torch.int32),
-            plan_dst=buf((plan_size,), torch.int32),
-            plan_count=buf((1,), torch.int32),
-            slot_ids=buf((max_routes,), torch.int32, -1),
-            expert_mark=buf((num_experts,), torch.int64),
-            slot_key=buf((num_slots,), torch.int64),
-            victim_key=buf((plan_size,), torch.int64),
-            victim_slot=buf((plan_size,), torch.int32),
-            ordered_victims=buf((plan_size,), torch.int32),
-            decay=DecayPowers.build(lrfu_decay, device),
-            policy=policy,
-            max_routes=max_routes,
-        )
-
-    @property
-    def num_layers(self) -> int:
-        return self.slot_of.shape[0]
-
-    @property
-    def num_experts(self) -> int:
-        return self.slot_of.shape[1]
-
-    @property
-    def num_slots(self) -> int:
-        return self.owner_of.shape[0]
-
-    def reset(self) -> None:
-        """Empty the cache in place (clock and plan included); nothing is reallocated."""
-        for t, v in ((self.slot_of, -1), (self.owner_of, -1), (self.last_used, -1),
-                     (self.score, 0), (self.clock, 0), (self.plan_count, 0),
-                     (self.expert_mark, 0)):
-            t.fill_(v)
-
-
-def check_call(state: SlotState, layer: int, topk_ids: torch.Tensor) -> int:
-    """Validate an admission's arguments (no device sync); returns the number of routes."""
-    if not 0 <= layer < state.num_layers:
-        raise ValueError(f"layer {layer} out of range [0, {state.num_layers})")
-    if topk_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
-    if topk_ids.device != state.slot_of.device:
-        raise ValueError(f"topk_ids on {topk_ids.device}, cache on {state.slot_of.device}")
-    num_routes = topk_ids.numel()
-    if num_routes > state.max_routes:
-        raise ValueError(f"{num_routes} routes exceed the cache's max_routes={state.max_routes}")
-    return num_routes
+from moeferry.kernels.admission.state import AdmissionCounters, DecayPowers, SlotState, check_call
 
 
 def decay_pow(dt: torch.Tensor, decay: DecayPowers) -> torch.Tensor:
@@ -235,9 +106,10 @@ def _install(state: SlotState, layer: int, misses: torch.Tensor, victims: torch.
 
 
 def admit(state: SlotState, layer: int, topk_ids: torch.Tensor,
-          counters: AdmissionCounters | None = None) -> torch.Tensor:
+          counters: AdmissionCounters | None = None, tuning=None) -> torch.Tensor:
     """Admit one call's routes; returns ``slot_ids`` shaped like ``topk_ids`` (int32 view of
-    ``state.slot_ids``). See the module docstring for the exact semantics."""
+    ``state.slot_ids``). See the module docstring for the exact semantics. ``tuning`` (the
+    Triton kernel's) changes nothing here."""
     num_routes = check_call(state, layer, topk_ids)
     state.clock.add_(1)
     now = int(state.clock.item())

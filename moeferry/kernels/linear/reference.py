@@ -1,4 +1,4 @@
-"""The linear layer in plain torch, F.linear: the oracle for kernels/triton/linear.py and the
+"""The linear layer in plain torch, F.linear: the oracle for kernels/linear/triton.py and the
 path of every call the skinny kernel does not take (CPU tensors, more than a few rows)."""
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Copy of an admission's misses as a Triton gather: host rows -> slot rows, no host sync.
 
 ``gather_copy(src_banks, dst_banks, plan_src, plan_dst, plan_count)`` has the signature
-and the results of ``kernels/reference/gather_copy.py``.
+and the results of ``kernels/gather_copy/reference.py``.
 
 Contract
 - ``src_banks[b]``: ``[E, ...]`` contiguous, pinned host memory (or device memory);
@@ -16,9 +16,9 @@ Contract
   evict them.
 
 How: each row is reinterpreted as the widest words (int64 down to bytes) that divide it and
-the bank pointers, and split into chunks of 64 KiB. One launch per pair of banks (w13 and w2
+the bank pointers, and split into chunks of ``tuning.chunk_bytes``. One launch per pair of banks (w13 and w2
 of an expert: one launch per call) with a fixed grid of ``min(P * chunks,
-_PROGRAMS_PER_SM * SMs)`` programs, each looping over work items ``(miss, bank, chunk)`` up
+tuning.programs_per_sm * SMs)`` programs, each looping over work items ``(miss, bank, chunk)`` up
 to ``plan_count * chunks`` (so a call with no misses costs one wave of empty programs), and
 copying its chunk in wide vectors straight from host memory over PCIe (unified addressing:
 a pinned tensor's pointer is valid on the device).
@@ -31,14 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moeferry.kernels.reference.gather_copy import check_banks, row_bytes
-from moeferry.kernels.triton.common import pdl_launch, wait_for_previous_kernel
+from moeferry.kernels.gather_copy import GatherTuning, check_banks, row_bytes
+from moeferry.kernels.triton_common import pdl_launch, wait_for_previous_kernel
 
-_CHUNK_BYTES = 64 * 1024
-_PROGRAMS_PER_SM = 1  # the fixed grid, which a call with no misses still launches: 1 per SM
-# copies at the bandwidth of 4 (89-95% of copy_) and costs 0.75 us less per empty call (RESULTS.md)
-_BLOCK_BYTES = 16 * 1024
-_NUM_WARPS = 8
 _WORD_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 
@@ -112,21 +107,21 @@ def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _num_programs(work_items: int, device: torch.device) -> int:
+def _num_programs(work_items: int, device: torch.device, programs_per_sm: int) -> int:
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return max(1, min(work_items, _PROGRAMS_PER_SM * _multiprocessors(index)))
+        return max(1, min(work_items, programs_per_sm * _multiprocessors(index)))
     return max(1, min(work_items, 8))
 
 
-def _launch(pairs, plan_src, plan_dst, plan_count) -> None:
+def _launch(pairs, plan_src, plan_dst, plan_count, tuning: GatherTuning) -> None:
     """One launch copying the planned rows of one or two (src_words, dst_words, row_words)
     bank pairs of one word size."""
     row_words = [words for _, _, words in pairs]
     pairs = [(src, dst) for src, dst, _ in pairs]
     word_size = pairs[0][0].element_size()
-    chunk_words = min(_CHUNK_BYTES // word_size, triton.next_power_of_2(max(row_words)))
-    block = min(_BLOCK_BYTES // word_size, chunk_words)
+    chunk_words = min(tuning.chunk_bytes // word_size, triton.next_power_of_2(max(row_words)))
+    block = min(tuning.block_bytes // word_size, chunk_words)
     chunks = [triton.cdiv(words, chunk_words) for words in row_words]
     if len(pairs) == 1:  # no second bank: placeholders (never read; the interpreter copies
         # every argument back after the launch, so no tensor may be passed twice); on the
@@ -134,7 +129,7 @@ def _launch(pairs, plan_src, plan_dst, plan_count) -> None:
         unused = tuple(torch.empty(1, dtype=t.dtype, device=pairs[0][1].device) for t in pairs[0])
         pairs, row_words, chunks = pairs + [unused], row_words + [1], chunks + [0]
     (src0, dst0), (src1, dst1) = pairs
-    num_programs = _num_programs(plan_src.numel() * sum(chunks), dst0.device)
+    num_programs = _num_programs(plan_src.numel() * sum(chunks), dst0.device, tuning.programs_per_sm)
     needs_host_pointer = src0.device.type == "cpu" and dst0.device.type == "cuda"
 
     def run(wrap):
@@ -143,7 +138,7 @@ def _launch(pairs, plan_src, plan_dst, plan_count) -> None:
             row_words[0], row_words[1], CHUNKS0=chunks[0], CHUNKS1=chunks[1],
             CHUNK_WORDS=chunk_words, BLOCK=block,
             EVEN0=row_words[0] % chunk_words == 0, EVEN1=row_words[1] % chunk_words == 0,
-            NUM_PROGRAMS=num_programs, num_warps=_NUM_WARPS, **pdl_launch(dst0.device))
+            NUM_PROGRAMS=num_programs, num_warps=tuning.num_warps, **pdl_launch(dst0.device))
 
     if needs_host_pointer and _HostArgumentMode.wrap:
         run(HostPointer)
@@ -159,7 +154,7 @@ def _launch(pairs, plan_src, plan_dst, plan_count) -> None:
 
 def gather_copy(src_banks: list[torch.Tensor], dst_banks: list[torch.Tensor],
                 plan_src: torch.Tensor, plan_dst: torch.Tensor,
-                plan_count: torch.Tensor) -> None:
+                plan_count: torch.Tensor, tuning: GatherTuning = GatherTuning()) -> None:
     """Copy rows ``plan_src[:count]`` of each source bank into rows ``plan_dst[:count]``.
     Consecutive banks of one word size share a launch, two at a time (an expert's w13 and
     w2: one launch per miss copy)."""
@@ -171,11 +166,11 @@ def gather_copy(src_banks: list[torch.Tensor], dst_banks: list[torch.Tensor],
         src_words, dst_words = _word_views(src, dst)
         words = (src_words, dst_words, row_bytes(src) // src_words.element_size())
         if pending and pending[0][0].dtype != src_words.dtype:
-            _launch(pending, plan_src, plan_dst, plan_count)
+            _launch(pending, plan_src, plan_dst, plan_count, tuning)
             pending = []
         pending.append(words)
         if len(pending) == 2:
-            _launch(pending, plan_src, plan_dst, plan_count)
+            _launch(pending, plan_src, plan_dst, plan_count, tuning)
             pending = []
     if pending:
-        _launch(pending, plan_src, plan_dst, plan_count)
+        _launch(pending, plan_src, plan_dst, plan_count, tuning)

@@ -16,6 +16,8 @@ layer's bank and over a slot pool holding the same rows give bit-identical outpu
 import torch
 import torch.nn.functional as F
 
+from moeferry.kernels.fused_moe import BLOCK_ASSIGNMENTS
+
 __all__ = ["fused_moe"]
 
 
@@ -26,10 +28,6 @@ def _route_groups(flat_ids: torch.Tensor) -> tuple[torch.Tensor, list[int], list
     distinct, counts = torch.unique_consecutive(flat_ids[order], return_counts=True)
     return order, distinct.tolist(), counts.tolist()
 
-
-# How routes are assigned to GEMM blocks (the Triton kernel's choice; the reference always
-# groups by expert, whatever it is told).
-BLOCK_ASSIGNMENTS = ("auto", "sorted", "naive")
 
 
 def _expert_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
