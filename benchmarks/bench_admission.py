@@ -70,7 +70,7 @@ def measure(args, requests: int, with_misses: bool, stats: bool,
     from moeferry.moe.slot_cache import SlotCache
 
     width = requests * args.top_k
-    cache = SlotCache(args.layers, args.experts, args.slots, device="cuda", policy=args.policy,
+    cache = SlotCache(args.layers, args.experts, args.slots, device="cuda", eviction_policy=args.policy,
                       max_routes=max(width, 4096), collect_stats=stats, tuning=tuning or AdmissionTuning())
     window = min(args.experts, args.slots // args.layers)
     shift = max(1, round(args.miss_share * window)) if with_misses else 0

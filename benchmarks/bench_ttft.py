@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     strategy = engine.runner.strategy
     rows = []
     for threshold in args.thresholds:
-        strategy.policy = PrefillPolicy(threshold)
+        strategy.prefill_policy = PrefillPolicy(threshold)
         for length in args.lengths:
             gen = torch.Generator().manual_seed(length)
             ttft, hit_before, hit_after, moved = measure(engine, length, args, gen)

@@ -1,5 +1,17 @@
-"""Memory planner: turns the memory left after the weights into KV pages (and, with the
-offload strategy, expert slots), and says what it chose."""
+"""The memory planner: once the weights are loaded, one function turns the device memory left
+into the whole plan (expert slots, prefill stream buffers, KV pages) and says what it chose;
+each owner then allocates its part from the plan (the strategy its slots and buffers, the
+runner the KV cache), so no part is sized twice or depends on who allocates first.
+
+Order of claims on the budget (free device memory x --memory-ratio - --vram-reserve-mb):
+1. the prefill stream buffers of a strategy that streams layers (offload on a GPU);
+2. the KV cache the flags ask for (--num-tokens, else --kv-reserve-tokens, else one full
+   context per running request) is reserved;
+3. expert slots: --moe-cache-slots, else --moe-cache-gb, else what 1 and 2 leave, capped at
+   every expert (a bigger cache has nothing more to hold);
+4. the KV cache gets what is left, up to what it asked for.
+On the CPU there is no device budget: every expert gets a slot and the KV cache a fixed size.
+"""
 
 from __future__ import annotations
 
@@ -9,43 +21,118 @@ from dataclasses import dataclass
 import torch
 
 from moeferry.config import ConfigError
-from moeferry.kvcache.paged import PagedKVCache
+from moeferry.moe.strategies import ExpertNeeds
 
 logger = logging.getLogger(__name__)
 
 _CPU_DEFAULT_KV_TOKENS = 16384
+_GIB = 2**30
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What the KV cache costs: bytes per token over every layer, and the served context."""
+
+    bytes_per_token: int
+    max_model_len: int
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
+    """The whole plan. Invariant: on a GPU, expert slots + stream buffers + KV fit the budget
+    (`budget_bytes`) unless a flag fixed a size; `expert_slots` is 0 for strategies without a
+    slot cache and otherwise at least one layer's experts."""
+
     kv_pages: int
+    page_size: int
     kv_bytes: int
-    free_bytes_before_kv: int | None
+    expert_slots: int
+    slot_bytes: int
+    stream_bytes: int
+    host_bytes: int
+    free_bytes: int | None  # device memory free once the weights were loaded (None: CPU)
+    budget_bytes: int | None
 
-    def describe(self, page_size: int) -> str:
-        free = "n/a" if self.free_bytes_before_kv is None else f"{self.free_bytes_before_kv / 2**30:.2f} GiB"
-        return (f"KV cache: {self.kv_pages} pages x {page_size} tokens = {self.kv_pages * page_size} tokens "
-                f"({self.kv_bytes / 2**30:.3f} GiB); device memory free before KV: {free}")
+    @property
+    def kv_tokens(self) -> int:
+        return self.kv_pages * self.page_size
+
+    def table(self) -> str:
+        """The plan as a small table for the start-up log."""
+        def gib(n):
+            return "-" if n is None else f"{n / _GIB:.2f} GiB"
+
+        rows = [("device memory free after the weights", gib(self.free_bytes)),
+                ("budget (x --memory-ratio - --vram-reserve-mb)", gib(self.budget_bytes)),
+                (f"expert slots: {self.expert_slots}", gib(self.slot_bytes)),
+                ("prefill stream buffers", gib(self.stream_bytes)),
+                (f"KV cache: {self.kv_pages} pages x {self.page_size} = {self.kv_tokens} tokens", gib(self.kv_bytes)),
+                ("pinned host memory for experts", gib(self.host_bytes))]
+        width = max(len(name) for name, _ in rows)
+        return "memory plan:\n" + "\n".join(f"  {name:<{width}}  {value:>11}" for name, value in rows)
 
 
-def plan_memory(ec, mc, runner) -> MemoryPlan:
-    per_token = PagedKVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, runner.dtype)
-    free = None
-    if ec.num_tokens is not None:
-        tokens = ec.num_tokens
-    elif runner.device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(runner.device)
-        budget = free * ec.memory_ratio - ec.vram_reserve_mb * 2**20
-        tokens = int(budget // per_token)
-        if ec.kv_reserve_tokens is not None:
-            tokens = min(tokens, ec.kv_reserve_tokens)
-        tokens = min(tokens, ec.max_running_requests * runner.max_model_len)
+def expert_slots(ec, needs: ExpertNeeds, room_bytes: int | None) -> int:
+    """Slots of the expert cache: from the flags, else as many as `room_bytes` holds (None: no
+    device budget, every expert), capped at every expert. Refuses fewer than one layer's."""
+    if not needs.wants_slots:
+        return 0
+    if ec.moe_cache_slots is not None:
+        slots = ec.moe_cache_slots
+    elif ec.moe_cache_gb is not None:
+        slots = int(ec.moe_cache_gb * _GIB // needs.expert_bytes)
+    elif room_bytes is None:
+        slots = needs.total_experts
     else:
-        tokens = min(_CPU_DEFAULT_KV_TOKENS, ec.max_running_requests * runner.max_model_len)
-    pages = tokens // ec.page_size
-    if pages < 1:
-        raise ConfigError(f"no room for the KV cache: {tokens} tokens fit (raise --memory-ratio, lower "
-                          f"--vram-reserve-mb or the expert cache, or set --num-tokens)")
-    plan = MemoryPlan(pages, pages * ec.page_size * per_token, free)
-    logger.info(plan.describe(ec.page_size))
-    return plan
+        slots = min(needs.total_experts, max(0, int(room_bytes // needs.expert_bytes)))
+    if slots < needs.layer_experts:
+        layer_gib = needs.layer_experts * needs.expert_bytes / _GIB
+        raise ConfigError(f"the expert cache holds {slots} experts, fewer than one layer's {needs.layer_experts}: "
+                          f"raise --moe-cache-slots/--moe-cache-gb (one layer needs {layer_gib:.2f} GiB)")
+    return slots
+
+
+def wanted_kv_tokens(ec, kv: KVShape) -> int:
+    """The KV capacity the flags ask for: --num-tokens, else --kv-reserve-tokens (at most one
+    full context per running request), else one full context per running request."""
+    if ec.num_tokens is not None:
+        return ec.num_tokens
+    full = ec.max_running_requests * kv.max_model_len
+    return full if ec.kv_reserve_tokens is None else min(ec.kv_reserve_tokens, full)
+
+
+def _device_budget(ec, device: torch.device) -> tuple[int | None, int | None]:
+    if device.type != "cuda":
+        return None, None
+    free, _total = torch.cuda.mem_get_info(device)
+    return free, int(free * ec.memory_ratio - ec.vram_reserve_mb * 2**20)
+
+
+def plan_memory(ec, needs: ExpertNeeds, kv: KVShape | None = None, device: torch.device | None = None) -> MemoryPlan:
+    """The plan for this engine (see the module for the order of claims); `kv` None plans no
+    KV cache (a strategy built on its own, in tests)."""
+    device = torch.device(device or ec.torch_device)
+    free, budget = _device_budget(ec, device)
+    want_kv = wanted_kv_tokens(ec, kv) if kv is not None else 0
+    if budget is None:
+        slots = expert_slots(ec, needs, None)
+        kv_tokens = want_kv if ec.num_tokens is not None else min(_CPU_DEFAULT_KV_TOKENS, want_kv)
+    else:
+        want_kv_bytes = want_kv * kv.bytes_per_token if kv is not None else 0
+        slots = expert_slots(ec, needs, budget - needs.stream_bytes - want_kv_bytes)
+        left = budget - needs.stream_bytes - slots * needs.expert_bytes
+        kv_tokens = want_kv if ec.num_tokens is not None or kv is None else min(want_kv, left // kv.bytes_per_token)
+    pages = kv_tokens // ec.page_size
+    if kv is not None and pages < 1:
+        raise ConfigError(_no_room_for_kv(ec, kv_tokens))
+    return MemoryPlan(kv_pages=pages, page_size=ec.page_size, kv_bytes=pages * ec.page_size * (kv.bytes_per_token if kv else 0),
+                      expert_slots=slots, slot_bytes=slots * needs.expert_bytes,
+                      stream_bytes=needs.stream_bytes, host_bytes=needs.host_bytes,
+                      free_bytes=free, budget_bytes=budget)
+
+
+def _no_room_for_kv(ec, tokens: int) -> str:
+    if ec.num_tokens is not None:
+        return f"--num-tokens {ec.num_tokens} is less than one KV page (--page-size {ec.page_size})"
+    return (f"no room for the KV cache: {tokens} tokens fit (raise --memory-ratio, lower --vram-reserve-mb or the "
+            f"expert cache, or set --num-tokens)")

@@ -11,7 +11,7 @@ from moeferry.config import EngineConfig, ModelConfig, resolve_max_model_len
 from moeferry.engine.batch import ForwardBatch, PrefillSeq, fill_page_table
 from moeferry.engine.cuda_graph import DecodeGraphs
 from moeferry.engine.loader import load_dummy, load_safetensors
-from moeferry.engine.planner import plan_memory
+from moeferry.engine.planner import KVShape, plan_memory
 from moeferry.kvcache.paged import PagedKVCache
 from moeferry.layers.attention import Attention
 from moeferry.models.decoder import MoECausalLM
@@ -34,8 +34,11 @@ class ModelRunner:
         torch.manual_seed(ec.seed)
         self.strategy = create_strategy(ec.moe_strategy, ec, mc)
         self.model = self._build_model()
-        self.strategy.finalize()
-        self.plan = plan_memory(ec, mc, self)
+        kv_shape = KVShape(PagedKVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype),
+                           self.max_model_len)
+        self.plan = plan_memory(ec, self.strategy.memory_needs(), kv_shape, self.device)
+        logger.info(self.plan.table())
+        self.strategy.finalize(self.plan)
         self.kv = PagedKVCache(mc.num_layers, self.plan.kv_pages, ec.page_size, mc.num_kv_heads, mc.head_dim,
                                self.dtype, self.device)
         self.scratch_page = self.kv.scratch_page

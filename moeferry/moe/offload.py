@@ -9,36 +9,17 @@ Decode step of one MoE layer, all on the device and inside the decode CUDA graph
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 
-from moeferry.config import ConfigError, resolve_max_model_len
 from moeferry.kernels.fused_moe import fused_moe
 from moeferry.moe.prefill_policy import PrefillDecision, PrefillPolicy
 from moeferry.moe.slot_cache import DEFAULT_MAX_ROUTES, SlotCache
-from moeferry.moe.strategies import ExpertBanks, MoEStrategy
+from moeferry.moe.strategies import ExpertBanks, ExpertNeeds, MoEStrategy
 
 logger = logging.getLogger(__name__)
-
-
-def plan_num_slots(ec, mc, total_experts: int, expert_bytes: int, device: torch.device) -> int:
-    """Slots from --moe-cache-slots, else --moe-cache-gb, else the device memory left after
-    the KV reserve (capped at every expert: a bigger cache has nothing more to hold)."""
-    if ec.moe_cache_slots is not None:
-        return ec.moe_cache_slots
-    if ec.moe_cache_gb is not None:
-        return int(ec.moe_cache_gb * 2**30 // expert_bytes)
-    if device.type != "cuda":
-        return total_experts
-    from moeferry.kvcache.paged import PagedKVCache
-
-    free, _ = torch.cuda.mem_get_info(device)
-    kv_tokens = ec.kv_reserve_tokens or ec.max_running_requests * resolve_max_model_len(ec, mc)
-    kv_bytes = kv_tokens * PagedKVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, ec.torch_dtype)
-    stream_bytes = 2 * mc.num_experts * expert_bytes
-    budget = free * ec.memory_ratio - ec.vram_reserve_mb * 2**20 - kv_bytes - stream_bytes
-    return min(total_experts, max(0, int(budget // expert_bytes)))
 
 
 class LayerStream:
@@ -100,7 +81,7 @@ class OffloadStrategy(MoEStrategy):
 
     def __init__(self, engine_config, model_config):
         super().__init__(engine_config, model_config)
-        self.policy = PrefillPolicy(engine_config.moe_prefill_demand_tokens)
+        self.prefill_policy = PrefillPolicy(engine_config.moe_prefill_demand_tokens)
         self.cache: SlotCache | None = None
         self.stream: LayerStream | None = None
         self.decision = PrefillDecision(False)
@@ -109,35 +90,36 @@ class OffloadStrategy(MoEStrategy):
     def bank_device(self) -> torch.device:
         return torch.device("cpu")
 
-    def finalize(self) -> None:
+    def memory_needs(self) -> ExpertNeeds:
+        """Slots, the host store, and on a GPU the two layer buffers of streamed prefill."""
+        streams = self.device.type == "cuda"
+        stream_bytes = 2 * self.model_config.num_experts * self.expert_bytes if streams else 0
+        return dataclasses.replace(super().memory_needs(), wants_slots=True, stream_bytes=stream_bytes,
+                                   host_bytes=self.total_experts * self.expert_bytes)
+
+    def finalize(self, plan) -> None:
+        self.build_cache(plan.expert_slots)
         num_experts = self.model_config.num_experts
-        total = num_experts * len(self.moe_index)
-        slots = plan_num_slots(self.engine_config, self.model_config, total, self.expert_bytes, self.device)
-        if slots < num_experts:
-            raise ConfigError(
-                f"the expert cache holds {slots} experts, fewer than one layer's {num_experts}: raise "
-                f"--moe-cache-slots/--moe-cache-gb (one layer needs {num_experts * self.expert_bytes / 2**30:.2f} GiB)")
-        self.build_cache(slots)
         if self.device.type == "cuda":
             sample = next(iter(self.banks.values()))
             self.stream = LayerStream(num_experts, sample.w13.shape[1:], sample.w2.shape[1:], self.dtype, self.device)
 
-    def build_cache(self, slots: int, policy: str | None = None) -> None:
-        """(Re)build the slot cache and its pool at `slots` slots under `policy` (default:
-        --moe-cache-policy), warm: filled with the first layers' experts in layer order (all
+    def build_cache(self, slots: int, eviction_policy: str | None = None) -> None:
+        """(Re)build the slot cache and its pool at `slots` slots under `eviction_policy`
+        (default: --moe-cache-policy), warm: filled with the first layers' experts in layer order (all
         of them when they fit), so a cache that holds every expert never misses. A captured
         decode graph holds the old pool's pointers: on a running engine, call
         ModelRunner.recapture_graphs() after this."""
         ec, num_experts = self.engine_config, self.model_config.num_experts
-        policy = policy or ec.moe_cache_policy
-        total = num_experts * len(self.moe_index)
+        eviction_policy = eviction_policy or ec.moe_cache_policy
+        total = num_experts * len(self.moe_layer_of)
         self.cache = self.pool = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         top_k = self.model_config.top_k
-        demand_width = ec.max_prefill_tokens if self.policy.auto else self.policy.threshold
+        demand_width = ec.max_prefill_tokens if self.prefill_policy.auto else self.prefill_policy.threshold
         widest = max(DEFAULT_MAX_ROUTES, ec.max_running_requests * top_k, demand_width * top_k)
-        self.cache = SlotCache(len(self.moe_index), num_experts, slots, device=self.device, policy=policy,
+        self.cache = SlotCache(len(self.moe_layer_of), num_experts, slots, device=self.device, eviction_policy=eviction_policy,
                                lrfu_decay=ec.moe_lrfu_decay, collect_stats=ec.moe_collect_stats,
                                expert_bytes=self.expert_bytes, max_routes=widest)
         sample = next(iter(self.banks.values()))
@@ -149,13 +131,13 @@ class OffloadStrategy(MoEStrategy):
                                  [self.pool.w13, self.pool.w2])
         logger.info("expert cache: %d slots of %d experts (%.1f%%), %.2f GiB on %s; policy %s; demand prefill: %s; "
                     "warm start with %d experts", slots, total, 100.0 * slots / total,
-                    slots * self.expert_bytes / 2**30, self.device, policy, self.policy.threshold, filled)
+                    slots * self.expert_bytes / 2**30, self.device, eviction_policy, self.prefill_policy.threshold, filled)
 
     # ---- per forward -------------------------------------------------------------------------
     def begin_forward(self, is_decode: bool, num_tokens: int) -> None:
         if is_decode:
             return
-        self.decision = self.policy.begin(num_tokens)
+        self.decision = self.prefill_policy.begin(num_tokens)
         if self.decision.demand is False:
             self._start_stream()
 
@@ -164,14 +146,14 @@ class OffloadStrategy(MoEStrategy):
             self.stream.begin(sorted(self.banks), self.banks)
 
     def _decide_at_first_layer(self, layer_id: int, topk_ids: torch.Tensor) -> None:
-        self.decision = self.policy.decide_auto(topk_ids, self.moe_index[layer_id], self.cache.slot_of,
+        self.decision = self.prefill_policy.decide_auto(topk_ids, self.moe_layer_of[layer_id], self.cache.slot_of,
                                                 self.expert_bytes)
         if not self.decision.demand:
             self._start_stream()
 
     def _through_cache(self, layer_id, hidden, topk_weights, topk_ids, phase, sum_routes):
         host = self.banks[layer_id]
-        slot_ids = self.cache.load_experts(self.moe_index[layer_id], topk_ids, [host.w13, host.w2],
+        slot_ids = self.cache.load_experts(self.moe_layer_of[layer_id], topk_ids, [host.w13, host.w2],
                                            [self.pool.w13, self.pool.w2], phase=phase)
         return fused_moe(hidden, self.pool.w13, self.pool.w2, topk_weights, slot_ids,
                              num_routed_experts=host.num_experts, sum_routes=sum_routes)
@@ -201,7 +183,7 @@ class OffloadStrategy(MoEStrategy):
         out = {"strategy": self.name, "slots": self.cache.num_slots,
                "experts": self.cache.num_layers * self.cache.num_experts,
                "expert_bytes": self.expert_bytes, "prefill_streamed_bytes": self.streamed_bytes,
-               "prefill_chunks": dict(self.policy.decisions)}
+               "prefill_chunks": dict(self.prefill_policy.decisions)}
         if self.cache.stats is not None:
             out.update(self.cache.stats.snapshot())
         return out

@@ -80,17 +80,17 @@ class PrefillPolicy:
         self.decisions["demand" if decision.demand else "stream"] += 1
         return decision
 
-    def decide_auto(self, topk_ids: torch.Tensor, layer_index: int, slot_of: torch.Tensor,
+    def decide_auto(self, topk_ids: torch.Tensor, moe_layer: int, slot_of: torch.Tensor,
                     expert_bytes: int) -> PrefillDecision:
         """At the chunk's first MoE layer: one device sync to read its routing and residency."""
         num_layers, num_experts = slot_of.shape
         routed = torch.zeros(num_experts, dtype=torch.bool, device=topk_ids.device)
         routed[topk_ids.reshape(-1).long()] = True
-        missing_first = (routed & (slot_of[layer_index] < 0)).sum()
+        missing_first = (routed & (slot_of[moe_layer] < 0)).sum()
         resident = (slot_of >= 0).sum(dim=1)
         distinct_first, missing_first, resident = routed.sum().item(), missing_first.item(), resident.tolist()
         est_missing = missing_first + sum(distinct_first * (1 - r / num_experts)
-                                          for i, r in enumerate(resident) if i != layer_index)
+                                          for i, r in enumerate(resident) if i != moe_layer)
         demand_bytes = int(est_missing * expert_bytes)
         stream_bytes = num_layers * num_experts * expert_bytes
         return self._record(PrefillDecision(demand_bytes < DEMAND_MARGIN * stream_bytes, demand_bytes, stream_bytes))

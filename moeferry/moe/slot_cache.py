@@ -22,11 +22,11 @@ class SlotCache:
     ``num_experts`` experts each.
 
     State (``self.state``, allocated once, updated in place, never reallocated):
-    ``slot_of[L, E]`` int32 (-1: absent), ``owner_of[S]`` int32 (``layer * E + e``, -1:
+    ``slot_of[L, E]`` int32 (-1: absent), ``owner_of[S]`` int32 (``moe_layer * E + e``, -1:
     free), ``last_used[S]`` int64, ``score[S]`` float32 (LRFU), ``clock[1]`` int64, the copy
     plan ``plan_src/plan_dst[P]`` int32 + ``plan_count[1]``, ``P = min(E, max_routes)``.
 
-    Policies (``policy``; exact victim order in kernels/admission/reference.py):
+    Eviction policies (``eviction_policy``; exact victim order in kernels/admission/reference.py):
     ``"lru"`` evicts the least recently used slot of any layer; ``"lrfu"`` the lowest
     decayed-frequency score (``lrfu_decay``); ``"layer_lru"`` first the layer's own least
     recently used slots, then other layers' MOST recently used ones. Layers are admitted
@@ -44,7 +44,7 @@ class SlotCache:
     """
 
     def __init__(self, num_layers: int, num_experts: int, num_slots: int, *,
-                 device: torch.device | str = "cpu", policy: str = "lru",
+                 device: torch.device | str = "cpu", eviction_policy: str = "lru",
                  lrfu_decay: float = 0.5, max_routes: int = DEFAULT_MAX_ROUTES,
                  collect_stats: bool = True, expert_bytes: int = 0,
                  impl: str | None = None, tuning: AdmissionTuning = AdmissionTuning()):
@@ -56,21 +56,21 @@ class SlotCache:
                              f"{num_layers=}, {num_experts=}, {max_routes=}")
         device = torch.device(device)
         self.state = SlotState.allocate(num_layers, num_experts, num_slots, max_routes,
-                                        device, policy, lrfu_decay)
+                                        device, eviction_policy, lrfu_decay)
         self.stats = (MoEStats(num_layers, num_experts, device, expert_bytes)
                       if collect_stats else None)
         self.impl, self.tuning = impl, tuning
 
     # -- the two operations -------------------------------------------------------------
 
-    def admit(self, layer: int, topk_ids: torch.Tensor, phase: str = "decode") -> torch.Tensor:
-        """Admit every expert routed by ``topk_ids`` into layer ``layer``; returns slot ids
+    def admit(self, moe_layer: int, topk_ids: torch.Tensor, phase: str = "decode") -> torch.Tensor:
+        """Admit every expert routed by ``topk_ids`` into MoE layer ``moe_layer``; returns slot ids
         shaped like ``topk_ids`` (int32 view of a static buffer, valid until the next call).
         ``phase`` picks the statistics bucket (decode or prefill)."""
         if phase not in PHASES:
             raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
         counters = self.stats.bucket(phase) if self.stats is not None else None
-        return admit(self.state, layer, topk_ids, counters, tuning=self.tuning, impl=self.impl)
+        return admit(self.state, moe_layer, topk_ids, counters, tuning=self.tuning, impl=self.impl)
 
     def copy_misses(self, host_banks: list[torch.Tensor], slot_banks: list[torch.Tensor]) -> None:
         """Copy the last admission's misses: rows ``plan_src`` of the layer's host banks
@@ -87,10 +87,10 @@ class SlotCache:
         s = self.state
         gather_copy(host_banks, slot_banks, s.plan_src, s.plan_dst, s.plan_count, impl=self.impl)
 
-    def load_experts(self, layer: int, topk_ids: torch.Tensor, host_banks: list[torch.Tensor],
+    def load_experts(self, moe_layer: int, topk_ids: torch.Tensor, host_banks: list[torch.Tensor],
                      slot_banks: list[torch.Tensor], phase: str = "decode") -> torch.Tensor:
         """``admit`` then ``copy_misses``: the routes' experts resident, their slot ids."""
-        slot_ids = self.admit(layer, topk_ids, phase)
+        slot_ids = self.admit(moe_layer, topk_ids, phase)
         self.copy_misses(host_banks, slot_banks)
         return slot_ids
 
@@ -106,13 +106,13 @@ class SlotCache:
         if bool((s.owner_of >= 0).any()):
             raise RuntimeError("fill() needs an empty cache: call reset() first")
         filled = 0
-        for layer, banks in enumerate(host_banks[:self.num_layers]):
+        for moe_layer, banks in enumerate(host_banks[:self.num_layers]):
             count = min(num_experts, self.num_slots - filled)
             if count <= 0:
                 break
             slots = torch.arange(filled, filled + count, dtype=torch.int32, device=s.slot_of.device)
-            s.slot_of[layer, :count] = slots
-            s.owner_of[filled:filled + count] = layer * num_experts + torch.arange(
+            s.slot_of[moe_layer, :count] = slots
+            s.owner_of[filled:filled + count] = moe_layer * num_experts + torch.arange(
                 count, dtype=torch.int32, device=s.owner_of.device)
             for host, slot in zip(banks, slot_banks):
                 slot[filled:filled + count].copy_(host[:count], non_blocking=True)
@@ -146,8 +146,8 @@ class SlotCache:
         return self.state.max_routes
 
     @property
-    def policy(self) -> str:
-        return self.state.policy
+    def eviction_policy(self) -> str:
+        return self.state.eviction_policy
 
     @property
     def slot_of(self) -> torch.Tensor:

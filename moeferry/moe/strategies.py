@@ -10,11 +10,15 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 
 from moeferry.config import ConfigError
 from moeferry.kernels.fused_moe import fused_moe
+
+if TYPE_CHECKING:
+    from moeferry.engine.planner import MemoryPlan
 
 # name -> "module:Class"; imported only when chosen.
 _REGISTRY: dict[str, str] = {
@@ -34,6 +38,20 @@ def create_strategy(name: str, engine_config, model_config) -> "MoEStrategy":
     module_name, cls_name = _REGISTRY[name].split(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
     return cls(engine_config, model_config)
+
+
+@dataclass(frozen=True)
+class ExpertNeeds:
+    """What a MoE strategy asks of memory (MoEStrategy.memory_needs). `wants_slots`: it keeps a
+    device slot cache, of at least `layer_experts` slots and at most `total_experts`;
+    `stream_bytes`: device buffers for streamed prefill; `host_bytes`: its pinned host store."""
+
+    expert_bytes: int = 0
+    total_experts: int = 0
+    layer_experts: int = 0
+    wants_slots: bool = False
+    stream_bytes: int = 0
+    host_bytes: int = 0
 
 
 @dataclass
@@ -58,7 +76,7 @@ class MoEStrategy:
     Life cycle: `allocate_banks` once per MoE layer (the loader then fills the banks),
     `finalize` once after loading, then `forward` per layer per step. Every strategy gives
     the output of `gpu` for the same inputs. The set of banks is fixed once loading starts,
-    so `moe_index` and `expert_bytes` are derived from it once.
+    so `moe_layer_of` and `expert_bytes` are derived from it once.
     """
 
     name = "base"
@@ -82,17 +100,30 @@ class MoEStrategy:
         return self.banks[layer_id]
 
     @cached_property
-    def moe_index(self) -> dict[int, int]:
-        """Model layer id -> index among the MoE layers (0 .. number of MoE layers - 1)."""
+    def moe_layer_of(self) -> dict[int, int]:
+        """Model layer id (`layer_id`, 0 .. num_layers - 1) -> MoE layer index (`moe_layer`,
+        0 .. number of MoE layers - 1), the index of the slot cache, statistics and banks."""
         return {layer: i for i, layer in enumerate(sorted(self.banks))}
 
     @cached_property
     def expert_bytes(self) -> int:
-        """Bytes of one routed expert over both banks (every layer's experts have one shape)."""
-        return next(iter(self.banks.values())).bytes_per_expert
+        """Bytes of one routed expert over both banks (every layer's experts have one shape; 0
+        for a model without routed experts)."""
+        return next(iter(self.banks.values())).bytes_per_expert if self.banks else 0
 
-    def finalize(self) -> None:
-        """Called once after every bank is filled."""
+    def memory_needs(self) -> ExpertNeeds:
+        """What this strategy asks of the memory planner, once its banks are allocated. The
+        default: experts already where they compute (allocated with the model), nothing more."""
+        return ExpertNeeds(expert_bytes=self.expert_bytes, total_experts=self.total_experts,
+                           layer_experts=self.model_config.num_experts)
+
+    @property
+    def total_experts(self) -> int:
+        return self.model_config.num_experts * len(self.banks)
+
+    def finalize(self, plan: "MemoryPlan") -> None:
+        """Called once after every bank is filled, with the engine's memory plan: the strategy
+        allocates what the plan gave it (slots, buffers) and nothing else."""
 
     def begin_forward(self, is_decode: bool, num_tokens: int) -> None:
         """Called at the start of every model forward, before the first layer."""

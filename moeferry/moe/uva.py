@@ -5,11 +5,13 @@ crosses the link once (kernels/fused_moe/triton.py: choose_block_assignment)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from moeferry.kernels.fused_moe import fused_moe
 from moeferry.kernels.fused_moe import BLOCK_ASSIGNMENTS
-from moeferry.moe.strategies import MoEStrategy
+from moeferry.moe.strategies import ExpertNeeds, MoEStrategy
 
 
 class UvaStrategy(MoEStrategy):
@@ -45,8 +47,11 @@ class UvaStrategy(MoEStrategy):
             raise ValueError(f"block_assignment {value!r} not in {BLOCK_ASSIGNMENTS}")
         self._block_assignment = value
 
-    def finalize(self) -> None:
-        layers, e = len(self.moe_index), self.model_config.num_experts
+    def memory_needs(self) -> ExpertNeeds:
+        return dataclasses.replace(super().memory_needs(), host_bytes=self.total_experts * self.expert_bytes)
+
+    def finalize(self, plan) -> None:
+        layers, e = len(self.moe_layer_of), self.model_config.num_experts
         self.read_counts = torch.zeros((layers, e), dtype=torch.int64, device=self.device)
         self.decode_steps = torch.zeros(layers, dtype=torch.int64, device=self.device)
         self.route_counts = torch.zeros(layers, dtype=torch.int64, device=self.device)
@@ -64,7 +69,7 @@ class UvaStrategy(MoEStrategy):
 
     def _count_reads(self, layer_id: int, topk_ids: torch.Tensor, naive: bool) -> None:
         """Per expert: 1 if any route reads it (sorted), else its route count (naive)."""
-        i = self.moe_index[layer_id]
+        i = self.moe_layer_of[layer_id]
         ids = topk_ids.reshape(-1).long()
         if naive:
             self.read_counts[i].index_add_(0, ids, torch.ones_like(ids))

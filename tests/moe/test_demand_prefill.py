@@ -10,6 +10,7 @@ from moeferry.config import ConfigError, EngineConfig
 from moeferry.kernels.fused_moe import fused_moe
 from moeferry.moe import offload
 from moeferry.moe.offload import OffloadStrategy
+from moeferry.engine.planner import plan_memory
 from moeferry.moe.prefill_policy import PrefillPolicy, parse_demand_tokens, validate_demand_prefill
 
 H, I, E, TOP_K = 32, 16, 160, 2
@@ -25,7 +26,7 @@ def _strategy(demand, slots=2 * E, layers=2):
         banks = strategy.allocate_banks(layer, E, H, I)
         banks.w13.copy_(torch.randn(banks.w13.shape, generator=gen) * 0.1)
         banks.w2.copy_(torch.randn(banks.w2.shape, generator=gen) * 0.1)
-    strategy.finalize()
+    strategy.finalize(plan_memory(strategy.engine_config, strategy.memory_needs()))
     strategy.cache.reset()  # cold: these tests count the misses a chunk's admission takes
     return strategy
 

@@ -81,17 +81,15 @@ def test_cache_smaller_than_a_layer_is_refused(ckpt):
 
 
 def test_cache_sizing_from_slots_gigabytes_or_every_expert():
-    from types import SimpleNamespace
-
     from moeferry.config import EngineConfig
-    from moeferry.moe.offload import plan_num_slots
+    from moeferry.engine.planner import plan_memory
+    from moeferry.moe.strategies import ExpertNeeds
 
-    mc = SimpleNamespace(num_experts=8, num_layers=3)
     expert_bytes = 3 * 2**20
-    assert plan_num_slots(EngineConfig(device="cpu", moe_cache_slots=13), mc, 24, expert_bytes, "cpu") == 13
-    assert plan_num_slots(EngineConfig(device="cpu", moe_cache_gb=0.03), mc, 24, expert_bytes,
-                          __import__("torch").device("cpu")) == int(0.03 * 2**30 // expert_bytes)
-    assert plan_num_slots(EngineConfig(device="cpu"), mc, 24, expert_bytes, __import__("torch").device("cpu")) == 24
+    needs = ExpertNeeds(expert_bytes=expert_bytes, total_experts=24, layer_experts=8, wants_slots=True)
+    assert plan_memory(EngineConfig(device="cpu", moe_cache_slots=13), needs).expert_slots == 13
+    assert plan_memory(EngineConfig(device="cpu", moe_cache_gb=0.03), needs).expert_slots == int(0.03 * 2**30 // expert_bytes)
+    assert plan_memory(EngineConfig(device="cpu"), needs).expert_slots == 24
 
 
 def test_a_dense_model_resets_moe_flags_with_a_warning(tmp_path, caplog):

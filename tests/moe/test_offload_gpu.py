@@ -7,6 +7,7 @@ import torch
 
 from moeferry.engine.cuda_graph import capture
 from moeferry.kernels.fused_moe import fused_moe
+from moeferry.engine.planner import plan_memory
 from moeferry.moe.slot_cache import SlotCache
 
 pytestmark = pytest.mark.gpu
@@ -129,7 +130,7 @@ def test_600_token_demand_chunk_equals_the_streamed_layer_bit_for_bit():
             banks = strategy.allocate_banks(layer, E, H, I)
             banks.w13.copy_(torch.randn(banks.w13.shape, generator=gen) * 0.05)
             banks.w2.copy_(torch.randn(banks.w2.shape, generator=gen) * 0.05)
-        strategy.finalize()
+        strategy.finalize(plan_memory(strategy.engine_config, strategy.memory_needs()))
         strategy.cache.reset()  # cold, so the chunk's admission misses
         for layer in (1, 2, 3):
             hidden = torch.randn(8, H, generator=gen).to(torch.bfloat16).cuda()
@@ -139,7 +140,7 @@ def test_600_token_demand_chunk_equals_the_streamed_layer_bit_for_bit():
         weights, ids = _routes(gen, 600)
         strategy.begin_forward(False, 600)
         demand = strategy.forward(0, hidden, weights, ids, is_decode=False)
-        strategy.policy.threshold = 0
+        strategy.prefill_policy.threshold = 0
         strategy.begin_forward(False, 600)
         streamed = strategy.forward(0, hidden, weights, ids, is_decode=False)
         assert torch.equal(demand, streamed)

@@ -130,7 +130,7 @@ def run_against_model(impl, policy, seed, steps, device, layers=(1, 4), warm=Fal
     num_layers = int(rng.integers(*layers))
     num_experts = int(rng.integers(4, 25))
     num_slots = int(rng.integers(max(8, num_experts), 41))
-    cache = SlotCache(num_layers, num_experts, num_slots, policy=policy, lrfu_decay=0.75,
+    cache = SlotCache(num_layers, num_experts, num_slots, eviction_policy=policy, lrfu_decay=0.75,
                       max_routes=64, impl=impl, device=device)
     model = PyCache(num_layers, num_experts, num_slots, policy, 0.75)
     host = encoded_banks(num_layers, num_experts, device)
@@ -208,7 +208,7 @@ def test_from_a_warm_start_the_triton_path_follows_the_python_model(policy, devi
 
 
 def test_a_warm_expert_never_used_is_evicted_before_one_in_use():
-    cache = SlotCache(2, 4, 6, policy="layer_lru", impl="reference")
+    cache = SlotCache(2, 4, 6, eviction_policy="layer_lru", impl="reference")
     host = encoded_banks(2, 4)
     banks = slot_banks(host, 6)
     cache.fill(host, banks)  # slots 0-3: layer 0's experts, 4-5: layer 1's experts 0 and 1
@@ -223,7 +223,7 @@ def test_a_warm_expert_never_used_is_evicted_before_one_in_use():
 @pytest.mark.parametrize("impl", ["reference", "triton"])
 def test_layer_lru_takes_own_lru_slots_then_other_layers_mru_slots(impl, device):
     device = device if impl == "triton" else "cpu"
-    cache = SlotCache(3, 4, 6, policy="layer_lru", max_routes=8, impl=impl,
+    cache = SlotCache(3, 4, 6, eviction_policy="layer_lru", max_routes=8, impl=impl,
                       device=device)
     admit = lambda layer, ids: cache.admit(layer, torch.tensor(ids, device=device)).tolist()  # noqa: E731
     assert admit(0, [0, 1]) == [0, 1]  # free slots first, in index order
@@ -259,7 +259,7 @@ def test_layer_lru_stops_the_cyclic_thrash_of_lru(impl, device):
     and 10 hits out of 24 (40 of 72: 5/9) that the model predicts exactly."""
     device = device if impl == "triton" else "cpu"
     for policy, expected_hits in (("lru", 0), ("layer_lru", 80)):
-        cache = SlotCache(THRASH_LAYERS, THRASH_EXPERTS, THRASH_SLOTS, policy=policy,
+        cache = SlotCache(THRASH_LAYERS, THRASH_EXPERTS, THRASH_SLOTS, eviction_policy=policy,
                           max_routes=16, impl=impl, device=device)
         model = PyCache(THRASH_LAYERS, THRASH_EXPERTS, THRASH_SLOTS, policy, 0.5)
         model_hits = []
@@ -340,9 +340,9 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="max_routes"):
         cache.admit(0, torch.zeros(17, dtype=torch.long))
     with pytest.raises(ValueError, match="policy"):
-        SlotCache(1, 8, 8, policy="fifo")
+        SlotCache(1, 8, 8, eviction_policy="fifo")
     with pytest.raises(ValueError, match="lrfu_decay"):
-        SlotCache(1, 8, 8, policy="lrfu", lrfu_decay=1.5)
+        SlotCache(1, 8, 8, eviction_policy="lrfu", lrfu_decay=1.5)
 
 
 def test_snapshot_is_plain_python_and_counts_bytes():
@@ -366,7 +366,7 @@ def test_snapshot_is_plain_python_and_counts_bytes():
 
 
 def test_state_is_updated_in_place():
-    cache = SlotCache(2, 8, 9, policy="lrfu")
+    cache = SlotCache(2, 8, 9, eviction_policy="lrfu")
     pointers = [t.data_ptr() for t in (cache.slot_of, cache.owner_of, cache.last_used,
                                        cache.score, cache.clock, cache.plan_src)]
     for step in range(5):
@@ -389,7 +389,7 @@ def test_48_admissions_and_copies_replay_as_one_cuda_graph(policy):
     rng = np.random.default_rng(0)
     num_layers, num_experts, num_slots = 48, 64, 700
     host = [[b.pin_memory() for b in layer] for layer in encoded_banks(num_layers, num_experts)]
-    eager, graphed = (SlotCache(num_layers, num_experts, num_slots, device="cuda", policy=policy)
+    eager, graphed = (SlotCache(num_layers, num_experts, num_slots, device="cuda", eviction_policy=policy)
                       for _ in range(2))
     eager_banks, graph_banks = slot_banks(host, num_slots, "cuda"), slot_banks(host, num_slots, "cuda")
     static_routes = [torch.zeros(13, 10, dtype=torch.long, device="cuda") for _ in range(num_layers)]

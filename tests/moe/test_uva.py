@@ -17,6 +17,7 @@ from moeferry.kernels.router import softmax_topk
 from moeferry.kernels.fused_moe import triton as triton_fused_moe
 from moeferry.layers.moe import MoEBlock
 from moeferry.moe import offload, strategies, uva
+from moeferry.engine.planner import plan_memory
 from moeferry.moe.strategies import create_strategy
 from tests.tiny_checkpoints import family_configs, make_checkpoint
 
@@ -39,7 +40,7 @@ def make_block(strategy, device="cpu", dtype=torch.float32, seed=0):
     gen = torch.Generator().manual_seed(seed)
     block.banks.w13.copy_(torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5)
     block.banks.w2.copy_(torch.randn(E, H, I, generator=gen) / I ** 0.25)
-    block.strategy.finalize()
+    block.strategy.finalize(plan_memory(block.strategy.engine_config, block.strategy.memory_needs()))
     return block
 
 

@@ -1,4 +1,4 @@
-"""Expert slot cache admission: ``admit(state, layer, topk_ids, counters) -> slot_ids``.
+"""Expert slot cache admission: ``admit(state, moe_layer, topk_ids, counters) -> slot_ids``.
 
 Dedups a call's routes, refreshes the hits, gives each distinct miss a victim slot under the
 state's eviction policy, updates the maps, writes a copy plan for gather_copy and returns the
@@ -47,8 +47,8 @@ class AdmissionTuning:
     phase_clock: bool = False
 
 
-def admit(state: SlotState, layer: int, topk_ids: torch.Tensor, counters: AdmissionCounters | None = None, *,
+def admit(state: SlotState, moe_layer: int, topk_ids: torch.Tensor, counters: AdmissionCounters | None = None, *,
           tuning: AdmissionTuning = AdmissionTuning(), impl: str | None = None) -> torch.Tensor:
-    """Admit every expert routed by ``topk_ids`` into MoE layer ``layer``; returns slot ids
+    """Admit every expert routed by ``topk_ids`` into MoE layer ``moe_layer``; returns slot ids
     shaped like ``topk_ids`` (an int32 view of ``state.slot_ids``, valid until the next call)."""
-    return implementation("admission", topk_ids, impl).admit(state, layer, topk_ids, counters, tuning)
+    return implementation("admission", topk_ids, impl).admit(state, moe_layer, topk_ids, counters, tuning)

@@ -15,7 +15,7 @@ Admission of one call (``now`` is the clock after its increment):
    and never used since (``last_used`` -1, see SlotCache.fill); otherwise ``last_used + 1`` (LRU), or
    ``float32_bits(score * decay_pow(now - last_used)) + 1`` (LRFU; scores are >= 0 so their
    bits order like the values), or for LAYER_LRU ``last_used + 1`` when the slot's owner
-   belongs to ``layer`` and ``2 * now - last_used`` when it belongs to another layer. The
+   belongs to ``moe_layer`` and ``2 * now - last_used`` when it belongs to another layer. The
    i-th miss, in ascending expert id, takes the i-th candidate in ascending
    ``(key, slot index)``. Its former owner's ``slot_of`` entry
    becomes -1; ``owner_of``, ``slot_of``, ``last_used = now`` and ``score = 1`` are set.
@@ -67,13 +67,13 @@ def decay_pow(dt: torch.Tensor, decay: DecayPowers) -> torch.Tensor:
     return torch.where((dt >> decay.bits) != 0, torch.full_like(result, decay.tail), result)
 
 
-def _slot_keys(state: SlotState, layer: int, now: int) -> torch.Tensor:
+def _slot_keys(state: SlotState, moe_layer: int, now: int) -> torch.Tensor:
     """Victim ranking keys of all slots, before excluding this call's slots."""
-    if state.policy == "lrfu":
+    if state.eviction_policy == "lrfu":
         decayed = state.score * decay_pow(now - state.last_used, state.decay)
         key = decayed.view(torch.int32).to(torch.int64) + 1
-    elif state.policy == "layer_lru":
-        own = torch.div(state.owner_of, state.num_experts, rounding_mode="floor") == layer
+    elif state.eviction_policy == "layer_lru":
+        own = torch.div(state.owner_of, state.num_experts, rounding_mode="floor") == moe_layer
         key = torch.where(own, state.last_used + 1, 2 * now - state.last_used)
     else:
         key = state.last_used + 1
@@ -82,62 +82,62 @@ def _slot_keys(state: SlotState, layer: int, now: int) -> torch.Tensor:
 
 
 def _refresh_hits(state: SlotState, hit_slots: torch.Tensor, now: int) -> None:
-    if state.policy == "lrfu":
+    if state.eviction_policy == "lrfu":
         p = decay_pow(now - state.last_used[hit_slots], state.decay)
         state.score[hit_slots] = (state.score[hit_slots] * p) + 1.0
     state.last_used[hit_slots] = now
 
 
-def _choose_victims(state: SlotState, layer: int, num_misses: int, now: int) -> torch.Tensor:
+def _choose_victims(state: SlotState, moe_layer: int, num_misses: int, now: int) -> torch.Tensor:
     candidates = torch.nonzero(state.last_used != now).flatten()
-    keys = _slot_keys(state, layer, now)[candidates]
+    keys = _slot_keys(state, moe_layer, now)[candidates]
     order = torch.sort(keys, stable=True).indices  # candidates ascend by slot: ties by index
     return candidates[order[:num_misses]]
 
 
-def _install(state: SlotState, layer: int, misses: torch.Tensor, victims: torch.Tensor,
+def _install(state: SlotState, moe_layer: int, misses: torch.Tensor, victims: torch.Tensor,
              now: int) -> None:
     old_owner = state.owner_of[victims].long()
     state.slot_of.view(-1)[old_owner[old_owner >= 0]] = -1
-    state.owner_of[victims] = (layer * state.num_experts + misses).to(torch.int32)
-    state.slot_of[layer, misses] = victims.to(torch.int32)
+    state.owner_of[victims] = (moe_layer * state.num_experts + misses).to(torch.int32)
+    state.slot_of[moe_layer, misses] = victims.to(torch.int32)
     state.last_used[victims] = now
     state.score[victims] = 1.0
 
 
-def admit(state: SlotState, layer: int, topk_ids: torch.Tensor,
+def admit(state: SlotState, moe_layer: int, topk_ids: torch.Tensor,
           counters: AdmissionCounters | None = None, tuning=None) -> torch.Tensor:
     """Admit one call's routes; returns ``slot_ids`` shaped like ``topk_ids`` (int32 view of
     ``state.slot_ids``). See the module docstring for the exact semantics. ``tuning`` (the
     Triton kernel's) changes nothing here."""
-    num_routes = check_call(state, layer, topk_ids)
+    num_routes = check_call(state, moe_layer, topk_ids)
     state.clock.add_(1)
     now = int(state.clock.item())
     ids = topk_ids.reshape(-1).long()
     valid = (ids >= 0) & (ids < state.num_experts)
     distinct = torch.unique(ids[valid])  # sorted
-    slots = state.slot_of[layer, distinct].long()
+    slots = state.slot_of[moe_layer, distinct].long()
     _refresh_hits(state, slots[slots >= 0], now)
     misses = distinct[slots < 0]
     num_misses = misses.numel()
     if num_misses:
-        victims = _choose_victims(state, layer, num_misses, now)
-        _install(state, layer, misses, victims, now)
+        victims = _choose_victims(state, moe_layer, num_misses, now)
+        _install(state, moe_layer, misses, victims, now)
         state.plan_src[:num_misses] = misses.to(torch.int32)
         state.plan_dst[:num_misses] = victims.to(torch.int32)
     state.plan_count.fill_(num_misses)
     out = state.slot_ids[:num_routes]
     safe_ids = torch.where(valid, ids, torch.zeros_like(ids))
-    out.copy_(torch.where(valid, state.slot_of[layer, safe_ids], torch.full_like(out, -1)))
+    out.copy_(torch.where(valid, state.slot_of[moe_layer, safe_ids], torch.full_like(out, -1)))
     if counters is not None:
-        _count(counters, layer, ids[valid], distinct.numel(), num_misses)
+        _count(counters, moe_layer, ids[valid], distinct.numel(), num_misses)
     return out.view(topk_ids.shape)
 
 
-def _count(counters: AdmissionCounters, layer: int, valid_ids: torch.Tensor,
+def _count(counters: AdmissionCounters, moe_layer: int, valid_ids: torch.Tensor,
            num_distinct: int, num_misses: int) -> None:
-    counters.calls[layer] += 1
-    counters.distinct[layer] += num_distinct
-    counters.misses[layer] += num_misses
+    counters.calls[moe_layer] += 1
+    counters.distinct[moe_layer] += num_distinct
+    counters.misses[moe_layer] += num_misses
     if counters.freq is not None:
-        counters.freq[layer].index_add_(0, valid_ids, torch.ones_like(valid_ids))
+        counters.freq[moe_layer].index_add_(0, valid_ids, torch.ones_like(valid_ids))

@@ -46,7 +46,7 @@ class DecayPowers:
 class SlotState:
     """Every tensor an admission reads or writes, allocated once (static for CUDA graphs).
 
-    Maps: ``slot_of[L, E]`` int32, ``owner_of[S]`` int32 (flat ``layer * E + e``),
+    Maps: ``slot_of[L, E]`` int32, ``owner_of[S]`` int32 (flat ``moe_layer * E + e``),
     ``last_used[S]`` int64, ``score[S]`` float32 (LRFU only, kept at 0 under LRU),
     ``clock[1]`` int64. Plan: ``plan_src[P]``, ``plan_dst[P]`` int32, ``plan_count[1]`` int32
     with ``P = min(E, max_routes)``. Output: ``slot_ids[max_routes]`` int32. Scratch for the
@@ -70,14 +70,14 @@ class SlotState:
     victim_slot: torch.Tensor
     ordered_victims: torch.Tensor
     decay: DecayPowers
-    policy: str
+    eviction_policy: str
     max_routes: int
 
     @classmethod
     def allocate(cls, num_layers: int, num_experts: int, num_slots: int, max_routes: int,
-                 device, policy: str = "lru", lrfu_decay: float = 0.5) -> "SlotState":
-        if policy not in POLICIES:
-            raise ValueError(f"cache policy must be one of {POLICIES}, got {policy!r}")
+                 device, eviction_policy: str = "lru", lrfu_decay: float = 0.5) -> "SlotState":
+        if eviction_policy not in POLICIES:
+            raise ValueError(f"cache policy must be one of {POLICIES}, got {eviction_policy!r}")
         plan_size = min(num_experts, max_routes)
 
         def buf(n, dtype, fill=0):
@@ -99,7 +99,7 @@ class SlotState:
             victim_slot=buf((plan_size,), torch.int32),
             ordered_victims=buf((plan_size,), torch.int32),
             decay=DecayPowers.build(lrfu_decay, device),
-            policy=policy,
+            eviction_policy=eviction_policy,
             max_routes=max_routes,
         )
 
@@ -123,10 +123,10 @@ class SlotState:
             t.fill_(v)
 
 
-def check_call(state: SlotState, layer: int, topk_ids: torch.Tensor) -> int:
+def check_call(state: SlotState, moe_layer: int, topk_ids: torch.Tensor) -> int:
     """Validate an admission's arguments (no device sync); returns the number of routes."""
-    if not 0 <= layer < state.num_layers:
-        raise ValueError(f"layer {layer} out of range [0, {state.num_layers})")
+    if not 0 <= moe_layer < state.num_layers:
+        raise ValueError(f"moe_layer {moe_layer} out of range [0, {state.num_layers})")
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
     if topk_ids.device != state.slot_of.device:

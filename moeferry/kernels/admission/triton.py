@@ -1,6 +1,6 @@
 """Expert slot cache admission as ONE Triton program per call: no host sync, fixed launch.
 
-``admit(state, layer, topk_ids, counters) -> slot_ids`` has the signature and the exact
+``admit(state, moe_layer, topk_ids, counters) -> slot_ids`` has the signature and the exact
 results (maps, plan, slot ids, counters, bit for bit) of ``kernels/admission/reference.py``,
 whose module docstring defines the semantics and the LRFU arithmetic.
 
@@ -387,7 +387,7 @@ def _radix_victims(key_ptr, keys, num_slots, lo, hi, num_misses, vkey_ptr, vslot
 
 @triton.jit(do_not_specialize=["num_routes", "layer"])  # one compile serves every layer
 def _admit_kernel(
-    topk_ptr, num_routes, layer, num_experts, num_slots,
+    topk_ptr, num_routes, moe_layer, num_experts, num_slots,
     slot_of_ptr, owner_of_ptr, last_used_ptr, score_ptr, clock_ptr,
     plan_src_ptr, plan_dst_ptr, plan_count_ptr, out_ptr,
     mark_ptr, key_ptr, vkey_ptr, vslot_ptr, ordered_ptr, decay_ptr,
@@ -408,7 +408,7 @@ def _admit_kernel(
         t = _sm_clock()
     now = tl.load(clock_ptr) + 1
     tl.store(clock_ptr, now)
-    layer_base = layer.to(tl.int64) * num_experts
+    layer_base = moe_layer.to(tl.int64) * num_experts
     misses_seen = 1
     if ALL_HITS_FAST_PATH:
         misses_seen = _admit_if_all_hits(topk_ptr, num_routes, num_experts, layer_base, now,
@@ -460,9 +460,9 @@ def _admit_kernel(
         _write_slot_ids(topk_ptr, num_routes, num_experts, layer_base, slot_of_ptr, out_ptr,
                         BLOCK_R)
         if COUNT_STATS:
-            tl.store(calls_ptr + layer, tl.load(calls_ptr + layer) + 1)
-            tl.store(distinct_ptr + layer, tl.load(distinct_ptr + layer) + num_distinct)
-            tl.store(misses_ptr + layer, tl.load(misses_ptr + layer) + num_misses)
+            tl.store(calls_ptr + moe_layer, tl.load(calls_ptr + moe_layer) + 1)
+            tl.store(distinct_ptr + moe_layer, tl.load(distinct_ptr + moe_layer) + num_distinct)
+            tl.store(misses_ptr + moe_layer, tl.load(misses_ptr + moe_layer) + num_misses)
         _stamp(phase_ptr, 6, t, PHASE_CLOCK)
 
 
@@ -482,11 +482,11 @@ def _block(n: int, low: int, high: int) -> int:
     return max(low, min(high, triton.next_power_of_2(max(n, 1))))
 
 
-def admit(state: SlotState, layer: int, topk_ids: torch.Tensor,
+def admit(state: SlotState, moe_layer: int, topk_ids: torch.Tensor,
           counters: AdmissionCounters | None = None,
           tuning: AdmissionTuning = AdmissionTuning()) -> torch.Tensor:
-    """One launch, grid (1,): admit ``topk_ids`` into layer ``layer`` (see module contract)."""
-    num_routes = check_call(state, layer, topk_ids)
+    """One launch, grid (1,): admit ``topk_ids`` into MoE layer ``moe_layer`` (see module contract)."""
+    num_routes = check_call(state, moe_layer, topk_ids)
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
         raise ValueError("topk_ids must be contiguous")
@@ -497,19 +497,19 @@ def admit(state: SlotState, layer: int, topk_ids: torch.Tensor,
     block_s = _block(state.num_slots, 16, tuning.max_block_s)
     phases = phase_cycles(ids.device) if tuning.phase_clock else state.clock
     _admit_kernel[(1,)](
-        ids, num_routes, layer, state.num_experts, state.num_slots,
+        ids, num_routes, moe_layer, state.num_experts, state.num_slots,
         state.slot_of, state.owner_of, state.last_used, state.score, state.clock,
         state.plan_src, state.plan_dst, state.plan_count, state.slot_ids,
         state.expert_mark, state.slot_key, state.victim_key, state.victim_slot,
         state.ordered_victims, state.decay.table,
         stats[0], stats[1], stats[2], freq, phases,
-        LRFU=state.policy == "lrfu", LAYER_LRU=state.policy == "layer_lru", POW_BITS=state.decay.bits, POW_TAIL=state.decay.tail,
+        LRFU=state.eviction_policy == "lrfu", LAYER_LRU=state.eviction_policy == "layer_lru", POW_BITS=state.decay.bits, POW_TAIL=state.decay.tail,
         COUNT_STATS=count_stats, COUNT_FREQ=count_freq, PHASE_CLOCK=tuning.phase_clock,
         BLOCK_R=_block(num_routes, 16, tuning.max_block_r), BLOCK_E=_block(state.num_experts, 16, 1024),
         BLOCK_S=block_s, RADIX=1 << tuning.radix_bits, RADIX_BITS=tuning.radix_bits,
         KEYS_IN_REGISTERS=tuning.keys_in_registers and state.num_slots <= block_s,
         SLOT_BITS=block_s.bit_length() - 1, EXTRACT_MAX=tuning.extract_max, TILE=_VICTIM_TILE,
-        ALL_HITS_FAST_PATH=(tuning.all_hits_fast_path and state.policy != "lrfu" and not count_stats
+        ALL_HITS_FAST_PATH=(tuning.all_hits_fast_path and state.eviction_policy != "lrfu" and not count_stats
                             and num_routes <= tuning.max_block_r),
         num_warps=tuning.num_warps_wide if num_routes > tuning.max_block_r else tuning.num_warps,
         enable_fp_fusion=False, **pdl_launch(ids.device),
