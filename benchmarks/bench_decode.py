@@ -23,8 +23,9 @@ import tempfile
 
 import torch
 
-from benchmarks.common import (QWEN3_30B_DIR_CONFIG, free_engine_memory, h2d_bandwidth, hbm_bandwidth,
-                               markdown_table, report, timed_decode, write_config_dir)
+from benchmarks.common import (free_engine_memory, h2d_bandwidth, hbm_bandwidth, markdown_table, report,
+                               timed_decode)
+from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 
 def parse_args(argv):

@@ -1,5 +1,5 @@
 """bf16 parity on the GPU against HF transformers (issue: foundation): for each tiny random
-checkpoint of tests/tiny_checkpoints.py, moeferry in bfloat16 on CUDA against transformers in
+checkpoint of moeferry.testing.fixtures, moeferry in bfloat16 on CUDA against transformers in
 float32: the largest logit error over a batch of prompts, and how many of 24 greedy tokens
 agree (first divergence, since one flipped token changes everything after it).
 
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
         print("bench_parity: no CUDA GPU, nothing measured")
         return 0
     from moeferry import LLM, SamplingParams
-    from tests.tiny_checkpoints import family_configs, make_checkpoint
+    from moeferry.testing.fixtures import family_configs, make_checkpoint
 
     rows = []
     for name, config in family_configs():
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
            markdown_table(["family", "max abs logit error (last position)", "max abs logit", "greedy tokens agreeing "
                            "before the first divergence, per prompt"], rows),
            "moeferry in bfloat16 on CUDA (CUDA graphs on) vs transformers in float32 on the CPU; tiny random "
-           "checkpoints (tests/tiny_checkpoints.py).", args.out)
+           "checkpoints (moeferry.testing.fixtures).", args.out)
     return 0
 
 

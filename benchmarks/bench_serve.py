@@ -35,7 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.common import QWEN3_30B_DIR_CONFIG, markdown_table, report, write_config_dir
+from benchmarks.common import markdown_table, report
+from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

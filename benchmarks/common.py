@@ -8,27 +8,6 @@ import subprocess
 
 import torch
 
-QWEN3_30B_DIR_CONFIG = {
-    "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
-    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
-    "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
-    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
-    "decoder_sparse_step": 1, "mlp_only_layers": [], "torch_dtype": "bfloat16", "eos_token_id": 151645,
-    "bos_token_id": 151643, "attention_bias": False, "hidden_act": "silu",
-}
-
-
-def write_config_dir(path: str, config: dict) -> str:
-    """A checkpoint directory holding only config.json (enough for --load-format dummy)."""
-    import json
-    import os
-
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    return path
-
-
 def commit() -> str:
     import os
 

@@ -16,7 +16,8 @@ import argparse
 import time
 
 from benchmarks import bench_decode
-from benchmarks.common import QWEN3_30B_DIR_CONFIG, kernel_profile, replay_us, timed_decode
+from benchmarks.common import kernel_profile, replay_us, timed_decode
+from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG
 
 
 def profile_graph(engine, label: str) -> dict[str, float]:

@@ -14,11 +14,12 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.common import QWEN3_30B_DIR_CONFIG, free_engine_memory, replay_us, write_config_dir
+from benchmarks.common import free_engine_memory, replay_us
 from moeferry.config import EngineConfig
 from moeferry.engine.cuda_graph import capture
 from moeferry.engine.engine import Engine
 from moeferry.sampling import SamplingParams
+from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 VARIANTS = ("gpu", "offload", "no-gather", "gather-1-program", "gather-1-per-SM", "no-admission", "neither")
 

@@ -8,10 +8,11 @@ import time
 
 import torch
 
-from benchmarks.common import QWEN3_30B_DIR_CONFIG, busy_and_span, write_config_dir
+from benchmarks.common import busy_and_span
 from moeferry.config import EngineConfig
 from moeferry.engine.engine import Engine
 from moeferry.sampling import SamplingParams
+from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 
 
