@@ -1,16 +1,19 @@
-"""Shared by the benchmarks: the measured link and memory bandwidths, the commit, tables."""
+"""Shared by the benchmarks: the measured link and memory bandwidths, timers, the sweeps' knob
+grids, and the tables as sections of RESULTS.md (``report``, ``--results``)."""
 
 from __future__ import annotations
 
 import datetime
 import itertools
+import os
+import re
+import shlex
 import subprocess
 
 import torch
 
-def commit() -> str:
-    import os
 
+def commit() -> str:
     if os.environ.get("MOEFERRY_COMMIT"):  # the device machine gets the tree without .git
         return os.environ["MOEFERRY_COMMIT"]
     try:
@@ -120,7 +123,7 @@ def hbm_bandwidth(nbytes: int = 2 << 30, iters: int = 10) -> float:
 
 
 def knob_grid(parser, module, items: list[str]) -> dict[str, list[int]]:
-    """A sweep script's ``--set NAME=V1,V2`` items -> {NAME: [V1, V2]}, each NAME a module
+    """A sweep's ``--set NAME=V1,V2`` items -> {NAME: [V1, V2]}, each NAME a module
     global of ``module`` (a kernel's tuning knob, read at every launch); a NAME the module
     lacks is a usage error."""
     knobs = {}
@@ -134,7 +137,7 @@ def knob_grid(parser, module, items: list[str]) -> dict[str, list[int]]:
 
 def knob_settings(module, knobs: dict[str, list[int]]):
     """Every combination of knob_grid's ``knobs``, each set on ``module`` in turn before it is
-    yielded (as the tuple of its values): the outer loop of a sweep script."""
+    yielded (as the tuple of its values): the outer loop of a sweep."""
     for values in itertools.product(*knobs.values()):
         for name, value in zip(knobs, values):
             setattr(module, name, value)
@@ -157,19 +160,81 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def report(title: str, command: str, table: str, notes: str = "", out: str | None = None) -> str:
-    text = (f"\n### {title}\n\n{datetime.date.today().isoformat()}, {gpu_name()}, commit {commit()}\n\n"
-            f"`{command}`\n\n{table}\n" + (f"\n{notes}\n" if notes else ""))
-    emit(text, out)
-    return text
+# --- RESULTS.md: one marked section per benchmark table, regenerated in place ---------------
+
+def add_results_flag(parser) -> None:
+    """The ``--results FILE...`` flag every benchmark takes (see ``report``)."""
+    parser.add_argument("--results", nargs="+", default=[], metavar="FILE",
+                        help="replace this benchmark's section of each FILE (benchmarks/RESULTS.md) with the new "
+                             "table, adding the section where absent")
 
 
-def emit(text: str, out: str | None) -> None:
-    """Print a benchmark's table and append it to `out` (benchmarks/RESULTS.md or $OUT/...)."""
-    print(text)
-    if out:
-        with open(out, "a") as f:
-            f.write("\n" + text)
+def command_line(module: str, argv: list[str]) -> str:
+    """How a benchmark was run, as its section shows it: ``python -m MODULE ARGS`` without
+    ``--results`` and its files (where a table was written is not how it was measured)."""
+    shown, in_results = [], False
+    for arg in argv:
+        if arg == "--results" or arg.startswith("--results="):
+            in_results = arg == "--results"
+            continue
+        if in_results and not arg.startswith("-"):
+            continue
+        in_results = False
+        shown.append(shlex.quote(arg))
+    return " ".join(["python -m", module, *shown])
+
+
+def section(name: str, title: str, command: str, body: str, notes: str = "") -> str:
+    """One benchmark table as a section of RESULTS.md: between ``<!-- bench:NAME -->`` and
+    ``<!-- /bench:NAME -->``, its title, the date, GPU and commit, the command line as run, the
+    table(s) and notes."""
+    lines = [f"<!-- bench:{name} -->", f"### {title}", "",
+             f"{datetime.date.today().isoformat()}, {gpu_name()}, commit {commit()}", "",
+             f"`{command}`", "", body.strip("\n")]
+    if notes:
+        lines += ["", notes.strip("\n")]
+    return "\n".join(lines + [f"<!-- /bench:{name} -->"]) + "\n"
+
+
+def replace_section(text: str, name: str, block: str) -> str:
+    """``text`` (a RESULTS.md) with its section ``name`` replaced by ``block``: every line from
+    the one holding ``<!-- bench:NAME -->`` to the one holding ``<!-- /bench:NAME -->``. A
+    section not yet in ``text`` is added before the ``## Findings`` heading, or at the end when
+    there is none. A start marker without its end is an error (nothing is guessed)."""
+    begin, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    marked = re.compile(rf"^[^\n]*{re.escape(begin)}.*?{re.escape(end)}[^\n]*(\n|\Z)", re.S | re.M)
+    if marked.search(text):
+        return marked.sub(lambda _: block, text, count=1)
+    if begin in text:
+        raise ValueError(f"{begin} has no {end}")
+    findings = re.search(r"^## Findings\b", text, re.M)
+    if findings:
+        return text[:findings.start()] + block + "\n" + text[findings.start():]
+    gap = "" if not text else "\n" if text.endswith("\n") else "\n\n"
+    return text + gap + block
+
+
+def write_section(path: str, name: str, block: str) -> None:
+    """Replace (or add) section ``name`` of the file at ``path`` (created if missing) with
+    ``block``; the file is replaced whole, so a crash leaves the old one."""
+    text = ""
+    if os.path.exists(path):
+        with open(path) as f:
+            text = f.read()
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(replace_section(text, name, block))
+    os.replace(tmp, path)
+
+
+def report(name: str, title: str, command: str, body: str, notes: str = "", results: list[str] = ()) -> str:
+    """Print a benchmark's table as its RESULTS.md section (``section``) and put that section
+    into each file of ``results`` (``--results``), replacing the one there."""
+    block = section(name, title, command, body, notes)
+    print(block)
+    for path in results:
+        write_section(path, name, block)
+    return block
 
 
 def free_engine_memory() -> None:
