@@ -2,7 +2,7 @@
 measurement) over the Cartesian product of the kernel module's knobs (module globals read at
 every launch, each value compiling its own kernel), at a few widths, all hits and with ~10%
 misses.
-  python3 scripts/sweep_admission.py --set _NUM_WARPS=8,16 --set _RADIX_BITS=5,8 \\
+  python -m benchmarks.sweep_admission --set _NUM_WARPS=8,16 --set _RADIX_BITS=5,8 \\
       [--set _KEYS_IN_REGISTERS=1,0] [--set _EXTRACT_MAX=0,16] \\
       [--requests 1 16 128] [--policy lru] [--no-stats] [--phases]
 --phases: the "with misses" run again with the kernel's phase clock (_PHASE_CLOCK: a barrier

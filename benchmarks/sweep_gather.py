@@ -1,7 +1,7 @@
 """Tuning sweep for the miss gather (kernels/triton/gather_copy.py): GB/s against copy_ of the
 same bytes (benchmarks/bench_copy.py's alternating measurement) over the Cartesian product of
 the kernel module's knobs (module globals read at every launch).
-  python3 scripts/sweep_gather.py --set _CHUNK_BYTES=16384,65536 --set _NUM_WARPS=4,8 \\
+  python -m benchmarks.sweep_gather --set _CHUNK_BYTES=16384,65536 --set _NUM_WARPS=4,8 \\
       [--set _PROGRAMS_PER_SM=1,2] [--set _BLOCK_BYTES=8192,16384] [--misses 8 16] [--banks w2]"""
 import argparse
 
