@@ -59,15 +59,6 @@ def make_engine(config_dir, args, strategy, slots=None, policy="lru"):
     return Engine(ec)
 
 
-def probe_engine(strategy: str, layers: int):
-    """(engine, experts) for the probes in scripts/: `layers` layers of the Qwen3-30B-A3B shape,
-    dummy weights, graphs for 1 request; offload with a `layer_lru` cache of all `experts`."""
-    cfg = write_config_dir(os.path.join(tempfile.mkdtemp(), "m"), QWEN3_30B_DIR_CONFIG)
-    experts = layers * QWEN3_30B_DIR_CONFIG["num_experts"]
-    args = parse_args(["--layers", str(layers), "--batch", "1"])
-    return make_engine(cfg, args, strategy, experts if strategy == "offload" else None, "layer_lru"), experts
-
-
 def set_statistics(engine, on: bool) -> None:
     """The offload cache's admission statistics on or off (as --moe-collect-stats would set
     them), the decode graphs recaptured: the admission kernel compiles its counters in."""

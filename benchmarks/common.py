@@ -46,42 +46,6 @@ def replay_us(graph: torch.cuda.CUDAGraph, replays: int = 20) -> float:
     return elapsed_us(back_to_back) / replays
 
 
-def busy_and_span(intervals: list[tuple[float, float]]) -> tuple[float, float]:
-    """(busy, span) of kernels' [start, end) intervals: the length of their union, and from the
-    first start to the last end. The span less the busy time is the GPU's idle time between them."""
-    if not intervals:
-        return 0.0, 0.0
-    intervals = sorted(intervals)
-    busy, covered_to = 0.0, intervals[0][0]
-    for start, end in intervals:
-        if end > covered_to:
-            busy += end - max(start, covered_to)
-            covered_to = end
-    return busy, covered_to - intervals[0][0]
-
-
-def kernel_profile(fn, repeats: int = 5) -> tuple[dict[str, float], float, float]:
-    """Where the device time of ``fn`` (a graph replay, a step) goes: (microseconds per call of
-    each kernel name, summed over its launches; busy and span microseconds per call, see
-    ``busy_and_span``), from the torch profiler over ``repeats`` calls. Copies and memsets
-    count as kernels here."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(repeats):
-            fn()
-        torch.cuda.synchronize()
-    per_name: dict[str, float] = {}
-    intervals = []
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            start, end = event.time_range.start, event.time_range.end
-            per_name[event.name] = per_name.get(event.name, 0.0) + (end - start) / repeats
-            intervals.append((start, end))
-    busy, span = busy_and_span(intervals)
-    return per_name, busy / repeats, span / repeats
-
-
 def us_per_call(fn, iters: int) -> float:
     """Device microseconds per call of ``fn``: one untimed call, then ``iters`` back to back."""
     fn()
