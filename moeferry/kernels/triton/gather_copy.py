@@ -36,7 +36,7 @@ from moeferry.kernels.triton.common import pdl_launch, wait_for_previous_kernel
 
 _CHUNK_BYTES = 64 * 1024
 _PROGRAMS_PER_SM = 1  # the fixed grid, which a call with no misses still launches: 1 per SM
-# copies at the bandwidth of 4 (89-95% of copy_) and costs 0.75 us less per empty call (RESULTS.md)
+# copies at the bandwidth of 4 and costs less per empty call (benchmarks/RESULTS.md, Findings)
 _BLOCK_BYTES = 16 * 1024
 _NUM_WARPS = 8
 _WORD_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
