@@ -18,12 +18,11 @@ GPU only: without CUDA it says so and exits 0.
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 
 import torch
 
-from benchmarks.common import elapsed_us, emit
+from benchmarks.common import add_results_flag, command_line, elapsed_us, markdown_table, report
 
 REQUESTS = (1, 4, 8, 12, 13, 16, 24, 32, 48, 128, 256, 410)
 
@@ -38,7 +37,7 @@ def parse_args(argv):
     p.add_argument("--replays", type=int, default=40)
     p.add_argument("--policy", choices=("lru", "lrfu", "layer_lru"), default="lru")
     p.add_argument("--miss-share", type=float, default=0.1)
-    p.add_argument("--out", help="append the table to this file")
+    add_results_flag(p)
     return p.parse_args(argv)
 
 
@@ -112,20 +111,14 @@ def measure(args, requests: int, with_misses: bool, stats: bool,
 
 
 def table(args, rows) -> str:
-    gpu = torch.cuda.get_device_name()
-    lines = [(f"### Admission, {gpu}, {datetime.date.today()}: top-{args.top_k} over "
-              f"{args.experts} experts, {args.slots} slots, {args.layers} admissions per "
-              f"graph, {args.replays} replays, policy {args.policy}"), "",
-             ("| requests | routes | all hits (us) | with misses (us) "
-              "| all hits, statistics (us) | with misses, statistics (us) | miss rate |"),
-             "|---:|---:|---:|---:|---:|---:|---:|"]
-    for requests, times, miss_rate in rows:
-        lines.append(f"| {requests} | {requests * args.top_k} | "
-                     + " | ".join(f"{t:.2f}" for t in times) + f" | {miss_rate:.1%} |")
-    return "\n".join(lines) + "\n"
+    header = ["requests", "routes", "all hits (us)", "with misses (us)", "all hits, statistics (us)",
+              "with misses, statistics (us)", "miss rate"]
+    return markdown_table(header, [[requests, requests * args.top_k, *(f"{t:.2f}" for t in times), f"{miss_rate:.1%}"]
+                                   for requests, times, miss_rate in rows])
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_admission: needs a CUDA GPU; none found, nothing measured.")
@@ -140,8 +133,12 @@ def main(argv=None) -> int:
         print(f"requests {requests}: {times[0]:.2f} / {times[1]:.2f} us all hits / with "
               f"{miss_rate:.1%} misses, {times[2]:.2f} / {times[3]:.2f} us with statistics",
               file=sys.stderr)
-    text = table(args, rows)
-    emit(text, args.out)
+    report(f"admission/{args.policy}", f"Admission, policy {args.policy}",
+           command_line("benchmarks.bench_admission", argv), table(args, rows),
+           (f"Top-{args.top_k} over {args.experts} experts, {args.slots} slots, {args.layers} admissions per "
+            f"graph, {args.replays} replays; microseconds per admission. Routes: each layer draws from a window "
+            f"of its experts that fits the cache; with misses, the window slides by {args.miss_share:.0%} of its "
+            f"width each replay (the miss rate is measured with statistics)."), args.results)
     return 0
 
 

@@ -15,13 +15,12 @@ GPU only: without CUDA it says so and exits 0.
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import sys
 
 import torch
 
-from benchmarks.common import emit
+from benchmarks.common import add_results_flag, command_line, report
 from moeferry.engine.cuda_graph import capture
 
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 4, 128, 16
@@ -39,7 +38,7 @@ def parse_args(argv):
                    help="calls captured in one graph (more when more input copies are needed)")
     p.add_argument("--repeats", type=int, default=5, help="graph replays; the best is kept")
     p.add_argument("--skip-reference", action="store_true")
-    p.add_argument("--out", help="append the table to this file")
+    add_results_flag(p)
     return p.parse_args(argv)
 
 
@@ -99,14 +98,12 @@ def measure(batch: int, context: int, args) -> dict:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_attention: needs a CUDA GPU; none found, nothing measured.")
         return 0
-    gpu = torch.cuda.get_device_name()
-    lines = [f"### Paged decode attention, Qwen3-30B-A3B shapes (32/4 heads, d 128, bf16, page 16), "
-             f"{gpu}, {datetime.date.today()}", "",
-             "| B | context | KV MiB | splits | reference µs | Triton µs | speed-up | Triton TB/s | % of 4.3 TB/s |",
+    lines = ["| B | context | KV MiB | splits | reference µs | Triton µs | speed-up | Triton TB/s | % of 4.3 TB/s |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for batch in args.batches:
         for context in args.contexts:
@@ -118,8 +115,10 @@ def main(argv=None) -> int:
                          f"| {r['triton'] * 1e6:.1f} | {speedup} | {rate / 1e12:.2f} "
                          f"| {rate / HBM_BYTES_PER_S:.0%} |")
             print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    emit(text, args.out)
+    report("attention", "Paged decode attention, Qwen3-30B-A3B shapes (32/4 heads, d 128, bf16, page 16)",
+           command_line("benchmarks.bench_attention", argv), "\n".join(lines),
+           "Every request at the full context, pages scattered at random; time per call in a CUDA graph, "
+           "the best of the replays.", args.results)
     return 0
 
 

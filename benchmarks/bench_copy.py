@@ -12,13 +12,12 @@ without CUDA it says so and exits 0.
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 import sys
 
 import torch
 
-from benchmarks.common import emit, h2d_bandwidth, pinned_h2d_copy, us_per_call
+from benchmarks.common import add_results_flag, command_line, h2d_bandwidth, pinned_h2d_copy, report, us_per_call
 
 BANKS = {"w13 6 MiB": (1536, 2048), "w2 3 MiB": (2048, 768)}
 MISSES = (8, 16, 32, 64)
@@ -33,7 +32,7 @@ def parse_args(argv):
     p.add_argument("--rounds", type=int, default=7,
                    help="gather and copy_ alternate this many times; the medians are reported")
     p.add_argument("--programs-per-sm", type=int, help="the gather's grid (default: GatherTuning's)")
-    p.add_argument("--out", help="append the tables to this file")
+    add_results_flag(p)
     return p.parse_args(argv)
 
 
@@ -67,6 +66,7 @@ def gather_vs_copy(row_shape, experts: int, misses: int, iters: int, rounds: int
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_copy: needs a CUDA GPU; none found, nothing measured.")
@@ -74,13 +74,10 @@ def main(argv=None) -> int:
     from moeferry.kernels.gather_copy import GatherTuning
 
     tuning = GatherTuning(**({"programs_per_sm": args.programs_per_sm} if args.programs_per_sm else {}))
-    gpu = torch.cuda.get_device_name()
-    lines = [f"### Pinned H2D copy_, {gpu}, {datetime.date.today()}", "",
-             "| MiB | GB/s |", "|---:|---:|"]
+    lines = ["#### Pinned H2D copy_", "", "| MiB | GB/s |", "|---:|---:|"]
     for mib in H2D_SIZES_MIB:
         lines.append(f"| {mib} | {h2d_bandwidth(mib << 20, args.iters) / 1e9:.1f} |")
-    lines += ["", f"### Miss gather from pinned memory ({tuning.programs_per_sm} programs per SM), "
-              f"{gpu}, {datetime.date.today()}", "",
+    lines += ["", f"#### Miss gather from pinned memory (programs per SM: {tuning.programs_per_sm})", "",
               "| bank | misses | MiB | gather GB/s | copy_ GB/s (same bytes) | % of H2D |",
               "|---|---:|---:|---:|---:|---:|"]
     for name, shape in BANKS.items():
@@ -90,8 +87,10 @@ def main(argv=None) -> int:
             gather, h2d = gather_vs_copy(shape, args.experts, misses, args.iters, args.rounds, tuning)
             lines.append(f"| {name} | {misses} | {nbytes >> 20} | {gather:.1f} | {h2d:.1f} "
                          f"| {gather / h2d:.0%} |")
-    text = "\n".join(lines) + "\n"
-    emit(text, args.out)
+    report("copy", "Miss-copy bandwidth: pinned H2D copy_ and the miss gather",
+           command_line("benchmarks.bench_copy", argv), "\n".join(lines),
+           f"The gather and a copy_ of the same bytes alternate, {args.rounds} rounds of {args.iters} calls each; "
+           f"medians.", args.results)
     return 0
 
 

@@ -23,8 +23,9 @@ import tempfile
 
 import torch
 
-from benchmarks.common import (QWEN3_30B_DIR_CONFIG, free_engine_memory, h2d_bandwidth, hbm_bandwidth,
-                               markdown_table, report, timed_decode, write_config_dir)
+from benchmarks.common import (add_results_flag, command_line, free_engine_memory, h2d_bandwidth, hbm_bandwidth,
+                               markdown_table, report, timed_decode)
+from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 
 def parse_args(argv):
@@ -39,12 +40,11 @@ def parse_args(argv):
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--policies", nargs="+", default=["layer_lru"], help="slot cache policies to run offload with")
     p.add_argument("--repeats", type=int, default=2,
-                   help="time each row this many times and keep the fastest (runs of one engine spread by "
-                        "2-5%%; the slow first runs of the fifth and sixth sessions were offload's start-up "
-                        "graphs, fixed in DecodeGraphs since, RESULTS.md seventh session)")
+                   help="time each row this many times and keep the fastest (runs of one engine spread by a "
+                        "few percent)")
     p.add_argument("--compare-pdl", action="store_true",
                    help="time each row again without programmatic dependent launch (MOEFERRY_PDL=0)")
-    p.add_argument("--out")
+    add_results_flag(p)
     return p.parse_args(argv)
 
 
@@ -57,15 +57,6 @@ def make_engine(config_dir, args, strategy, slots=None, policy="lru"):
                       max_running_requests=max(args.batch), max_model_len=args.prompt_len + args.warmup + args.steps + 16,
                       disable_cuda_graph=args.disable_cuda_graph, num_tokens=(args.prompt_len + 64) * max(args.batch) * 2)
     return Engine(ec)
-
-
-def probe_engine(strategy: str, layers: int):
-    """(engine, experts) for the probes in scripts/: `layers` layers of the Qwen3-30B-A3B shape,
-    dummy weights, graphs for 1 request; offload with a `layer_lru` cache of all `experts`."""
-    cfg = write_config_dir(os.path.join(tempfile.mkdtemp(), "m"), QWEN3_30B_DIR_CONFIG)
-    experts = layers * QWEN3_30B_DIR_CONFIG["num_experts"]
-    args = parse_args(["--layers", str(layers), "--batch", "1"])
-    return make_engine(cfg, args, strategy, experts if strategy == "offload" else None, "layer_lru"), experts
 
 
 def set_statistics(engine, on: bool) -> None:
@@ -114,7 +105,8 @@ def dense_bytes(engine) -> int:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv if argv is not None else sys.argv[1:])
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_decode: no CUDA GPU, nothing measured")
         return 0
@@ -180,9 +172,10 @@ def main(argv=None) -> int:
              f"whose tok/s is the column 'tok/s with statistics'; 'vs floor' of an offload row is that run's step over the floor of its "
              f"own misses (a faster run without statistics may have missed less). gpu and uva rows have a floor only "
              f"when offload ran in the same call. 'without PDL': the same row timed again with programmatic "
-             f"dependent launch off (--compare-pdl; '-' when not asked for).")
-    report("Decode tokens/s vs floor", "python -m benchmarks.bench_decode " + " ".join(argv or sys.argv[1:]),
-           markdown_table(header, rows), notes, args.out)
+             f"dependent launch off (--compare-pdl; '-' when not asked for). Routing: the dummy router "
+             "(near-uniform).")
+    report("decode", "Decode tokens/s vs floor", command_line("benchmarks.bench_decode", argv),
+           markdown_table(header, rows), notes, args.results)
     return 0
 
 

@@ -6,13 +6,14 @@ as a decode step does, so the weights of one layer are not still in L2 when it r
 the time per layer is the graph's time / NUM_LAYERS. Achieved bandwidth counts each distinct
 expert a layer touches once (9 MiB in bf16), against the H200's ~4.3 TB/s HBM.
 
-    python benchmarks/bench_fused_moe.py [--out FILE] [--tokens 1 4 16 64 512]
+    python -m benchmarks.bench_fused_moe [--tokens 1 4 16 64 512] [--results FILE...]
 """
 import argparse
-import datetime
 import sys
 
 import torch
+
+from benchmarks.common import add_results_flag, command_line, report
 
 HIDDEN, INTERMEDIATE, NUM_EXPERTS, TOP_K = 2048, 768, 128, 8
 EXPERT_BYTES = 3 * HIDDEN * INTERMEDIATE * 2  # gate + up + down, bf16: 9 MiB
@@ -72,27 +73,21 @@ def _rows(token_counts: list[int]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 512])
-    parser.add_argument("--out", help="append the table to this file (e.g. benchmarks/RESULTS.md)")
+    add_results_flag(parser)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_fused_moe: needs a CUDA GPU; nothing measured.")
         return 0
-    header = [
-        f"### fused_moe, Qwen3-30B-A3B layer (H={HIDDEN}, I={INTERMEDIATE}, E={NUM_EXPERTS}, "
-        f"top-{TOP_K}, bf16), {torch.cuda.get_device_name()}, "
-        f"{datetime.date.today().isoformat()}",
-        "",
-        "| tokens | blocks | distinct experts | us / layer | TB/s (distinct x 9 MiB) "
-        "| of 4.3 TB/s |",
-        "|---|---|---|---|---|---|",
-    ]
-    table = "\n".join(header + _rows(args.tokens)) + "\n"
-    print(table)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write("\n" + table)
+    header = ["| tokens | blocks | distinct experts | us / layer | TB/s (distinct x 9 MiB) | of 4.3 TB/s |",
+              "|---|---|---|---|---|---|"]
+    report("fused_moe", f"fused_moe, Qwen3-30B-A3B layer (H={HIDDEN}, I={INTERMEDIATE}, E={NUM_EXPERTS}, "
+           f"top-{TOP_K}, bf16)", command_line("benchmarks.bench_fused_moe", argv),
+           "\n".join(header + _rows(args.tokens)),
+           f"Routes: top-{TOP_K} of random logits (near-uniform); {NUM_LAYERS} distinct layer banks per CUDA "
+           f"graph, time per layer.", args.results)
     return 0
 
 

@@ -14,14 +14,13 @@ tensor-core path, tiles, warps, stages) per weight shape and row count (``--swee
 prints the best few beside select_config's choice.
 
     python -m benchmarks.bench_linear [--rows 1 2 4 8 16] [--shapes qkv o_proj router lm_head]
-                                      [--sweep [--sweep-rows 1 16]] [--out FILE]
+                                      [--sweep [--sweep-rows 1 16]] [--results FILE...]
 
 GPU only: without CUDA it says so and exits 0.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import itertools
 import math
@@ -30,7 +29,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import emit, replay_us
+from benchmarks.common import add_results_flag, command_line, replay_us, report
 from moeferry.engine.cuda_graph import capture
 
 SHAPES = {"qkv": (5120, 2048), "o_proj": (2048, 4096), "router": (128, 2048), "lm_head": (151936, 2048)}
@@ -51,7 +50,7 @@ def parse_args(argv):
     p.add_argument("--sweep-rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--sweep-log", help="append every configuration's time to this file")
     p.add_argument("--top", type=int, default=5, help="configurations shown per shape by --sweep")
-    p.add_argument("--out", help="append the tables to this file")
+    add_results_flag(p)
     return p.parse_args(argv)
 
 
@@ -87,9 +86,7 @@ def describe(config) -> str:
 def compare(args) -> str:
     from moeferry.kernels.linear import triton as skinny
 
-    lines = [(f"### Skinny linear vs cuBLAS, Qwen3-30B-A3B shapes, bf16, {torch.cuda.get_device_name()}, "
-              f"{datetime.date.today()}"), "",
-             ("| layer | N x K | rows | MiB | floor µs | cuBLAS µs | Triton µs | cuBLAS / Triton | Triton GB/s "
+    lines = [("| layer | N x K | rows | MiB | floor µs | cuBLAS µs | Triton µs | cuBLAS / Triton | Triton GB/s "
               "| % of 4.3 TB/s | tiles (path BN/BK/warps/stages) |"),
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name in args.shapes:
@@ -130,9 +127,7 @@ def sweep(args) -> str:
 
     from moeferry.kernels.linear import triton as skinny
 
-    lines = [(f"### Skinny linear tile sweep, bf16, {torch.cuda.get_device_name()}, {datetime.date.today()}: "
-              f"µs per call, best {args.top} per shape and row count, and select_config's"), "",
-             "| layer | rows | tiles (path BN/BK/warps/stages) | µs | chosen |", "|---|---:|---|---:|---|"]
+    lines = ["| layer | rows | tiles (path BN/BK/warps/stages) | µs | chosen |", "|---|---:|---|---:|---|"]
     for name in args.shapes:
         n, k = SHAPES[name]
         weights = weight_copies(n, k)
@@ -161,15 +156,19 @@ def sweep(args) -> str:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_linear: needs a CUDA GPU; none found, nothing measured.")
         return 0
     torch.manual_seed(0)
-    text = compare(args)
+    command = command_line("benchmarks.bench_linear", argv)
+    report("linear", "Skinny linear vs cuBLAS, Qwen3-30B-A3B shapes, bf16", command, compare(args),
+           f"{CALLS} calls with distinct weights per CUDA graph (none still in L2), {args.replays} replays; "
+           "floor: the bytes a call moves over 4.3 TB/s.", args.results)
     if args.sweep:
-        text += "\n" + sweep(args)
-    emit(text, args.out)
+        report("linear/sweep", f"Skinny linear tile sweep, bf16: µs per call, best {args.top} per shape and row "
+               "count, and select_config's", command, sweep(args), results=args.results)
     return 0
 
 

@@ -1,5 +1,5 @@
 """bf16 parity on the GPU against HF transformers (issue: foundation): for each tiny random
-checkpoint of tests/tiny_checkpoints.py, moeferry in bfloat16 on CUDA against transformers in
+checkpoint of moeferry.testing.fixtures, moeferry in bfloat16 on CUDA against transformers in
 float32: the largest logit error over a batch of prompts, and how many of 24 greedy tokens
 agree (first divergence, since one flipped token changes everything after it).
 
@@ -14,7 +14,7 @@ import tempfile
 
 import torch
 
-from benchmarks.common import markdown_table, report
+from benchmarks.common import add_results_flag, command_line, markdown_table, report
 
 PROMPTS = [[5, 17, 33, 2, 9, 71, 40], [88, 3], [12, 60, 61, 62, 7, 1, 90, 45, 23, 30, 31, 8, 19]]
 
@@ -31,13 +31,14 @@ def _agree(a, b) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--strategy", default="gpu")
-    p.add_argument("--out")
-    args = p.parse_args(argv if argv is not None else sys.argv[1:])
+    add_results_flag(p)
+    argv = sys.argv[1:] if argv is None else argv
+    args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_parity: no CUDA GPU, nothing measured")
         return 0
     from moeferry import LLM, SamplingParams
-    from tests.tiny_checkpoints import family_configs, make_checkpoint
+    from moeferry.testing.fixtures import family_configs, make_checkpoint
 
     rows = []
     for name, config in family_configs():
@@ -64,11 +65,11 @@ def main(argv=None) -> int:
         rows.append([name, f"{max_err:.4f}", f"{ref.abs().max().item():.2f}", " / ".join(f"{a}/24" for a in agree)])
         print(rows[-1], flush=True)
         del llm
-    report("bf16 parity against HF transformers (float32)", "python -m benchmarks.bench_parity",
+    report("parity", "bf16 parity against HF transformers (float32)", command_line("benchmarks.bench_parity", argv),
            markdown_table(["family", "max abs logit error (last position)", "max abs logit", "greedy tokens agreeing "
                            "before the first divergence, per prompt"], rows),
            "moeferry in bfloat16 on CUDA (CUDA graphs on) vs transformers in float32 on the CPU; tiny random "
-           "checkpoints (tests/tiny_checkpoints.py).", args.out)
+           "checkpoints (moeferry.testing.fixtures).", args.results)
     return 0
 
 

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.common import QWEN3_30B_DIR_CONFIG, markdown_table, report, write_config_dir
+from benchmarks.common import add_results_flag, command_line, markdown_table, report
+from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,7 +56,7 @@ def parse_args(argv):
     p.add_argument("--ttft-repeats", type=int, default=3)
     p.add_argument("--skip-no-graph", action="store_true", help="measure with CUDA graphs only")
     p.add_argument("--startup-timeout", type=float, default=420.0, help="seconds to wait for /health")
-    p.add_argument("--out", help="append the table to this file")
+    add_results_flag(p)
     p.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -250,7 +251,8 @@ def measure(server: ServerProcess, args, vocab: int) -> tuple[list[list], list[f
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv if argv is not None else sys.argv[1:])
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
     if not torch.cuda.is_available() and not args.allow_cpu:
         print("bench_serve: no CUDA GPU, nothing measured")
         return 0
@@ -282,8 +284,8 @@ def main(argv=None) -> int:
             f"prompts, {args.max_tokens} tokens each, greedy, ignore_eos. Decode tok/s counts the tokens after each "
             f"request's first, over the time from the first first-token to the last token; TTFT is a lone request, "
             f"median of {args.ttft_repeats}, after a warm-up. " + "; ".join(notes) + ".")
-    report("Serving through the HTTP API", "python -m benchmarks.bench_serve " + " ".join(argv or sys.argv[1:]),
-           decode + "\n\n" + ttft, text, args.out)
+    report("serve", "Serving through the HTTP API", command_line("benchmarks.bench_serve", argv),
+           decode + "\n\n" + ttft, text, args.results)
     return 0
 
 

@@ -22,7 +22,8 @@ import time
 
 import torch
 
-from benchmarks.common import QWEN3_30B_DIR_CONFIG, h2d_bandwidth, markdown_table, report, write_config_dir
+from benchmarks.common import add_results_flag, command_line, h2d_bandwidth, markdown_table, report
+from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 LENGTHS = (87, 117, 151, 230, 387, 718, 1324, 4096)
 THRESHOLDS = ("0", "256", "512", "1024", "4096", "auto")
@@ -35,7 +36,7 @@ def parse_args(argv):
     p.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
     p.add_argument("--thresholds", nargs="+", default=list(THRESHOLDS))
     p.add_argument("--hit-steps", type=int, default=4)
-    p.add_argument("--out")
+    add_results_flag(p)
     return p.parse_args(argv)
 
 
@@ -81,7 +82,8 @@ def measure(engine, length: int, args, gen) -> tuple[float, float, float, int]:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv if argv is not None else sys.argv[1:])
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_ttft: no CUDA GPU, nothing measured")
         return 0
@@ -114,9 +116,9 @@ def main(argv=None) -> int:
     notes = (f"{args.layers} layers, 128 experts, top-8, bf16 dummy weights; offload cache {slots} slots "
              f"({args.cache_frac:.0%} of experts); measured H2D {h2d / 1e9:.1f} GB/s. One background request decodes "
              f"throughout; hit rates are its decode admissions over {args.hit_steps} steps before and right after "
-             f"the prompt's prefill.")
-    report("TTFT vs prompt length by demand threshold", "python -m benchmarks.bench_ttft " + " ".join(argv or sys.argv[1:]),
-           markdown_table(header, rows), notes, args.out)
+             f"the prompt's prefill. Routing: the dummy router (near-uniform).")
+    report("ttft", "TTFT vs prompt length by demand threshold", command_line("benchmarks.bench_ttft", argv),
+           markdown_table(header, rows), notes, args.results)
     return 0
 
 

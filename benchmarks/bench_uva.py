@@ -29,8 +29,9 @@ import time
 
 import torch
 
-from benchmarks.common import (QWEN3_30B_DIR_CONFIG, free_engine_memory, h2d_bandwidth, markdown_table, report,
-                               timed_decode, write_config_dir)
+from benchmarks.common import (add_results_flag, command_line, free_engine_memory, h2d_bandwidth, markdown_table,
+                               report, timed_decode)
+from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 ROUTINGS = ("uniform", "skewed")
 
@@ -47,7 +48,7 @@ def parse_args(argv):
     p.add_argument("--strategies", nargs="+", choices=["uva", "offload"], default=["uva", "offload"])
     p.add_argument("--cache-frac", type=float, default=0.5, help="offload cache, share of all experts")
     p.add_argument("--disable-cuda-graph", action="store_true")
-    p.add_argument("--out", help="append the tables to this markdown file (benchmarks/RESULTS.md)")
+    add_results_flag(p)
     args = p.parse_args(argv)
     if min(args.batch) < 1 or args.steps < 1 or args.warmup < 0:
         p.error("--batch, --steps must be positive and --warmup non-negative")
@@ -236,9 +237,10 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     records, expert_bytes = run(model_dir, args)
     for routing in args.routings:
-        report(f"UVA naive vs sorted block assignment, {routing} routing", "python -m benchmarks.bench_uva " +
-               " ".join(argv), markdown_table(HEADER, table_rows(records, routing, expert_bytes, h2d)),
-               notes(args, h2d, expert_bytes, routing), args.out)
+        report(f"uva/{routing}", f"UVA naive vs sorted block assignment, {routing} routing",
+               command_line("benchmarks.bench_uva", argv),
+               markdown_table(HEADER, table_rows(records, routing, expert_bytes, h2d)),
+               notes(args, h2d, expert_bytes, routing), args.results)
     print(f"bench_uva: {time.perf_counter() - t0:.0f} s")
     return 0
 

@@ -1,38 +1,20 @@
-"""Shared by the benchmarks: the measured link and memory bandwidths, the commit, tables."""
+"""Shared by the benchmarks: the measured link and memory bandwidths, timers, the sweeps' knob
+grids, and the tables as sections of RESULTS.md (``report``, ``--results``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
 import itertools
+import os
+import re
+import shlex
 import subprocess
 
 import torch
 
-QWEN3_30B_DIR_CONFIG = {
-    "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
-    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
-    "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
-    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
-    "decoder_sparse_step": 1, "mlp_only_layers": [], "torch_dtype": "bfloat16", "eos_token_id": 151645,
-    "bos_token_id": 151643, "attention_bias": False, "hidden_act": "silu",
-}
-
-
-def write_config_dir(path: str, config: dict) -> str:
-    """A checkpoint directory holding only config.json (enough for --load-format dummy)."""
-    import json
-    import os
-
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    return path
-
 
 def commit() -> str:
-    import os
-
     if os.environ.get("MOEFERRY_COMMIT"):  # the device machine gets the tree without .git
         return os.environ["MOEFERRY_COMMIT"]
     try:
@@ -63,42 +45,6 @@ def replay_us(graph: torch.cuda.CUDAGraph, replays: int = 20) -> float:
             graph.replay()
 
     return elapsed_us(back_to_back) / replays
-
-
-def busy_and_span(intervals: list[tuple[float, float]]) -> tuple[float, float]:
-    """(busy, span) of kernels' [start, end) intervals: the length of their union, and from the
-    first start to the last end. The span less the busy time is the GPU's idle time between them."""
-    if not intervals:
-        return 0.0, 0.0
-    intervals = sorted(intervals)
-    busy, covered_to = 0.0, intervals[0][0]
-    for start, end in intervals:
-        if end > covered_to:
-            busy += end - max(start, covered_to)
-            covered_to = end
-    return busy, covered_to - intervals[0][0]
-
-
-def kernel_profile(fn, repeats: int = 5) -> tuple[dict[str, float], float, float]:
-    """Where the device time of ``fn`` (a graph replay, a step) goes: (microseconds per call of
-    each kernel name, summed over its launches; busy and span microseconds per call, see
-    ``busy_and_span``), from the torch profiler over ``repeats`` calls. Copies and memsets
-    count as kernels here."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(repeats):
-            fn()
-        torch.cuda.synchronize()
-    per_name: dict[str, float] = {}
-    intervals = []
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            start, end = event.time_range.start, event.time_range.end
-            per_name[event.name] = per_name.get(event.name, 0.0) + (end - start) / repeats
-            intervals.append((start, end))
-    busy, span = busy_and_span(intervals)
-    return per_name, busy / repeats, span / repeats
 
 
 def us_per_call(fn, iters: int) -> float:
@@ -178,19 +124,81 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def report(title: str, command: str, table: str, notes: str = "", out: str | None = None) -> str:
-    text = (f"\n### {title}\n\n{datetime.date.today().isoformat()}, {gpu_name()}, commit {commit()}\n\n"
-            f"`{command}`\n\n{table}\n" + (f"\n{notes}\n" if notes else ""))
-    emit(text, out)
-    return text
+# --- RESULTS.md: one marked section per benchmark table, regenerated in place ---------------
+
+def add_results_flag(parser) -> None:
+    """The ``--results FILE...`` flag every benchmark takes (see ``report``)."""
+    parser.add_argument("--results", nargs="+", default=[], metavar="FILE",
+                        help="replace this benchmark's section of each FILE (benchmarks/RESULTS.md) with the new "
+                             "table, adding the section where absent")
 
 
-def emit(text: str, out: str | None) -> None:
-    """Print a benchmark's table and append it to `out` (benchmarks/RESULTS.md or $OUT/...)."""
-    print(text)
-    if out:
-        with open(out, "a") as f:
-            f.write("\n" + text)
+def command_line(module: str, argv: list[str]) -> str:
+    """How a benchmark was run, as its section shows it: ``python -m MODULE ARGS`` without
+    ``--results`` and its files (where a table was written is not how it was measured)."""
+    shown, in_results = [], False
+    for arg in argv:
+        if arg == "--results" or arg.startswith("--results="):
+            in_results = arg == "--results"
+            continue
+        if in_results and not arg.startswith("-"):
+            continue
+        in_results = False
+        shown.append(shlex.quote(arg))
+    return " ".join(["python -m", module, *shown])
+
+
+def section(name: str, title: str, command: str, body: str, notes: str = "") -> str:
+    """One benchmark table as a section of RESULTS.md: between ``<!-- bench:NAME -->`` and
+    ``<!-- /bench:NAME -->``, its title, the date, GPU and commit, the command line as run, the
+    table(s) and notes."""
+    lines = [f"<!-- bench:{name} -->", f"### {title}", "",
+             f"{datetime.date.today().isoformat()}, {gpu_name()}, commit {commit()}", "",
+             f"`{command}`", "", body.strip("\n")]
+    if notes:
+        lines += ["", notes.strip("\n")]
+    return "\n".join(lines + [f"<!-- /bench:{name} -->"]) + "\n"
+
+
+def replace_section(text: str, name: str, block: str) -> str:
+    """``text`` (a RESULTS.md) with its section ``name`` replaced by ``block``: every line from
+    the one holding ``<!-- bench:NAME -->`` to the one holding ``<!-- /bench:NAME -->``. A
+    section not yet in ``text`` is added before the ``## Findings`` heading, or at the end when
+    there is none. A start marker without its end is an error (nothing is guessed)."""
+    begin, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    marked = re.compile(rf"^[^\n]*{re.escape(begin)}.*?{re.escape(end)}[^\n]*(\n|\Z)", re.S | re.M)
+    if marked.search(text):
+        return marked.sub(lambda _: block, text, count=1)
+    if begin in text:
+        raise ValueError(f"{begin} has no {end}")
+    findings = re.search(r"^## Findings\b", text, re.M)
+    if findings:
+        return text[:findings.start()] + block + "\n" + text[findings.start():]
+    gap = "" if not text else "\n" if text.endswith("\n") else "\n\n"
+    return text + gap + block
+
+
+def write_section(path: str, name: str, block: str) -> None:
+    """Replace (or add) section ``name`` of the file at ``path`` (created if missing) with
+    ``block``; the file is replaced whole, so a crash leaves the old one."""
+    text = ""
+    if os.path.exists(path):
+        with open(path) as f:
+            text = f.read()
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(replace_section(text, name, block))
+    os.replace(tmp, path)
+
+
+def report(name: str, title: str, command: str, body: str, notes: str = "", results: list[str] = ()) -> str:
+    """Print a benchmark's table as its RESULTS.md section (``section``) and put that section
+    into each file of ``results`` (``--results``), replacing the one there."""
+    block = section(name, title, command, body, notes)
+    print(block)
+    for path in results:
+        write_section(path, name, block)
+    return block
 
 
 def free_engine_memory() -> None:

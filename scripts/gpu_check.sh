@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call on the device machine: the GPU tests, then the
 # benchmarks of SPEC section 6. Logs go to $OUT (or ./gpu-out); a short table is printed last.
-#   bash scripts/gpu_check.sh [STAGES] [pytest -k expression]
+#   [MOEFERRY_COMMIT=<commit>] bash scripts/gpu_check.sh [STAGES] [pytest -k expression]
 # STAGES: comma-separated of tests, kernels (copy, admission, fused MoE, attention, linear benches),
 # decode (full decode benchmark), decode-quick, ttft, uva, serve; default tests,kernels,decode-quick.
+# Results: $OUT/results.md holds this call's benchmark sections alone; $OUT/RESULTS.md is
+# benchmarks/RESULTS.md with those sections regenerated (every stage but decode-quick, a smoke
+# run), to copy over benchmarks/RESULTS.md. MOEFERRY_COMMIT names the commit in the tables
+# (the device machine's tree has no history of its own).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
@@ -11,6 +15,7 @@ STAGES=${1:-tests,kernels,decode-quick}; KEXPR=${2:-}
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 RESULTS=$OUT/results.md; : > "$RESULTS"
+CURRENT=$OUT/RESULTS.md; cp benchmarks/RESULTS.md "$CURRENT"
 summary=()
 run() {  # name, command...
   local name=$1; shift
@@ -39,19 +44,19 @@ if has tests; then
   done
 fi
 if has kernels; then
-  run bench-copy python3 -m benchmarks.bench_copy --out "$RESULTS"
-  run bench-admission python3 -m benchmarks.bench_admission --out "$RESULTS"
-  run bench-fused-moe python3 -m benchmarks.bench_fused_moe --out "$RESULTS"
-  run bench-attention python3 -m benchmarks.bench_attention --out "$RESULTS"
-  run bench-linear python3 -m benchmarks.bench_linear --out "$RESULTS"
+  run bench-copy python3 -m benchmarks.bench_copy --results "$RESULTS" "$CURRENT"
+  run bench-admission python3 -m benchmarks.bench_admission --results "$RESULTS" "$CURRENT"
+  run bench-fused-moe python3 -m benchmarks.bench_fused_moe --results "$RESULTS" "$CURRENT"
+  run bench-attention python3 -m benchmarks.bench_attention --results "$RESULTS" "$CURRENT"
+  run bench-linear python3 -m benchmarks.bench_linear --results "$RESULTS" "$CURRENT"
 fi
-has decode-quick && run bench-decode python3 -m benchmarks.bench_decode --layers 4 --batch 1 4 --steps 8 --out "$RESULTS"
-has decode && run bench-decode python3 -m benchmarks.bench_decode --out "$RESULTS"
-has ttft && run bench-ttft python3 -m benchmarks.bench_ttft --out "$RESULTS"
-has uva && run bench-uva python3 -m benchmarks.bench_uva --out "$RESULTS"
+has decode-quick && run bench-decode python3 -m benchmarks.bench_decode --layers 4 --batch 1 4 --steps 8 --results "$RESULTS"
+has decode && run bench-decode python3 -m benchmarks.bench_decode --results "$RESULTS" "$CURRENT"
+has ttft && run bench-ttft python3 -m benchmarks.bench_ttft --results "$RESULTS" "$CURRENT"
+has uva && run bench-uva python3 -m benchmarks.bench_uva --results "$RESULTS" "$CURRENT"
 if has serve; then  # the server's packages travel as wheels (scripts/device_wheels.txt)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site && run bench-serve python3 -m benchmarks.bench_serve --out "$RESULTS"
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site && run bench-serve python3 -m benchmarks.bench_serve --results "$RESULTS" "$CURRENT"
 fi
 echo; cat "$OUT/gpu.txt"; echo
 printf '%s\n' "${summary[@]}"

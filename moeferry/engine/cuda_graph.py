@@ -130,14 +130,14 @@ class DecodeGraphs:
                                              pool=self.pool)
             self.pool = graph.pool()
             self.graphs[b] = graph
-        # One more eager forward on a side stream, after the last capture. Measured on an H200
-        # (benchmarks/RESULTS.md, seventh session): without it an offload engine's start-up
-        # graphs replay 15% slower (3.15 against 2.69 ms a step at 48 layers) until the fused
-        # MoE next runs eagerly on a side stream, which speeds up graphs already captured too;
-        # an eager decode forward on the default stream can bring the slow mode back. With
-        # every Triton kernel's preferred shared-memory carveout set to 100% the slow mode never
-        # shows, so it is the driver's choice of the SMs' L1/shared split around the MoE GEMM
-        # (110,592 bytes of shared memory). Triton has no launch option for the carveout.
+        # One more eager forward on a side stream, after the last capture: without it an
+        # offload engine's start-up graphs replay slower until the fused MoE next runs eagerly
+        # on a side stream, which speeds up graphs already captured too; an eager decode
+        # forward on the default stream can bring the slow mode back. With every Triton
+        # kernel's preferred shared-memory carveout set to 100% the slow mode never shows, so
+        # it is the driver's choice of the SMs' L1/shared split around the MoE GEMM (110,592
+        # bytes of shared memory). Triton has no launch option for the carveout. (Figures and
+        # commits: benchmarks/RESULTS.md, Findings.)
         run_on_side_stream(functools.partial(model, self.batches[self.sizes[0]], kv))
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from moeferry import LLM, SamplingParams
 from moeferry.config import ConfigError
-from tests.tiny_checkpoints import family_configs, make_checkpoint
+from moeferry.testing.fixtures import family_configs, make_checkpoint
 
 
 @pytest.fixture(scope="module")

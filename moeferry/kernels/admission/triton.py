@@ -20,12 +20,12 @@ Contract
 How (one program, phases separated by barriers, every loop over fixed-size chunks):
 0. (LRU policies without statistics, at most ``max_block_r`` routes) one pass first: each
    route's slot looked up; when all hit, their recency refreshed, the slot ids written and
-   the plan left empty, and the call ends (the common decode step: 1.0-1.6 us instead of
-   2.1-2.4 at 1-48 requests on an H200); when any misses, that pass wrote nothing and A-D
-   run (the try costs such a call about 0.3 us).
+   the plan left empty, and the call ends (the common decode step, about half the full
+   path's time; benchmarks/RESULTS.md); when any misses, that pass wrote nothing and A-D
+   run (the failed try costs such a call little).
 A. mark each routed expert with the clock (``expert_mark[e] = now``): a mark array over the
-   layer's E experts dedups any width with no [K, K] block (about 0.65 us per 1,024 routes
-   on an H200; loading the marks first to store only unmarked experts saved nothing). The
+   layer's E experts dedups any width with no [K, K] block (its cost grows with the routes;
+   loading the marks first to store only unmarked experts saved nothing). The
    decode histogram is an atomic add per route.
 B. walk the E experts in order: marked & resident -> hit (refresh), marked & absent -> miss,
    listed in ascending id by a prefix sum into ``plan_src``.
@@ -37,8 +37,7 @@ C. (only when there are misses) rank every candidate slot by an int64 key (the p
      keys are computed once into registers, each packed with its slot as
      ``key << SLOT_BITS | slot`` (the bounds above keep that below 2**62 for any clock
      below 2**49), and M minimum reductions take the victims in order (one block-wide
-     reduction per miss; measured about 5 us faster than the radix path at 4 misses on an
-     H200).
+     reduction per miss; faster than the radix path at a few misses, benchmarks/RESULTS.md).
    - otherwise a radix select: find the key ``T`` of the M-th smallest (the smallest ``T``
      with ``#{key <= T} >= M``) over ``[lo, hi]``, the candidates' smallest and largest
      key: each sweep over the slots takes a histogram of the digits ``(key - lo) >> shift``

@@ -82,10 +82,9 @@ def select_config(num_tokens: int, top_k: int, hidden_size: int, intermediate_si
 
     BLOCK_M follows the tokens each expert gets (T * K / E): 16 for small-batch decode,
     where a block is mostly one or two rows, up to 64 for prefill. Pipeline depth at decode
-    sizes, from scripts/sweep_fused_moe.py on an H200 (Qwen3-30B-A3B, RESULTS.md sixth
-    session): 3 stages for the down GEMM up to one token per expert (at 1 token 8.3 us
-    against 10.8 with 4), and for gate+up from 2 tokens (4 tokens: 45.5 against 48.9); at 1
-    token gate+up keeps 4 (14.0 against 15.1)."""
+    sizes, from benchmarks/sweep_fused_moe.py on an H200 at Qwen3-30B-A3B shapes (figures in
+    benchmarks/RESULTS.md, Findings): 3 stages for the down GEMM up to one token per expert,
+    and for gate+up from 2 tokens; at 1 token gate+up keeps 4, which measured faster there."""
     tokens_per_expert = num_tokens * top_k / max(1, num_routed_experts)
     down_num_stages = None
     if tokens_per_expert <= 1:

@@ -1,16 +1,15 @@
 """Skinny linear for decode: y = x @ weight.T (+ bias) for a few rows of x, in Triton.
 
 At decode sizes a linear layer is a stream of its weight and cuBLAS leaves much of HBM's
-bandwidth unused: on an H200 the 0.5 MB router gate takes it ~5.3 us, o_proj (2048 x 4096)
-~9.3 us with its split-K reduce. The time goes to too few programs with too little in flight,
-so the kernel has two paths (LinearConfig.tensor_cores; select_config picks):
+bandwidth unused (o_proj, 2048 x 4096, with a split-K reduce of its own). The time goes to too
+few programs with too little in flight, so the kernel has two paths (LinearConfig.tensor_cores;
+select_config picks; the figures against cuBLAS: benchmarks/RESULTS.md, `linear`):
     CUDA cores: thousands of short programs, each owning 1-4 weight rows and BLOCK_M rows of
         x, reading the weight once with 16-byte loads and keeping fp32 partial sums per k
-        lane. For one row, or up to FMA_MAX_MACS multiply-adds: router 2.3 us at 1 row, 4.2 at
-        16; o_proj 6.3 us at 1 row; qkv (5120 x 2048) 6.9-7.3 us at 1 row, cuBLAS 7.7.
+        lane. For one row, or up to FMA_MAX_MACS multiply-adds: faster than cuBLAS there.
     tensor cores: a 16-row tile of x against BLOCK_N weight rows, K streamed through tl.dot's
-        software pipeline. At most N / 16 programs, so on these shapes it trails cuBLAS by
-        ~10% (benchmarks/bench_linear.py; the dispatcher sends those calls to cuBLAS).
+        software pipeline. At most N / 16 programs, so on these shapes it trails cuBLAS
+        (benchmarks/bench_linear.py; the dispatcher sends those calls to cuBLAS).
 
 Contract of ``linear`` (the oracle is kernels/linear/reference.py, F.linear):
     x       [M, K] bf16|fp16|fp32, unit last stride, any row stride; read only. Any M >= 0;

@@ -1,9 +1,9 @@
-"""Does the CUDA-core GEMV (kernels/triton/linear.py) run faster with more of each weight row in
+"""Does the CUDA-core GEMV (kernels/linear/triton.py) run faster with more of each weight row in
 flight per program? bench_linear's sweep stopped at BLOCK_K 2048; here the K chunk goes up to the
 whole row (one round trip per program instead of K / BLOCK_K in turn), at 1, 2 and 4 rows, for
 qkv and o_proj, beside select_config's choice and cuBLAS. us per call, 48 distinct weights per
 CUDA graph (benchmarks/bench_linear.us_per_call).
-  python3 scripts/sweep_gemv.py [--rows 1 2 4]"""
+  python -m benchmarks.sweep_gemv [--rows 1 2 4]"""
 import argparse
 
 import torch

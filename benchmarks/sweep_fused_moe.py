@@ -1,7 +1,7 @@
 """Tile sweep for the fused MoE's two GEMMs at decode sizes, each timed on its own: us per
 layer (a CUDA graph over bench_fused_moe's 8 distinct layer banks) against the floor, the
 bytes of the distinct experts' rows of that bank over 4.3 TB/s.
-  python3 scripts/sweep_fused_moe.py [--tokens 1 4] [--block-n 16 32 64] [--block-k 128 256]
+  python -m benchmarks.sweep_fused_moe [--tokens 1 4] [--block-n 16 32 64] [--block-k 128 256]
       [--warps 2 4] [--stages 3 5]"""
 import argparse
 import itertools

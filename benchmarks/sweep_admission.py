@@ -1,7 +1,7 @@
 """Tuning sweep for the admission kernel: microseconds per call (benchmarks/bench_admission.py's
 measurement) over the Cartesian product of AdmissionTuning fields (each value compiling its own
 kernel), at a few widths, all hits and with ~10% misses.
-  python3 scripts/sweep_admission.py --set num_warps=8,16 --set radix_bits=5,8 \\
+  python -m benchmarks.sweep_admission --set num_warps=8,16 --set radix_bits=5,8 \\
       [--set keys_in_registers=1,0] [--set extract_max=0,16] \\
       [--requests 1 16 128] [--policy lru] [--no-stats] [--phases]
 --phases: the "with misses" run again with the kernel's phase clock (AdmissionTuning.phase_clock:

@@ -1,8 +1,16 @@
-"""Tiny random checkpoints of every supported family, made with transformers' own model classes
-and saved with save_pretrained, so moeferry is checked against code nobody here wrote."""
+"""Model fixtures shared by tests/ and benchmarks/, so neither imports the other.
+
+- Tiny random checkpoints of every supported family, made with transformers' own model
+  classes and saved with save_pretrained, so moeferry is checked against code nobody here
+  wrote (``family_configs``, ``make_checkpoint``).
+- The Qwen3-30B-A3B config.json (``QWEN3_30B_DIR_CONFIG``) and a checkpoint directory holding
+  only a config (``write_config_dir``): enough for ``--load-format dummy``, the shape the
+  benchmarks measure.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -10,6 +18,15 @@ import torch
 COMMON = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=256, initializer_range=0.08, rms_norm_eps=1e-6, eos_token_id=None,
               bos_token_id=None, pad_token_id=None)
+
+QWEN3_30B_DIR_CONFIG = {
+    "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
+    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+    "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "torch_dtype": "bfloat16", "eos_token_id": 151645,
+    "bos_token_id": 151643, "attention_bias": False, "hidden_act": "silu",
+}
 
 
 def family_configs():
@@ -48,3 +65,11 @@ def make_checkpoint(config, out_dir: str, seed: int = 0, shards: bool = False):
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, max_shard_size="20KB" if shards else "5GB")
     return model
+
+
+def write_config_dir(path: str, config: dict) -> str:
+    """A checkpoint directory holding only config.json (enough for --load-format dummy)."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path

@@ -1,7 +1,7 @@
 """Tuning sweep for the miss gather (kernels/gather_copy/triton.py): GB/s against copy_ of the
 same bytes (benchmarks/bench_copy.py's alternating measurement) over the Cartesian product of
 GatherTuning fields.
-  python3 scripts/sweep_gather.py --set chunk_bytes=16384,65536 --set num_warps=4,8 \\
+  python -m benchmarks.sweep_gather --set chunk_bytes=16384,65536 --set num_warps=4,8 \\
       [--set programs_per_sm=1,2] [--set block_bytes=8192,16384] [--misses 8 16] [--banks w2]"""
 import argparse
 
