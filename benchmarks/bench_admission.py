@@ -22,7 +22,8 @@ import sys
 
 import torch
 
-from benchmarks.common import add_results_flag, command_line, elapsed_us, markdown_table, report
+from benchmarks.common import (add_results_flag, command_line, elapsed_us, gpu_main, markdown_table,
+                               report)
 
 REQUESTS = (1, 4, 8, 12, 13, 16, 24, 32, 48, 128, 256, 410)
 
@@ -117,12 +118,8 @@ def table(args, rows) -> str:
                                    for requests, times, miss_rate in rows])
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_admission: needs a CUDA GPU; none found, nothing measured.")
-        return 0
+@gpu_main("bench_admission", parse_args)
+def main(argv, args) -> int:
     torch.manual_seed(0)
     rows = []
     for requests in args.requests:

@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from benchmarks.common import add_results_flag, command_line, report
+from benchmarks.common import add_results_flag, command_line, gpu_main, report
 from moeferry.engine.cuda_graph import capture
 
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 4, 128, 16
@@ -97,12 +97,8 @@ def measure(batch: int, context: int, args) -> dict:
     return row
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_attention: needs a CUDA GPU; none found, nothing measured.")
-        return 0
+@gpu_main("bench_attention", parse_args)
+def main(argv, args) -> int:
     lines = ["| B | context | KV MiB | splits | reference µs | Triton µs | speed-up | Triton TB/s | % of 4.3 TB/s |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for batch in args.batches:

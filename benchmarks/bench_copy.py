@@ -17,7 +17,8 @@ import sys
 
 import torch
 
-from benchmarks.common import add_results_flag, command_line, h2d_bandwidth, pinned_h2d_copy, report, us_per_call
+from benchmarks.common import (add_results_flag, command_line, gpu_main, h2d_bandwidth, pinned_h2d_copy,
+                               report, us_per_call)
 
 BANKS = {"w13 6 MiB": (1536, 2048), "w2 3 MiB": (2048, 768)}
 MISSES = (8, 16, 32, 64)
@@ -65,12 +66,8 @@ def gather_vs_copy(row_shape, experts: int, misses: int, iters: int, rounds: int
     return nbytes / statistics.median(gather_us) / 1e3, nbytes / statistics.median(copy_us) / 1e3
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_copy: needs a CUDA GPU; none found, nothing measured.")
-        return 0
+@gpu_main("bench_copy", parse_args)
+def main(argv, args) -> int:
     from moeferry.kernels.gather_copy import GatherTuning
 
     tuning = GatherTuning(**({"programs_per_sm": args.programs_per_sm} if args.programs_per_sm else {}))

@@ -23,8 +23,8 @@ import tempfile
 
 import torch
 
-from benchmarks.common import (add_results_flag, command_line, free_engine_memory, h2d_bandwidth, hbm_bandwidth,
-                               markdown_table, report, timed_decode)
+from benchmarks.common import (add_results_flag, command_line, free_engine_memory, gpu_main,
+                               h2d_bandwidth, hbm_bandwidth, markdown_table, report, timed_decode)
 from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 
@@ -104,12 +104,8 @@ def dense_bytes(engine) -> int:
     return total
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_decode: no CUDA GPU, nothing measured")
-        return 0
+@gpu_main("bench_decode", parse_args)
+def main(argv, args) -> int:
     h2d, hbm = h2d_bandwidth(), hbm_bandwidth()
     cfg_dir = write_config_dir(os.path.join(tempfile.mkdtemp(), "qwen3-30b-a3b"), QWEN3_30B_DIR_CONFIG)
     rows, distinct_per_step = [], {}

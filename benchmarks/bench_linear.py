@@ -29,7 +29,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import add_results_flag, command_line, replay_us, report
+from benchmarks.common import add_results_flag, command_line, gpu_main, replay_us, report
 from moeferry.engine.cuda_graph import capture
 
 SHAPES = {"qkv": (5120, 2048), "o_proj": (2048, 4096), "router": (128, 2048), "lm_head": (151936, 2048)}
@@ -155,12 +155,8 @@ def sweep(args) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_linear: needs a CUDA GPU; none found, nothing measured.")
-        return 0
+@gpu_main("bench_linear", parse_args)
+def main(argv, args) -> int:
     torch.manual_seed(0)
     command = command_line("benchmarks.bench_linear", argv)
     report("linear", "Skinny linear vs cuBLAS, Qwen3-30B-A3B shapes, bf16", command, compare(args),

@@ -22,7 +22,8 @@ import time
 
 import torch
 
-from benchmarks.common import add_results_flag, command_line, h2d_bandwidth, markdown_table, report
+from benchmarks.common import (add_results_flag, command_line, gpu_main, h2d_bandwidth, markdown_table,
+                               report)
 from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 LENGTHS = (87, 117, 151, 230, 387, 718, 1324, 4096)
@@ -81,12 +82,8 @@ def measure(engine, length: int, args, gen) -> tuple[float, float, float, int]:
     return ttft, hit_before, hit_after, moved
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_ttft: no CUDA GPU, nothing measured")
-        return 0
+@gpu_main("bench_ttft", parse_args)
+def main(argv, args) -> int:
     from moeferry.config import EngineConfig
     from moeferry.engine.engine import Engine
     from moeferry.moe.prefill_policy import PrefillPolicy

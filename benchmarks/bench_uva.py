@@ -29,8 +29,8 @@ import time
 
 import torch
 
-from benchmarks.common import (add_results_flag, command_line, free_engine_memory, h2d_bandwidth, markdown_table,
-                               report, timed_decode)
+from benchmarks.common import (add_results_flag, command_line, free_engine_memory, gpu_main,
+                               h2d_bandwidth, markdown_table, report, timed_decode)
 from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 ROUTINGS = ("uniform", "skewed")
@@ -225,12 +225,8 @@ def notes(args, h2d: float, expert_bytes: int, routing: str) -> str:
             f"distinct experts and misses per step; only misses cross PCIe.")
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_uva: no CUDA GPU, nothing measured")
-        return 0
+@gpu_main("bench_uva", parse_args)
+def main(argv, args) -> int:
     h2d = h2d_bandwidth()
     free_engine_memory()
     model_dir = write_config_dir(os.path.join(tempfile.mkdtemp(), "qwen3-30b-a3b"), QWEN3_30B_DIR_CONFIG)

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import itertools
 import os
 import re
 import shlex
 import subprocess
+import sys
 
 import torch
 
@@ -85,6 +87,23 @@ def hbm_bandwidth(nbytes: int = 2 << 30, iters: int = 10) -> float:
     end.record()
     torch.cuda.synchronize()
     return 2 * nbytes * iters / (start.elapsed_time(end) / 1e3)
+
+
+def gpu_main(name: str, parse_args):
+    """Decorator of a GPU benchmark's body ``(argv, args) -> int``: the ``main(argv=None)`` that
+    parses the command line (None: sys.argv) and, without a CUDA GPU to measure on, says so
+    and returns 0."""
+    def wrap(body):
+        @functools.wraps(body)
+        def main(argv=None) -> int:
+            argv = sys.argv[1:] if argv is None else argv
+            args = parse_args(argv)
+            if not torch.cuda.is_available():
+                print(f"{name}: needs a CUDA GPU; no CUDA GPU found, nothing measured.")
+                return 0
+            return body(argv, args)
+        return main
+    return wrap
 
 
 def knob_grid(parser, default, items: list[str]) -> dict[str, list[int]]:
@@ -214,16 +233,17 @@ def free_engine_memory() -> None:
             torch._C._host_emptyCache()
 
 
-def timed_decode(engine, batch: int, prompt_len: int, warmup: int, steps: int, counters) -> dict:
-    """Time `steps` whole engine steps of `batch` greedy requests with random prompts (fixed by
-    `batch`), after their prefill and `warmup` decode steps. Returns tok_s, step_s and the
-    per-step change of every value in the dict `counters(engine)` over exactly those steps."""
+def timed_decode(engine, batch: int, prompt_len: int, warmup: int, steps: int, counters, params=None) -> dict:
+    """Time `steps` whole engine steps of `batch` requests (greedy unless `params`, a
+    SamplingParams, says otherwise) with random prompts (fixed by `batch`), after their prefill
+    and `warmup` decode steps. Returns tok_s, step_s and the per-step change of every value in
+    the dict `counters(engine)` over exactly those steps."""
     import time
 
     from moeferry.sampling import SamplingParams
 
     gen = torch.Generator().manual_seed(batch)
-    params = SamplingParams(temperature=0.0, max_tokens=warmup + steps + 1, ignore_eos=True)
+    params = params or SamplingParams(temperature=0.0, max_tokens=warmup + steps + 1, ignore_eos=True)
     vocab = engine.mc.vocab_size
     reqs = [engine.add_request(torch.randint(vocab, (prompt_len,), generator=gen).tolist(), params)
             for _ in range(batch)]

@@ -112,6 +112,11 @@ def reset_moe_options_for_dense(config: EngineConfig) -> EngineConfig:
     return config.replace(**changed)
 
 
+def _hf_field(name: str) -> property:
+    """A ModelConfig attribute read straight from the transformers config's field `name`."""
+    return property(lambda self: getattr(self.hf, name), doc=f"config.json's {name}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The architecture of one checkpoint, read from its config.json by transformers.
@@ -148,21 +153,10 @@ class ModelConfig:
             hf.layer_types = list(hf.layer_types)[: hf.num_hidden_layers]
         return cls(path=path, hf=hf)
 
-    @property
-    def model_type(self) -> str:
-        return self.hf.model_type
-
-    @property
-    def hidden_size(self) -> int:
-        return self.hf.hidden_size
-
-    @property
-    def num_layers(self) -> int:
-        return self.hf.num_hidden_layers
-
-    @property
-    def num_heads(self) -> int:
-        return self.hf.num_attention_heads
+    model_type = _hf_field("model_type")
+    hidden_size = _hf_field("hidden_size")
+    num_layers = _hf_field("num_hidden_layers")
+    num_heads = _hf_field("num_attention_heads")
 
     @property
     def num_kv_heads(self) -> int:
@@ -172,17 +166,13 @@ class ModelConfig:
     def head_dim(self) -> int:
         return getattr(self.hf, "head_dim", None) or self.hidden_size // self.num_heads
 
-    @property
-    def vocab_size(self) -> int:
-        return self.hf.vocab_size
+    vocab_size = _hf_field("vocab_size")
 
     @property
     def num_experts(self) -> int:
         return getattr(self.hf, "num_experts", None) or getattr(self.hf, "num_local_experts", 0) or 0
 
-    @property
-    def top_k(self) -> int:
-        return self.hf.num_experts_per_tok
+    top_k = _hf_field("num_experts_per_tok")
 
     @property
     def moe_intermediate_size(self) -> int:

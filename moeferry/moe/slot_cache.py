@@ -127,56 +127,10 @@ class SlotCache:
         if self.stats is not None:
             self.stats.reset()
 
-    # -- views of the state -------------------------------------------------------------
-
-    @property
-    def num_layers(self) -> int:
-        return self.state.num_layers
-
-    @property
-    def num_experts(self) -> int:
-        return self.state.num_experts
-
-    @property
-    def num_slots(self) -> int:
-        return self.state.num_slots
-
-    @property
-    def max_routes(self) -> int:
-        return self.state.max_routes
-
-    @property
-    def eviction_policy(self) -> str:
-        return self.state.eviction_policy
-
-    @property
-    def slot_of(self) -> torch.Tensor:
-        return self.state.slot_of
-
-    @property
-    def owner_of(self) -> torch.Tensor:
-        return self.state.owner_of
-
-    @property
-    def last_used(self) -> torch.Tensor:
-        return self.state.last_used
-
-    @property
-    def score(self) -> torch.Tensor:
-        return self.state.score
-
-    @property
-    def clock(self) -> torch.Tensor:
-        return self.state.clock
-
-    @property
-    def plan_src(self) -> torch.Tensor:
-        return self.state.plan_src
-
-    @property
-    def plan_dst(self) -> torch.Tensor:
-        return self.state.plan_dst
-
-    @property
-    def plan_count(self) -> torch.Tensor:
-        return self.state.plan_count
+    def __getattr__(self, name: str):
+        """The state's fields and sizes (``slot_of``, ``owner_of``, ``plan_count``,
+        ``num_slots``, ``eviction_policy``, ...) read as the cache's own."""
+        state = self.__dict__.get("state")
+        if state is None or name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(state, name)

@@ -12,12 +12,20 @@ import torch
 
 from moeferry.kernels import implementation
 
-__all__ = ["BLOCK_ASSIGNMENTS", "fused_moe"]
+__all__ = ["BLOCK_ASSIGNMENTS", "check_options", "fused_moe"]
 
 # How routes are assigned to GEMM blocks (the Triton kernel's choice; the reference always
 # groups by expert, whatever it is told): "naive" gives each (token, expert) route its own
 # block, "sorted" groups the routes of each expert so it is read once per call.
 BLOCK_ASSIGNMENTS = ("auto", "sorted", "naive")
+
+
+def check_options(block_assignment: str, out, sum_routes: bool) -> None:
+    """The checks every implementation makes of fused_moe's keyword arguments."""
+    if block_assignment not in BLOCK_ASSIGNMENTS:
+        raise ValueError(f"block_assignment {block_assignment!r} not in {BLOCK_ASSIGNMENTS}")
+    if not sum_routes and out is not None:
+        raise ValueError("out is the summed [T, H] output: not with sum_routes=False")
 
 
 def fused_moe(

@@ -16,7 +16,7 @@ layer's bank and over a slot pool holding the same rows give bit-identical outpu
 import torch
 import torch.nn.functional as F
 
-from moeferry.kernels.fused_moe import BLOCK_ASSIGNMENTS
+from moeferry.kernels.fused_moe import check_options
 
 __all__ = ["fused_moe"]
 
@@ -37,28 +37,15 @@ def _expert_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.
     return F.linear(F.silu(gate) * up, w2.float())
 
 
-def fused_moe(
-    hidden: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    *,
-    num_routed_experts: int | None = None,
-    block_assignment: str = "auto",
-    out: torch.Tensor | None = None,
-    sum_routes: bool = True,
-) -> torch.Tensor:
+def fused_moe(hidden, w13, w2, topk_weights, topk_ids, *, num_routed_experts=None, block_assignment="auto",
+              out=None, sum_routes=True) -> torch.Tensor:
     """Reference fused MoE, the same signature as the Triton kernel's; num_routed_experts and
     block_assignment (validated) do not change its arithmetic: it has no tiles to size.
     sum_routes=False returns the weighted route outputs [T, K, H] in float32 instead, which
     ``sum_route_partials`` and a rounding to hidden's dtype turn into the [T, H] result."""
-    if block_assignment not in BLOCK_ASSIGNMENTS:
-        raise ValueError(f"block_assignment {block_assignment!r} not in {BLOCK_ASSIGNMENTS}")
+    check_options(block_assignment, out, sum_routes)
     num_tokens, hidden_size = hidden.shape
     top_k = topk_ids.shape[1]
-    if not sum_routes and out is not None:
-        raise ValueError("out is the summed [T, H] output: not with sum_routes=False")
     if out is None and sum_routes:
         out = torch.empty_like(hidden)
     if num_tokens == 0:

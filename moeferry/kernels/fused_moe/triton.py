@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeferry.kernels.fused_moe import BLOCK_ASSIGNMENTS
+from moeferry.kernels.fused_moe import check_options
 from moeferry.kernels.moe_align.triton import moe_align_block_size
 from moeferry.kernels.triton_common import dot, exact_dot, pdl_launch, rounded, wait_for_previous_kernel
 
@@ -266,29 +266,16 @@ def _check_shapes(hidden, w13, w2, topk_weights, topk_ids):
         raise ValueError("topk_ids and topk_weights must both be [T, K]")
 
 
-def fused_moe(
-    hidden: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    *,
-    num_routed_experts: int,
-    block_assignment: str = "auto",
-    out: torch.Tensor | None = None,
-    sum_routes: bool = True,
-) -> torch.Tensor:
+def fused_moe(hidden, w13, w2, topk_weights, topk_ids, *, num_routed_experts: int, block_assignment="auto",
+              out=None, sum_routes=True) -> torch.Tensor:
     """Triton fused MoE; see the module docstring for the contract. sum_routes=False skips
     kernel 4 and returns route_out as [T, K, H] (hidden's dtype): the caller sums it, as
     the residual add + RMSNorm after a MoE layer does (kernels/norm_rope/triton.py)."""
     _check_shapes(hidden, w13, w2, topk_weights, topk_ids)
-    if block_assignment not in BLOCK_ASSIGNMENTS:
-        raise ValueError(f"block_assignment {block_assignment!r} not in {BLOCK_ASSIGNMENTS}")
+    check_options(block_assignment, out, sum_routes)
     num_tokens, hidden_size = hidden.shape
     top_k = topk_ids.shape[1]
     intermediate_size = w2.shape[2]
-    if not sum_routes and out is not None:
-        raise ValueError("out is the summed [T, H] output: not with sum_routes=False")
     if out is None and sum_routes:
         out = torch.empty_like(hidden)
     if num_tokens == 0:

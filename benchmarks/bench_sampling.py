@@ -1,0 +1,126 @@
+"""Sampled against greedy decode (SPEC section 6.3: a sampled request decodes as fast as a
+greedy one): whole engine steps of a dummy Qwen3-30B-A3B-shaped model, `gpu` strategy, at
+several batch sizes, for greedy rows and for sampled rows with the parameters real clients
+send (temperature 1 and top_p 0.95, the OpenAI defaults' neighbourhood; top_k 50 with
+presence, frequency and repetition penalties), then the sampler kernel alone: microseconds per
+call over a [B, V] float32 batch of logits against torch's argmax of the same logits, with the
+floor of one read of the logits at the measured HBM bandwidth.
+
+Routing does not matter here (every expert is on the GPU); the dummy router routes as it does.
+GPU only: without CUDA it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+import torch
+
+from benchmarks.common import (add_results_flag, command_line, free_engine_memory, gpu_main, hbm_bandwidth,
+                               markdown_table, replay_us, report, timed_decode)
+from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
+
+CASES = {
+    "greedy": {"temperature": 0.0},
+    "temperature 1, top_p 0.95": {"temperature": 1.0, "top_p": 0.95},
+    "top_k 50, penalties": {"temperature": 1.0, "top_k": 50, "presence_penalty": 0.5,
+                            "frequency_penalty": 0.5, "repetition_penalty": 1.1},
+}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=2, help="time each row this many times, keep the fastest")
+    p.add_argument("--kernel-replays", type=int, default=50)
+    add_results_flag(p)
+    return p.parse_args(argv)
+
+
+def make_engine(config_dir, args):
+    from moeferry.config import EngineConfig
+    from moeferry.engine.engine import Engine
+
+    max_len = args.prompt_len + args.warmup + args.steps + 16
+    ec = EngineConfig(model=config_dir, load_format="dummy", hf_overrides={"num_hidden_layers": args.layers},
+                      moe_strategy="gpu", max_running_requests=max(args.batch), max_model_len=max_len,
+                      num_tokens=(max_len + 16) * max(args.batch))
+    return Engine(ec)
+
+
+def decode_rows(engine, args) -> list[list]:
+    """[batch, case, tok/s, ratio to greedy] for every batch and case, the fastest of the repeats."""
+    from moeferry.sampling import SamplingParams
+
+    rows = []
+    for batch in args.batch:
+        greedy_tok_s = None
+        for name, fields in CASES.items():
+            params = SamplingParams(max_tokens=args.warmup + args.steps + 1, ignore_eos=True, seed=7, **fields)
+            runs = [timed_decode(engine, batch, args.prompt_len, args.warmup, args.steps, lambda e: {}, params)
+                    for _ in range(max(1, args.repeats))]
+            tok_s = max(run["tok_s"] for run in runs)
+            greedy_tok_s = greedy_tok_s or tok_s
+            rows.append([batch, name, f"{tok_s:.1f}", f"{tok_s / greedy_tok_s:.3f}"])
+            print(rows[-1], flush=True)
+    return rows
+
+
+def kernel_rows(args, vocab: int, hbm: float) -> list[list]:
+    """[batch, case, sampler us, argmax us, floor us] of the sampler kernel alone, in a CUDA graph."""
+    from moeferry.engine.cuda_graph import capture
+    from moeferry.kernels.sampling import SamplingState, sample
+
+    rows = []
+    for batch in args.batch:
+        logits = torch.randn(batch, vocab, device="cuda") * 3
+        state = SamplingState.allocate(batch, vocab, 300, "cuda")
+        row_slot = torch.arange(batch, dtype=torch.int32, device="cuda")
+        positions = torch.full((batch,), 100, dtype=torch.int64, device="cuda")
+        outs = {"logprobs_out": torch.empty_like(logits), "tokens_out": torch.empty(batch, dtype=torch.int64, device="cuda"),
+                "token_logprobs_out": torch.empty(batch, device="cuda")}
+        argmax_graph, _ = capture(lambda: torch.argmax(logits, dim=-1, out=outs["tokens_out"]))
+        argmax_us = replay_us(argmax_graph, args.kernel_replays)
+        floor_us = logits.numel() * 4 / hbm * 1e6
+        for name, fields in CASES.items():
+            for slot in range(batch):
+                state.assign(slot, seed=slot, full_logprobs=False, prompt_ids=range(0, vocab, 97), **fields)
+            graph, _ = capture(lambda: sample(logits, row_slot, positions, state, **outs))
+            rows.append([batch, name, f"{replay_us(graph, args.kernel_replays):.1f}", f"{argmax_us:.1f}",
+                         f"{floor_us:.1f}"])
+            print(rows[-1], flush=True)
+        del logits, state, outs
+        torch.cuda.empty_cache()
+    return rows
+
+
+@gpu_main("bench_sampling", parse_args)
+def main(argv, args) -> int:
+    hbm = hbm_bandwidth()
+    cfg_dir = write_config_dir(os.path.join(tempfile.mkdtemp(), "qwen3-30b-a3b"), QWEN3_30B_DIR_CONFIG)
+    engine = make_engine(cfg_dir, args)
+    decode = decode_rows(engine, args)
+    vocab = engine.mc.vocab_size
+    del engine
+    free_engine_memory()
+    kernel = kernel_rows(args, vocab, hbm)
+    table = (markdown_table(["batch", "sampling", "decode tok/s", "of greedy"], decode) + "\n\n"
+             + markdown_table(["batch", "sampling", "sampler us", "argmax us", "floor us (one read)"], kernel))
+    report("sampling", f"Sampled vs greedy decode, {args.layers}-layer Qwen3-30B-A3B shape, gpu strategy, bf16",
+           command_line("benchmarks.bench_sampling", argv), table,
+           f"Whole engine steps ({args.steps} timed after {args.warmup} warm-up, fastest of {args.repeats}), "
+           f"prompts of {args.prompt_len} random tokens, dummy weights; the kernel rows replay the sampler alone "
+           f"in a CUDA graph over N(0, 3) logits, V = {vocab}, HBM {hbm / 1e12:.2f} TB/s measured.",
+           args.results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
