@@ -1,7 +1,8 @@
 """Every Triton kernel of the engine may be launched with programmatic dependent launch
 (kernels/triton/common.py): each takes PDL and calls wait_for_previous_kernel(PDL) before any
 other statement, so that no kernel touches memory before the one before it has finished; and
-pdl_launch asks for PDL only on a CUDA device. (PDL on the GPU: tests/engine/test_pdl_gpu.py.)"""
+pdl_launch asks for PDL only on a CUDA device. (PDL on the GPU: tests/engine/test_pdl_gpu.py.)
+Kernels live in kernels/triton/*.py and, one folder per op, in kernels/<op>/triton.py."""
 import ast
 import pathlib
 
@@ -11,13 +12,18 @@ import moeferry.kernels.triton as triton_kernels
 from moeferry.kernels.triton.common import pdl_launch
 
 
+def _kernel_modules():
+    kernels = pathlib.Path(triton_kernels.__file__).parent.parent
+    return sorted(kernels.glob("triton/*.py")) + sorted(kernels.glob("*/triton.py"))
+
+
 def _jit_kernels():
-    for path in sorted(pathlib.Path(triton_kernels.__file__).parent.glob("*.py")):
+    for path in _kernel_modules():
         for node in ast.parse(path.read_text()).body:
             jitted = isinstance(node, ast.FunctionDef) and any("triton.jit" in ast.unparse(d)
                                                                for d in node.decorator_list)
             if jitted and node.name.startswith("_") and node.name.endswith("_kernel"):
-                yield f"{path.name}:{node.name}", node
+                yield f"{path.parent.name}/{path.name}:{node.name}", node
 
 
 def test_every_kernel_waits_for_the_previous_one_before_anything_else():
