@@ -24,13 +24,17 @@ import triton.language as tl
 
 from moeferry.kernels.sampling.reference import COLUMNS, MAX_ROUNDS, U_MIN
 from moeferry.kernels.sampling.state import SamplingState
-from moeferry.kernels.triton.common import output_buffer, pdl_launch, wait_for_previous_kernel
+from moeferry.kernels.triton.common import INTERPRETED, output_buffer, pdl_launch, wait_for_previous_kernel
 
 __all__ = ["sample"]
 
 _BLOCK = 4096  # lanes a pass loads at once: 8 a thread at 16 warps
 _NUM_WARPS = 16
-_NEG_INF = float("-inf")
+_NEG_INF = tl.constexpr(float("-inf"))
+_LOWEST = tl.constexpr(-3.4028234663852886e38)  # -FLT_MAX: exp(z - it) needs no -inf guard
+_LOG2E = tl.constexpr(1.4426950408889634)
+_INTERPRETED = tl.constexpr(INTERPRETED)
+_U_MIN = tl.constexpr(U_MIN)
 
 
 @triton.jit
@@ -42,7 +46,7 @@ def _gumbel(seed, position, round_, level: tl.constexpr, index):
     c2 = zero + (position >> 32).to(tl.uint32)
     c3 = zero + (2 * round_ + level)
     bits, _, _, _ = tl.philox(seed, c0, c1, c2, c3)
-    u = tl.maximum(tl.uint_to_uniform_float(bits), U_MIN)
+    u = tl.maximum(tl.uint_to_uniform_float(bits), _U_MIN)
     return -tl.log(-tl.log(u))
 
 
@@ -60,13 +64,47 @@ def _from_key(key):
 
 
 @triton.jit
+def _lanes(start, BLOCK: tl.constexpr):
+    """The offsets start + [0, BLOCK) as a [BLOCK / 4, 4] tile: loads and stores of 16 bytes
+    a thread then share one layout (a flat block would store in another one than it loads,
+    through shared memory and barriers)."""
+    return start + tl.arange(0, BLOCK // 4)[:, None] * 4 + tl.arange(0, 4)[None, :]
+
+
+@triton.jit
 def _column_sum(lanes, BLOCK: tl.constexpr, COLUMNS: tl.constexpr):
     return tl.sum(tl.reshape(lanes, [BLOCK // COLUMNS, COLUMNS]), 0)
 
 
 @triton.jit
-def _load_z(src, scale, offs, valid):
-    return tl.load(src + offs, mask=valid, other=_NEG_INF) * scale
+def _exp(x):
+    """exp(x) by the instruction tl.exp uses, ex2.approx(x * log2 e), in its flush-to-zero form:
+    without the fix-up of denormal results (below 1e-38, nothing in a sum of masses next to
+    the max's 1), 3 instructions fewer an element."""
+    if _INTERPRETED:
+        return tl.exp(x)
+    else:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * _LOG2E],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _load_z(src, scale, offs, start, V, BLOCK: tl.constexpr):
+    """z at the lanes offs = start + [0, BLOCK); -inf past V. Only the last block is masked
+    (the masked load fills its registers first, 3 instructions an element)."""
+    if start + BLOCK <= V:
+        z = tl.load(src + offs)
+    else:
+        z = tl.load(src + offs, mask=offs < V, other=_NEG_INF)
+    return z * scale
+
+
+@triton.jit
+def _store_row(dst, offs, values, start, V, BLOCK: tl.constexpr):
+    if start + BLOCK <= V:
+        tl.store(dst + offs, values)
+    else:
+        tl.store(dst + offs, values, mask=offs < V)
 
 
 @triton.jit
@@ -87,7 +125,7 @@ def _materialize(logits_row, out_row, counts_row, mask_row, bias_ids_row, bias_v
     """out_row = (penalized logits + bias) * inv_t. The biased tokens are rewritten after every
     block is stored, hence the barriers (other threads stored those elements)."""
     for start in range(0, V, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
+        offs = _lanes(start, BLOCK)
         valid = offs < V
         z = _penalized(logits_row, counts_row, mask_row, offs, valid, rep, freq, pres, penalized)
         tl.store(out_row + offs, z * inv_t, mask=valid)
@@ -105,19 +143,21 @@ def _materialize(logits_row, out_row, counts_row, mask_row, bias_ids_row, bias_v
 def _stats(src, scale, V, BLOCK: tl.constexpr, ARGMAX: tl.constexpr, LISTS: tl.constexpr):
     """(max, sum exp(z - max), lane max, lane sum of exp(z - lane max), lane argmax (ARGMAX),
     the lane's 2nd, 3rd and 4th largest z (LISTS)) in one pass. The lane sums are updated
-    online with one exp per element: exp(-|z - lane max|) scales either the sum or z's term."""
-    lane_max = tl.full([BLOCK], _NEG_INF, tl.float32)
-    lane_sum = tl.zeros([BLOCK], tl.float32)
-    lane_arg = tl.zeros([BLOCK], tl.int32)
-    second = tl.full([BLOCK], _NEG_INF, tl.float32)
-    third = tl.full([BLOCK], _NEG_INF, tl.float32)
-    fourth = tl.full([BLOCK], _NEG_INF, tl.float32)
+    online with one exp per element: exp(-|z - lane max|) scales either the sum or z's term.
+    Lanes start at -FLT_MAX rather than -inf (no -inf - -inf), taken back to -inf at the end:
+    logits are finite or -inf, and above -FLT_MAX."""
+    lane_max = tl.full([BLOCK // 4, 4], _LOWEST, tl.float32)
+    lane_sum = tl.zeros([BLOCK // 4, 4], tl.float32)
+    lane_arg = tl.zeros([BLOCK // 4, 4], tl.int32)
+    second = tl.full([BLOCK // 4, 4], _NEG_INF, tl.float32)
+    third = tl.full([BLOCK // 4, 4], _NEG_INF, tl.float32)
+    fourth = tl.full([BLOCK // 4, 4], _NEG_INF, tl.float32)
     for start in range(0, V, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        z = _load_z(src, scale, offs, offs < V)
+        offs = _lanes(start, BLOCK)
+        z = _load_z(src, scale, offs, start, V, BLOCK)
         hi = tl.maximum(lane_max, z)
         lo = tl.minimum(lane_max, z)
-        e = tl.exp(lo - tl.where(hi == _NEG_INF, 0.0, hi))
+        e = _exp(lo - hi)
         rises = z > lane_max
         lane_sum = tl.where(rises, lane_sum * e + 1.0, lane_sum + e)
         if ARGMAX:
@@ -128,8 +168,13 @@ def _stats(src, scale, V, BLOCK: tl.constexpr, ARGMAX: tl.constexpr, LISTS: tl.c
             fourth = tl.maximum(fourth, tl.minimum(third, carry))
             third = tl.maximum(third, carry)
         lane_max = hi
-    m = tl.max(lane_max, 0)
-    total = tl.sum(lane_sum * tl.exp(lane_max - m), 0)
+    lane_max = tl.where(lane_max == _LOWEST, _NEG_INF, lane_max)
+    if LISTS:
+        second = tl.where(second == _LOWEST, _NEG_INF, second)
+        third = tl.where(third == _LOWEST, _NEG_INF, third)
+        fourth = tl.where(fourth == _LOWEST, _NEG_INF, fourth)
+    m = tl.max(lane_max)
+    total = tl.sum(lane_sum * _exp(lane_max - m))
     return m, total, lane_max, lane_sum, lane_arg, second, third, fourth
 
 
@@ -153,16 +198,16 @@ def _kth_largest_key(keys, k):
 @triton.jit
 def _count_at_least(src, scale, V, key, BLOCK: tl.constexpr):
     """(#{z >= key}, the smallest key at or above it) over the row, in one pass."""
-    count = tl.zeros([BLOCK], tl.int32)
-    smallest = tl.full([BLOCK], 2147483647, tl.int32)
+    count = tl.zeros([BLOCK // 4, 4], tl.int32)
+    smallest = tl.full([BLOCK // 4, 4], 2147483647, tl.int32)
     for start in range(0, V, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
+        offs = _lanes(start, BLOCK)
         valid = offs < V
-        z_key = _key(_load_z(src, scale, offs, valid))
+        z_key = _key(_load_z(src, scale, offs, start, V, BLOCK))
         above = valid & (z_key >= key)
         count += above.to(tl.int32)
         smallest = tl.minimum(smallest, tl.where(above, z_key, 2147483647))
-    return tl.sum(count, 0), tl.min(smallest, 0)
+    return tl.sum(count), tl.min(smallest)
 
 
 @triton.jit
@@ -190,11 +235,11 @@ def _top_k_threshold(src, scale, V, k, m, lane_max, second, third, fourth, BLOCK
     settled = k < 0
     if k <= BLOCK:
         threshold = _from_key(_kth_largest_key(_key(lane_max), k))
-        settled = tl.max(second, 0) < threshold
+        settled = tl.max(second) < threshold
     if (settled == 0) & (k <= 4 * BLOCK):
         lists = tl.join(tl.join(lane_max, second), tl.join(third, fourth))
         threshold = _from_key(_kth_largest_key(_key(lists), k))
-        worst = tl.max(fourth, 0)
+        worst = tl.max(fourth)
         settled = (worst < threshold) | (worst == _NEG_INF)
     if settled == 0:
         threshold = _kth_largest_of_row(src, scale, V, k, threshold, m, BLOCK)
@@ -203,22 +248,22 @@ def _top_k_threshold(src, scale, V, k, m, lane_max, second, third, fourth, BLOCK
 
 @triton.jit
 def _check(src, scale, lp_row, V, z_x, keep_from, m, log_total, write_lp,
-           BLOCK: tl.constexpr, COLUMNS: tl.constexpr):
-    """One pass: (mass of K above z_x, mass of K, the column masses of K above z_x), masses
-    as sums of exp(z - max); writes the log-probs into lp_row when write_lp."""
-    above = tl.zeros([BLOCK], tl.float32)
-    kept = tl.zeros([BLOCK], tl.float32)
+           BLOCK: tl.constexpr, COLUMNS: tl.constexpr, KEPT: tl.constexpr):
+    """One pass: (mass of K above z_x, mass of K when KEPT else 0, the column masses of K above
+    z_x), masses as sums of exp(z - max); writes the log-probs into lp_row when write_lp."""
+    above = tl.zeros([BLOCK // 4, 4], tl.float32)
+    kept = tl.zeros([BLOCK // 4, 4], tl.float32)
     for start in range(0, V, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        valid = offs < V
-        z = _load_z(src, scale, offs, valid)
-        e = tl.exp(z - m)
+        offs = _lanes(start, BLOCK)
+        z = _load_z(src, scale, offs, start, V, BLOCK)
+        e = _exp(z - m)
         keep = z >= keep_from
         above += tl.where(keep & (z > z_x), e, 0.0)
-        kept += tl.where(keep, e, 0.0)
+        if KEPT:
+            kept += tl.where(keep, e, 0.0)
         if write_lp:
-            tl.store(lp_row + offs, (z - m) - log_total, mask=valid)
-    return tl.sum(above, 0), tl.sum(kept, 0), _column_sum(above, BLOCK, COLUMNS)
+            _store_row(lp_row, offs, (z - m) - log_total, start, V, BLOCK)
+    return tl.sum(above), tl.sum(kept), _column_sum(above, BLOCK, COLUMNS)
 
 
 @triton.jit
@@ -233,7 +278,7 @@ def _draw(src, scale, V, column_mass, seed, position, round_, keep_from, floor,
     column = tl.min(tl.where(column_key == tl.max(column_key, 0), columns, COLUMNS), 0)
     tokens = tl.arange(0, ROWS) * COLUMNS + column
     valid = tokens < V
-    z = _load_z(src, scale, tokens, valid)
+    z = tl.load(src + tokens, mask=valid, other=_NEG_INF) * scale
     candidate = valid & (z >= keep_from) & (z > floor)
     key = tl.where(candidate, z + _gumbel(seed, position, round_, 1, tokens), _NEG_INF)
     token = tl.min(tl.where(candidate & (key == tl.max(key, 0)), tokens, V), 0)
@@ -242,21 +287,20 @@ def _draw(src, scale, V, column_mass, seed, position, round_, keep_from, floor,
 
 @triton.jit
 def _first_index_of(src, scale, V, value, BLOCK: tl.constexpr):
-    first = tl.full([BLOCK], V, tl.int32)
+    first = tl.full([BLOCK // 4, 4], V, tl.int32)
     for start in range(0, V, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        z = _load_z(src, scale, offs, offs < V)
+        offs = _lanes(start, BLOCK)
+        z = _load_z(src, scale, offs, start, V, BLOCK)
         first = tl.minimum(first, tl.where(z == value, offs, V))
-    return tl.min(first, 0)
+    return tl.min(first)
 
 
 @triton.jit
 def _write_logprobs(src, scale, lp_row, V, m, log_total, BLOCK: tl.constexpr):
     for start in range(0, V, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        valid = offs < V
-        z = _load_z(src, scale, offs, valid)
-        tl.store(lp_row + offs, (z - m) - log_total, mask=valid)
+        offs = _lanes(start, BLOCK)
+        z = _load_z(src, scale, offs, start, V, BLOCK)
+        _store_row(lp_row, offs, (z - m) - log_total, start, V, BLOCK)
 
 
 @triton.jit
@@ -266,12 +310,12 @@ def _first_round_columns(m, total_lanes, keep_from, lane_max, second, third, fou
     token when keep_from is -inf, else the listed z >= keep_from if no lane's 4th reaches it."""
     lanes = total_lanes
     if keep_from != _NEG_INF:
-        lanes = (tl.where(lane_max >= keep_from, tl.exp(lane_max - m), 0.0)
-                 + tl.where(second >= keep_from, tl.exp(second - m), 0.0)
-                 + tl.where(third >= keep_from, tl.exp(third - m), 0.0)
-                 + tl.where(fourth >= keep_from, tl.exp(fourth - m), 0.0))
-    missed = (keep_from != _NEG_INF) & (tl.max(fourth, 0) >= keep_from)
-    return _column_sum(lanes, BLOCK, COLUMNS), tl.sum(lanes, 0), missed
+        lanes = (tl.where(lane_max >= keep_from, _exp(lane_max - m), 0.0)
+                 + tl.where(second >= keep_from, _exp(second - m), 0.0)
+                 + tl.where(third >= keep_from, _exp(third - m), 0.0)
+                 + tl.where(fourth >= keep_from, _exp(fourth - m), 0.0))
+    missed = (keep_from != _NEG_INF) & (tl.max(fourth) >= keep_from)
+    return _column_sum(lanes, BLOCK, COLUMNS), tl.sum(lanes), missed
 
 
 @triton.jit
@@ -283,19 +327,19 @@ def _sampled(src, scale, lp_row, V, top_k, top_p, min_p, seed, position, lp_pend
     top_k_on = (top_k > 0) & (top_k < V)
     min_p_on = min_p > 0.0
     if top_k_on | min_p_on:
-        m, total, lane_max, lane_sum, _, second, third, fourth = _stats(src, scale, V, BLOCK, False, True)
+        m, total, lane_max, lane_sum, no_arg, second, third, fourth = _stats(src, scale, V, BLOCK, False, True)
     else:
-        m, total, lane_max, lane_sum, _, second, third, fourth = _stats(src, scale, V, BLOCK, False, False)
+        m, total, lane_max, lane_sum, no_arg, second, third, fourth = _stats(src, scale, V, BLOCK, False, False)
     log_total = tl.log(total)
     keep_from = tl.where(min_p_on, m + tl.log(tl.where(min_p_on, min_p, 1.0)), _NEG_INF)
     if top_k_on:
         keep_from = tl.maximum(keep_from, _top_k_threshold(src, scale, V, top_k, m, lane_max,
                                                            second, third, fourth, BLOCK))
     column_mass, kept_mass, missed = _first_round_columns(
-        m, lane_sum * tl.exp(lane_max - m), keep_from, lane_max, second, third, fourth, BLOCK, COLUMNS)
+        m, lane_sum * _exp(lane_max - m), keep_from, lane_max, second, third, fourth, BLOCK, COLUMNS)
     if missed:
-        _, kept_mass, column_mass = _check(src, scale, lp_row, V, _NEG_INF, keep_from, m, log_total,
-                                           lp_pending != 0, BLOCK, COLUMNS)
+        all_above, kept_mass, column_mass = _check(src, scale, lp_row, V, _NEG_INF, keep_from, m,
+                                                   log_total, lp_pending != 0, BLOCK, COLUMNS, True)
         lp_pending = lp_pending * 0
 
     token, z_token = _draw(src, scale, V, column_mass, seed, position, 0, keep_from, _NEG_INF,
@@ -303,8 +347,8 @@ def _sampled(src, scale, lp_row, V, top_k, top_p, min_p, seed, position, lp_pend
     accepted = (top_p >= 1.0).to(tl.int32)
     rounds = 1
     while (accepted == 0) & (rounds <= MAX_ROUNDS):
-        above, _, column_mass = _check(src, scale, lp_row, V, z_token, keep_from, m, log_total,
-                                       lp_pending != 0, BLOCK, COLUMNS)
+        above, no_mass, column_mass = _check(src, scale, lp_row, V, z_token, keep_from, m, log_total,
+                                             lp_pending != 0, BLOCK, COLUMNS, False)
         lp_pending = lp_pending * 0
         accepted = (above < top_p * kept_mass).to(tl.int32)
         if (accepted == 0) & (rounds < MAX_ROUNDS):
@@ -349,8 +393,8 @@ def _sample_kernel(logits_ptr, logits_stride, row_slot_ptr, positions_ptr,
         scale = tl.where(materialized, 1.0, inv_t)
         lp_pending = (tl.load(full_logprobs_ptr + slot) != 0).to(tl.int32)
         if greedy:
-            m, total, lane_max, _, lane_arg, _, _, _ = _stats(src, scale, V, BLOCK, True, False)
-            token = tl.min(tl.where(lane_max == m, lane_arg, V), 0)
+            m, total, lane_max, lane_sum, lane_arg, second, third, fourth = _stats(src, scale, V, BLOCK, True, False)
+            token = tl.min(tl.where(lane_max == m, lane_arg, V))
             z_token = m
             log_total = tl.log(total)
         else:
