@@ -195,7 +195,7 @@ def _threshold_of(z_ptr, out_ptr, V, k, BLOCK: tl.constexpr):
                                                        fourth, BLOCK))
 
 
-@pytest.mark.parametrize("k", [1, 9, 1025, 5000])
+@pytest.mark.parametrize("k", [9, 1025, 5000])
 @pytest.mark.parametrize("crowded", [0, 5])
 def test_the_top_k_threshold_is_the_kth_largest_logit(k, crowded):
     """Every path of the threshold: lane maxima, lane lists, bisection over the row; ties and
@@ -307,11 +307,12 @@ def test_reference_draws_follow_the_exact_truncated_distribution(name):
 
 
 def test_triton_draws_follow_the_exact_truncated_distribution():
-    params, values = dict(top_k=4, top_p=0.85), [1.2, 1.0, 0.7, 0.5, 0.0, -0.5]
+    """A nucleus of three tokens, two of them in one column (3 and 3 + 1024), out of a top-4."""
+    params, values = dict(top_k=4, top_p=0.75), [1.0, 0.6, 0.2, 0.0, -0.5]
     logits = spread_logits(2100, values)
-    probabilities, above = exact_probabilities(logits, 4, 0.85)
-    assert (above - 0.85).abs().min() > 0.01
-    assert_distributed_as(draws("triton", logits, params, 90, first_seed=5), probabilities)
+    probabilities, above = exact_probabilities(logits, 4, 0.75)
+    assert (above - 0.75).abs().min() > 0.01 and int((probabilities > 0).sum()) == 3
+    assert_distributed_as(draws("triton", logits, params, 64, first_seed=5), probabilities)
 
 
 def test_penalties_change_exactly_the_logits_they_should():

@@ -48,7 +48,7 @@ def uniform(bits: torch.Tensor) -> torch.Tensor:
     bits as int32, negatives complemented, times the fp32 scale), then clamped below."""
     signed = torch.where(bits >= 2 ** 31, bits - 2 ** 32, bits)
     magnitude = torch.where(signed < 0, ~signed, signed)
-    u = magnitude.to(torch.float32) * torch.tensor(_UNIFORM_SCALE, dtype=torch.float32)
+    u = magnitude.to(torch.float32) * torch.tensor(_UNIFORM_SCALE, dtype=torch.float32, device=bits.device)
     return torch.clamp_min(u, U_MIN)
 
 
@@ -102,7 +102,7 @@ def kept(z: torch.Tensor, top_k: int, min_p: float) -> torch.Tensor:
     if 0 < top_k < z.numel():
         keep &= z >= torch.topk(z, top_k).values[-1]
     if min_p > 0:
-        keep &= z >= z.max() + torch.log(torch.tensor(min_p, dtype=torch.float32))
+        keep &= z >= z.max() + torch.log(torch.tensor(min_p, dtype=torch.float32, device=z.device))
     return keep
 
 
@@ -118,7 +118,7 @@ def draw(z: torch.Tensor, candidates: torch.Tensor, seed: int, position: int, ro
     columns = torch.nonzero(column_mass > 0)[:, 0]
     keys = torch.log(column_mass[columns]) + gumbel(seed, position, round_, 0, columns)
     column = int(columns[torch.argmax(keys)])
-    tokens = torch.arange(column, v, COLUMNS)
+    tokens = torch.arange(column, v, COLUMNS, device=z.device)
     tokens = tokens[candidates[tokens]]
     keys = z[tokens] + gumbel(seed, position, round_, 1, tokens)
     return int(tokens[torch.argmax(keys)])
