@@ -210,6 +210,23 @@ def test_the_top_k_threshold_is_the_kth_largest_logit(k, crowded):
     assert out.item() == torch.topk(z, k).values[-1].item()
 
 
+def test_the_argmax_follows_the_last_rejected_round(monkeypatch):
+    """A nucleus of about 1% of a flat vocabulary: with one round allowed, most rows reject
+    their draw and fall back to the argmax, the same rows in the kernel and the reference."""
+    monkeypatch.setattr(reference, "MAX_ROUNDS", 1)
+    monkeypatch.setattr(sampling_triton, "MAX_ROUNDS", 1)
+    generator = torch.Generator().manual_seed(9)
+    vocab = 2100
+    state = random_state(generator, 6, vocab, temperature=1.0, top_p=0.01, top_k=-1, min_p=0.0,
+                         repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0,
+                         logit_bias=None, full_logprobs=True)
+    logits = torch.randn(6, vocab, generator=generator) * 0.1
+    slots = torch.arange(6, dtype=torch.int32)
+    expected, got, ref_state, tri_state = run_both(logits, slots, torch.arange(6), state)
+    assert_same_sampling(expected, got, ref_state, tri_state, slots)
+    assert int((got[0] == logits.argmax(-1)).sum()) >= 3
+
+
 # --- greedy rows --------------------------------------------------------------------------
 
 
