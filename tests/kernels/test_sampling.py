@@ -393,6 +393,20 @@ def test_counts_follow_the_sampled_tokens_of_live_rows_only(impl):
     assert token_lp[1].item() == 0.0 and token_lp[3].item() == 0.0
 
 
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # numpy's NaN arithmetic
+def test_a_row_of_nan_gets_a_token_in_range_and_touches_only_its_slot():
+    vocab = 1100
+    state = SamplingState.allocate(3, vocab, 1, "cpu")
+    state.assign(0, temperature=0.0)
+    state.assign(1, top_p=0.5, seed=1)
+    state.assign(2, top_k=3, seed=2)
+    logits = torch.full((3, vocab), float("nan"))
+    slots = torch.tensor([0, 1, 2], dtype=torch.int32)
+    tokens, _, _ = sampling_triton.sample(logits, slots, torch.zeros(3, dtype=torch.int64), state)
+    assert bool(((tokens >= 0) & (tokens < vocab)).all())
+    assert state.output_counts.sum(1).tolist() == [1, 1, 1]
+
+
 def test_assign_resets_a_slot_from_the_requests_ids():
     state = SamplingState.allocate(3, 50, 4, "cpu")
     state.output_counts[1] = 9

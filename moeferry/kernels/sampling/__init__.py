@@ -45,7 +45,9 @@ Per live row b with slot s, in order:
    and temperature; temperature 1 for greedy rows), before any truncation.
 reference.py holds this specification in plain torch; triton.py runs it on the GPU in one
 launch with one program per row. Both give the same tokens for the same inputs (they sum in
-other orders: a decision that hinges on the last bit of a sum may go either way).
+other orders: a decision that hinges on the last bit of a sum may go either way). Logits are
+finite or -inf (a row needs one finite logit); a row holding NaN gets an unspecified token in
+[0, V).
 """
 from __future__ import annotations
 

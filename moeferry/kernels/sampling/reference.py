@@ -13,7 +13,8 @@ import torch
 
 from moeferry.kernels.sampling.state import SamplingState
 
-__all__ = ["COLUMNS", "MAX_ROUNDS", "philox", "uniform", "gumbel", "processed_logits", "sample"]
+__all__ = ["COLUMNS", "MAX_ROUNDS", "U_MIN", "philox", "uniform", "gumbel", "processed_logits",
+           "log_probs", "kept", "draw", "sample_row", "sample"]
 
 COLUMNS = 1024  # a draw picks a column (tokens c, c + COLUMNS, ...) first, then a token in it
 MAX_ROUNDS = 32  # rejection rounds before the fallback to the argmax (always in the nucleus)

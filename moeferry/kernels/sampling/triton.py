@@ -150,7 +150,7 @@ def _materialize(logits_row, out_row, counts_row, mask_row, bias_ids_row, bias_v
     tl.debug_barrier()
     j = tl.arange(0, BIAS_BLOCK)
     ids = tl.load(bias_ids_row + j, mask=j < NB, other=-1)
-    used = ids >= 0
+    used = (ids >= 0) & (ids < V)
     z = _penalized(logits_row, counts_row, mask_row, ids, used, rep, freq, pres, penalized)
     z = (z + tl.load(bias_values_row + j, mask=used, other=0.0)) * inv_t
     tl.store(out_row + ids, z, mask=used)
@@ -426,6 +426,7 @@ def _sample_kernel(logits_ptr, logits_stride, row_slot_ptr, positions_ptr,
             lp_pending = lp_pending - written
         if lp_pending != 0:
             _write_logprobs(src, scale, lp_row, V, m, log_total, BLOCK)
+        token = tl.minimum(token, V - 1)  # V only when no z compared (NaN): stay in the row
         tl.store(tokens_ptr + row, token.to(tl.int64))
         tl.store(token_logprobs_ptr + row, (z_token - m) - log_total)
         tl.atomic_add(counts_ptr + slot * V + token, 1)
