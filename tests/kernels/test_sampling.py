@@ -66,9 +66,11 @@ def random_state(generator, num_slots, vocab, max_bias=8, **fixed):
             temperature=pick([0.0, 0.6, 1.0, 1.4]), top_k=pick([-1, -1, 1, 7, 40, vocab - 1, vocab]),
             top_p=pick([1.0, 1.0, 0.3, 0.9]), min_p=pick([0.0, 0.0, 0.05, 0.3]),
             repetition_penalty=pick([1.0, 1.0, 0.8, 1.3]), frequency_penalty=pick([0.0, 0.0, 0.4, -0.3]),
-            presence_penalty=pick([0.0, 0.0, 0.5]), seed=int(torch.randint(-2 ** 62, 2 ** 62, (1,), generator=generator)),
+            presence_penalty=pick([0.0, 0.0, 0.5]),
+            seed=int(torch.randint(-2 ** 62, 2 ** 62, (1,), generator=generator)),
             logit_bias=pick([None, None, {i: 3.0 - i % 7 for i in ids(max_bias)}]),
-            prompt_ids=ids(pick([0, 30])), output_ids=ids(pick([0, 20])), full_logprobs=pick([True, True, False]))
+            prompt_ids=ids(pick([0, 30])), output_ids=ids(pick([0, 20])),
+            full_logprobs=pick([True, True, False]))
         params.update(fixed)
         state.assign(slot, **params)
     return state
@@ -79,7 +81,8 @@ def random_batch(generator, state, batch, padding=True):
     slots = torch.randperm(state.num_slots, generator=generator)[:batch].to(torch.int32)
     if padding and batch > 1:
         slots[torch.rand(batch, generator=generator) < 0.2] = -1
-    logits = torch.randn(batch, vocab, generator=generator) * float(torch.empty(()).uniform_(1, 6, generator=generator))
+    scale = float(torch.empty(()).uniform_(1, 6, generator=generator))
+    logits = torch.randn(batch, vocab, generator=generator) * scale
     positions = torch.randint(0, 2 ** 40, (batch,), generator=generator)
     return logits, slots, positions
 
@@ -88,28 +91,32 @@ def random_batch(generator, state, batch, padding=True):
 
 
 @triton.jit
-def _uniforms(seed_ptr, position_ptr, out_bits_ptr, out_u_ptr, ROUND: tl.constexpr,
-              LEVEL: tl.constexpr, N: tl.constexpr):
+def _noise(seed_ptr, position_ptr, bits_ptr, u_ptr, g_ptr, ROUND: tl.constexpr, LEVEL: tl.constexpr,
+           N: tl.constexpr):
+    """Triton's Philox words, and the kernel's uniforms and Gumbel noise, of indices [0, N)."""
     index = tl.arange(0, N)
-    position = tl.load(position_ptr)
+    seed, position = tl.load(seed_ptr), tl.load(position_ptr)
     zero = index.to(tl.uint32) * 0
-    bits, _, _, _ = tl.philox(tl.load(seed_ptr), index.to(tl.uint32), zero + (position & 0xFFFFFFFF).to(tl.uint32),
+    bits, _, _, _ = tl.philox(seed, index.to(tl.uint32), zero + (position & 0xFFFFFFFF).to(tl.uint32),
                               zero + (position >> 32).to(tl.uint32), zero + (2 * ROUND + LEVEL))
-    tl.store(out_bits_ptr + index, bits.to(tl.int32, bitcast=True))
-    tl.store(out_u_ptr + index, tl.uint_to_uniform_float(bits))
+    tl.store(bits_ptr + index, bits.to(tl.int32, bitcast=True))
+    tl.store(u_ptr + index, sampling_triton._uniform(seed, position, ROUND, LEVEL, index))
+    tl.store(g_ptr + index, sampling_triton._gumbel(seed, position, ROUND, LEVEL, index))
 
 
 @pytest.mark.parametrize("seed", [0, 12345, -1, 2 ** 62 + 3, -(2 ** 40) - 7])
 @pytest.mark.parametrize("position, round_, level", [(0, 0, 0), (17, 3, 1), (2 ** 33 + 5, 31, 1)])
-def test_the_reference_draws_tritons_philox_uniforms_bit_for_bit(seed, position, round_, level):
+def test_the_reference_draws_the_kernels_uniforms_bit_for_bit(seed, position, round_, level):
     n = 2048
-    bits, u = torch.empty(n, dtype=torch.int32), torch.empty(n)
-    _uniforms[(1,)](torch.tensor([seed]), torch.tensor([position]), bits, u, ROUND=round_, LEVEL=level, N=n)
-    expected_bits, _, _, _ = reference.philox(seed, torch.arange(n), position & 0xFFFFFFFF, position >> 32,
+    bits, u, g = torch.empty(n, dtype=torch.int32), torch.empty(n), torch.empty(n)
+    _noise[(1,)](torch.tensor([seed]), torch.tensor([position]), bits, u, g, ROUND=round_, LEVEL=level, N=n)
+    index = torch.arange(n)
+    expected_bits, _, _, _ = reference.philox(seed, index, position & 0xFFFFFFFF, position >> 32,
                                               2 * round_ + level)
     assert torch.equal(expected_bits.to(torch.int32), bits)
-    assert torch.equal(reference.uniform(expected_bits), torch.clamp_min(u, reference.U_MIN))
+    assert torch.equal(reference.uniforms(seed, position, round_, level, index), u)
     assert bool((u < 1).all())
+    torch.testing.assert_close(reference.gumbel(seed, position, round_, level, index), g, rtol=1e-6, atol=1e-6)
 
 
 def test_gumbel_noise_stays_finite_at_both_ends_of_the_uniforms():
@@ -348,8 +355,8 @@ def test_penalties_change_exactly_the_logits_they_should():
     expected[1400] = -3.0
     expected = torch.log_softmax(expected / 2.0, 0).float()
     for impl in ("reference", "triton"):
-        _, _, lp = sampling.sample(logits, torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64),
-                                   copy_state(state), impl=impl)
+        _, _, lp = sampling.sample(logits, torch.zeros(1, dtype=torch.int32),
+                                   torch.zeros(1, dtype=torch.int64), copy_state(state), impl=impl)
         torch.testing.assert_close(lp[0], expected, atol=1e-6, rtol=0)
 
 
@@ -430,12 +437,14 @@ def test_assign_resets_a_slot_from_the_requests_ids():
 def test_the_contract_is_checked_on_the_host():
     state = SamplingState.allocate(2, 100, 1, "cpu")
     slots, positions = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)
-    for args in ((torch.zeros(1, 99), slots, positions), (torch.zeros(1, 100, dtype=torch.float64), slots, positions),
-                 (torch.zeros(1, 100), slots.long(), positions), (torch.zeros(1, 100), slots, positions.int())):
+    logits = torch.zeros(1, 100)
+    for args in ((torch.zeros(1, 99), slots, positions), (logits.double(), slots, positions),
+                 (logits, slots.long(), positions), (logits, slots, positions.int()),
+                 (torch.zeros(1, 200)[:, ::2], slots, positions)):
         with pytest.raises(ValueError):
             sampling_triton.sample(*args, state)
     with pytest.raises(ValueError):
-        sampling_triton.sample(torch.zeros(1, 100), slots, positions, state, tokens_out=torch.zeros(1, dtype=torch.int32))
+        sampling_triton.sample(logits, slots, positions, state, tokens_out=torch.zeros(1, dtype=torch.int32))
     with pytest.raises(ValueError):
         sampling.sample(torch.zeros(1, 100), slots, positions, state, impl="cuda")
 
@@ -488,3 +497,35 @@ def test_triton_matches_the_reference_at_real_size_on_gpu_and_replays_in_a_graph
         full = live.clone()
         full[live] = state.full_logprobs[slots[live].long()] != 0
         assert torch.equal(outputs[2][full], eager[2][full])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, budget_us", [(1, 45.0), (64, 120.0)])
+@pytest.mark.parametrize("full_logprobs", [False, True])
+def test_the_common_case_fits_the_decode_step_budget_on_gpu(batch, budget_us, full_logprobs):
+    """Temperature 1, top_p 0.95, vocabulary 151,936, replayed from a CUDA graph: the budget
+    is ~3% of a 1.2 ms decode step at batch 1 (with slack), and a proportionate bound at 64."""
+    from moeferry.engine.cuda_graph import capture
+
+    vocab = 151_936
+    state = SamplingState.allocate(batch, vocab, 300, "cuda")
+    for slot in range(batch):
+        state.assign(slot, top_p=0.95, seed=slot, full_logprobs=full_logprobs)
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(batch, vocab, generator=generator) * 3).cuda()
+    slots = torch.arange(batch, dtype=torch.int32, device="cuda")
+    positions = torch.zeros(batch, dtype=torch.int64, device="cuda")
+    outputs = dict(tokens_out=torch.empty(batch, dtype=torch.int64, device="cuda"),
+                   token_logprobs_out=torch.empty(batch, device="cuda"),
+                   logprobs_out=torch.empty(batch, vocab, device="cuda"))
+    graph, _ = capture(lambda: sampling.sample(logits, slots, positions, state, **outputs))
+    replays = 200
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    us = start.elapsed_time(end) * 1000 / replays
+    assert us < budget_us, f"{us:.1f} us per call at batch {batch} (budget {budget_us} us)"

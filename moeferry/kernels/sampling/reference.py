@@ -13,8 +13,8 @@ import torch
 
 from moeferry.kernels.sampling.state import SamplingState
 
-__all__ = ["COLUMNS", "MAX_ROUNDS", "U_MIN", "philox", "uniform", "gumbel", "processed_logits",
-           "log_probs", "kept", "draw", "sample_row", "sample"]
+__all__ = ["COLUMNS", "MAX_ROUNDS", "U_MIN", "philox", "uniform", "uniforms", "gumbel",
+           "processed_logits", "log_probs", "kept", "draw", "sample_row", "sample"]
 
 COLUMNS = 1024  # a draw picks a column (tokens c, c + COLUMNS, ...) first, then a token in it
 MAX_ROUNDS = 32  # rejection rounds before the fallback to the argmax (always in the nucleus)
@@ -53,13 +53,18 @@ def uniform(bits: torch.Tensor) -> torch.Tensor:
     return torch.clamp_min(u, U_MIN)
 
 
-def gumbel(seed: int, position: int, round_: int, level: int, index: torch.Tensor) -> torch.Tensor:
-    """The Gumbel noise -log(-log(u)) of ``index`` (a column at level 0, a token at level 1) in
-    draw ``round_`` of the token at ``position`` of the request seeded ``seed``: u from the
-    first word of Philox(counter = (index, position low, position high, 2 * round + level))."""
+def uniforms(seed: int, position: int, round_: int, level: int, index: torch.Tensor) -> torch.Tensor:
+    """The uniforms of ``index`` (a column at level 0, a token at level 1) in draw ``round_`` of
+    the token at ``position`` of the request seeded ``seed``: the first word of
+    Philox(counter = (index, position low, position high, 2 * round + level)), converted."""
     bits, _, _, _ = philox(seed, index, position & _MASK32, (position >> 32) & _MASK32,
                            2 * round_ + level)
-    return -torch.log(-torch.log(uniform(bits.to(index.device))))
+    return uniform(bits.to(index.device))
+
+
+def gumbel(seed: int, position: int, round_: int, level: int, index: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise -log(-log(u)) of those uniforms."""
+    return -torch.log(-torch.log(uniforms(seed, position, round_, level, index)))
 
 
 def processed_logits(logits: torch.Tensor, row_slot: torch.Tensor, state: SamplingState) -> torch.Tensor:

@@ -56,16 +56,20 @@ _U_MIN = tl.constexpr(U_MIN)
 
 
 @triton.jit
-def _gumbel(seed, position, round_, level: tl.constexpr, index):
-    """reference.gumbel: -log(-log(u)), u from Philox(seed; index, position, 2 * round + level)."""
+def _uniform(seed, position, round_, level: tl.constexpr, index):
+    """reference.uniforms: u in [2**-32, 1) from Philox(seed; index, position, 2 * round + level)."""
     c0 = index.to(tl.uint32)
     zero = c0 * 0
     c1 = zero + (position & 0xFFFFFFFF).to(tl.uint32)
     c2 = zero + (position >> 32).to(tl.uint32)
     c3 = zero + (2 * round_ + level)
     bits, _, _, _ = tl.philox(seed, c0, c1, c2, c3)
-    u = tl.maximum(tl.uint_to_uniform_float(bits), _U_MIN)
-    return -tl.log(-tl.log(u))
+    return tl.maximum(tl.uint_to_uniform_float(bits), _U_MIN)
+
+
+@triton.jit
+def _gumbel(seed, position, round_, level: tl.constexpr, index):
+    return -tl.log(-tl.log(_uniform(seed, position, round_, level, index)))
 
 
 @triton.jit
@@ -346,9 +350,11 @@ def _sampled(src, scale, lp_row, V, top_k, top_p, min_p, seed, position, may_wri
     top_k_on = (top_k > 0) & (top_k < V)
     min_p_on = min_p > 0.0
     if top_k_on | min_p_on:
-        m, total, lane_max, lane_sum, no_arg, second, third, fourth = _stats(src, scale, V, BLOCK, False, True)
+        m, total, lane_max, lane_sum, no_arg, second, third, fourth = _stats(src, scale, V, BLOCK,
+                                                                             False, True)
     else:
-        m, total, lane_max, lane_sum, no_arg, second, third, fourth = _stats(src, scale, V, BLOCK, False, False)
+        m, total, lane_max, lane_sum, no_arg, second, third, fourth = _stats(src, scale, V, BLOCK,
+                                                                             False, False)
     log_total = tl.log(total)
     keep_from = tl.where(min_p_on, m + tl.log(tl.where(min_p_on, min_p, 1.0)), _NEG_INF)
     if top_k_on:
@@ -412,7 +418,8 @@ def _sample_kernel(logits_ptr, logits_stride, row_slot_ptr, positions_ptr,
         scale = tl.where(materialized, 1.0, inv_t)
         lp_pending = (tl.load(full_logprobs_ptr + slot) != 0).to(tl.int32)
         if greedy:
-            m, total, lane_max, lane_sum, lane_arg, second, third, fourth = _stats(src, scale, V, BLOCK, True, False)
+            m, total, lane_max, lane_sum, lane_arg, second, third, fourth = _stats(src, scale, V, BLOCK,
+                                                                                   True, False)
             token = tl.min(tl.where(lane_max == m, lane_arg, V))
             z_token = m
             log_total = tl.log(total)
