@@ -211,9 +211,13 @@ def _kth_largest_key(keys, k):
         mid = lo + (hi - lo + 1) // 2
         above = keys >= mid.to(tl.int32)
         count = tl.sum(above.to(tl.int32))
-        smallest = tl.min(tl.where(above, keys, 2147483647)).to(tl.int64)
-        lo = tl.where(count >= k, tl.where(count == k, smallest, mid), lo)
-        hi = tl.where(count >= k, tl.where(count == k, smallest, hi), mid - 1)
+        if count == k:
+            lo = tl.min(tl.where(above, keys, 2147483647)).to(tl.int64)
+            hi = lo
+        elif count > k:
+            lo = mid
+        else:
+            hi = mid - 1
     return lo.to(tl.int32)
 
 
