@@ -446,6 +446,8 @@ def test_the_contract_is_checked_on_the_host():
     with pytest.raises(ValueError):
         sampling_triton.sample(logits, slots, positions, state, tokens_out=torch.zeros(1, dtype=torch.int32))
     with pytest.raises(ValueError):
+        sampling_triton.sample(logits, slots, positions, state, logprobs_out=logits)
+    with pytest.raises(ValueError):
         sampling.sample(torch.zeros(1, 100), slots, positions, state, impl="cuda")
 
 

@@ -476,6 +476,8 @@ def sample(logits: torch.Tensor, row_slot: torch.Tensor, positions: torch.Tensor
     tokens_out = output_buffer(tokens_out, (b,), torch.int64, device, "tokens_out")
     token_logprobs_out = output_buffer(token_logprobs_out, (b,), torch.float32, device,
                                        "token_logprobs_out")
+    if b and logprobs_out.data_ptr() == logits.data_ptr():  # later passes reread the logits
+        raise ValueError("logprobs_out may not alias logits")
     if b == 0:
         return tokens_out, token_logprobs_out, logprobs_out
     s = state
