@@ -25,10 +25,12 @@ from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 CASES = {
     "greedy": {"temperature": 0.0},
-    "temperature 1, top_p 0.95": {"temperature": 1.0, "top_p": 0.95},
-    "top_k 50, penalties": {"temperature": 1.0, "top_k": 50, "presence_penalty": 0.5,
-                            "frequency_penalty": 0.5, "repetition_penalty": 1.1},
+    "top_p": {"temperature": 1.0, "top_p": 0.95},
+    "top_k+penalties": {"temperature": 1.0, "top_k": 50, "presence_penalty": 0.5, "frequency_penalty": 0.5,
+                        "repetition_penalty": 1.1},
 }
+CASE_NAMES = {"greedy": "greedy", "top_p": "temperature 1, top_p 0.95",
+              "top_k+penalties": "temperature 1, top_k 50, presence 0.5, frequency 0.5, repetition 1.1"}
 
 
 def parse_args(argv):
@@ -40,6 +42,9 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--repeats", type=int, default=2, help="time each row this many times, keep the fastest")
     p.add_argument("--kernel-replays", type=int, default=50)
+    p.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES),
+                   help="the sampling cases (greedy first: the ratios are to it)")
+    p.add_argument("--parts", nargs="+", choices=["decode", "kernel"], default=["decode", "kernel"])
     add_results_flag(p)
     return p.parse_args(argv)
 
@@ -62,13 +67,14 @@ def decode_rows(engine, args) -> list[list]:
     rows = []
     for batch in args.batch:
         greedy_tok_s = None
-        for name, fields in CASES.items():
+        for name in args.cases:
+            fields = CASES[name]
             params = SamplingParams(max_tokens=args.warmup + args.steps + 1, ignore_eos=True, seed=7, **fields)
             runs = [timed_decode(engine, batch, args.prompt_len, args.warmup, args.steps, lambda e: {}, params)
                     for _ in range(max(1, args.repeats))]
             tok_s = max(run["tok_s"] for run in runs)
             greedy_tok_s = greedy_tok_s or tok_s
-            rows.append([batch, name, f"{tok_s:.1f}", f"{tok_s / greedy_tok_s:.3f}"])
+            rows.append([batch, CASE_NAMES[name], f"{tok_s:.1f}", f"{tok_s / greedy_tok_s:.3f}"])
             print(rows[-1], flush=True)
     return rows
 
@@ -89,11 +95,11 @@ def kernel_rows(args, vocab: int, hbm: float) -> list[list]:
         argmax_graph, _ = capture(lambda: torch.argmax(logits, dim=-1, out=outs["tokens_out"]))
         argmax_us = replay_us(argmax_graph, args.kernel_replays)
         floor_us = logits.numel() * 4 / hbm * 1e6
-        for name, fields in CASES.items():
+        for name in args.cases:
             for slot in range(batch):
-                state.assign(slot, seed=slot, full_logprobs=False, prompt_ids=range(0, vocab, 97), **fields)
+                state.assign(slot, seed=slot, full_logprobs=False, prompt_ids=range(0, vocab, 97), **CASES[name])
             graph, _ = capture(lambda: sample(logits, row_slot, positions, state, **outs))
-            rows.append([batch, name, f"{replay_us(graph, args.kernel_replays):.1f}", f"{argmax_us:.1f}",
+            rows.append([batch, CASE_NAMES[name], f"{replay_us(graph, args.kernel_replays):.1f}", f"{argmax_us:.1f}",
                          f"{floor_us:.1f}"])
             print(rows[-1], flush=True)
         del logits, state, outs
@@ -104,15 +110,18 @@ def kernel_rows(args, vocab: int, hbm: float) -> list[list]:
 @gpu_main("bench_sampling", parse_args)
 def main(argv, args) -> int:
     hbm = hbm_bandwidth()
-    cfg_dir = write_config_dir(os.path.join(tempfile.mkdtemp(), "qwen3-30b-a3b"), QWEN3_30B_DIR_CONFIG)
-    engine = make_engine(cfg_dir, args)
-    decode = decode_rows(engine, args)
-    vocab = engine.mc.vocab_size
-    del engine
-    free_engine_memory()
-    kernel = kernel_rows(args, vocab, hbm)
-    table = (markdown_table(["batch", "sampling", "decode tok/s", "of greedy"], decode) + "\n\n"
-             + markdown_table(["batch", "sampling", "sampler us", "argmax us", "floor us (one read)"], kernel))
+    vocab = QWEN3_30B_DIR_CONFIG["vocab_size"]
+    tables = []
+    if "decode" in args.parts:
+        cfg_dir = write_config_dir(os.path.join(tempfile.mkdtemp(), "qwen3-30b-a3b"), QWEN3_30B_DIR_CONFIG)
+        engine = make_engine(cfg_dir, args)
+        tables.append(markdown_table(["batch", "sampling", "decode tok/s", "of greedy"], decode_rows(engine, args)))
+        del engine
+        free_engine_memory()
+    if "kernel" in args.parts:
+        tables.append(markdown_table(["batch", "sampling", "sampler us", "argmax us", "floor us (one read)"],
+                                     kernel_rows(args, vocab, hbm)))
+    table = "\n\n".join(tables)
     report("sampling", f"Sampled vs greedy decode, {args.layers}-layer Qwen3-30B-A3B shape, gpu strategy, bf16",
            command_line("benchmarks.bench_sampling", argv), table,
            f"Whole engine steps ({args.steps} timed after {args.warmup} warm-up, fastest of {args.repeats}), "

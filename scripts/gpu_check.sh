@@ -3,7 +3,7 @@
 # benchmarks of SPEC section 6. Logs go to $OUT (or ./gpu-out); a short table is printed last.
 #   [MOEFERRY_COMMIT=<commit>] bash scripts/gpu_check.sh [STAGES] [pytest -k expression]
 # STAGES: comma-separated of tests, kernels (copy, admission, fused MoE, attention, linear benches),
-# decode (full decode benchmark), decode-quick, ttft, uva, serve; default tests,kernels,decode-quick.
+# decode (full decode benchmark), decode-quick, sampling, ttft, uva, serve; default tests,kernels,decode-quick.
 # Results: $OUT/results.md holds this call's benchmark sections alone; $OUT/RESULTS.md is
 # benchmarks/RESULTS.md with those sections regenerated (every stage but decode-quick, a smoke
 # run), to copy over benchmarks/RESULTS.md. MOEFERRY_COMMIT names the commit in the tables
@@ -52,6 +52,7 @@ if has kernels; then
 fi
 has decode-quick && run bench-decode python3 -m benchmarks.bench_decode --layers 4 --batch 1 4 --steps 8 --results "$RESULTS"
 has decode && run bench-decode python3 -m benchmarks.bench_decode --results "$RESULTS" "$CURRENT"
+has sampling && run bench-sampling python3 -m benchmarks.bench_sampling --results "$RESULTS" "$CURRENT"
 has ttft && run bench-ttft python3 -m benchmarks.bench_ttft --results "$RESULTS" "$CURRENT"
 has uva && run bench-uva python3 -m benchmarks.bench_uva --results "$RESULTS" "$CURRENT"
 if has serve; then  # the server's packages travel as wheels (scripts/device_wheels.txt)
