@@ -384,7 +384,7 @@ def _radix_victims(key_ptr, keys, num_slots, lo, hi, num_misses, vkey_ptr, vslot
     _order_victims(num_misses, vkey_ptr, vslot_ptr, ordered_ptr, TILE)
 
 
-@triton.jit(do_not_specialize=["num_routes", "layer"])  # one compile serves every layer
+@triton.jit(do_not_specialize=["num_routes", "moe_layer"])  # one compile serves every layer
 def _admit_kernel(
     topk_ptr, num_routes, moe_layer, num_experts, num_slots,
     slot_of_ptr, owner_of_ptr, last_used_ptr, score_ptr, clock_ptr,
