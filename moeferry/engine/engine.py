@@ -11,10 +11,9 @@ import logging
 import time
 from dataclasses import dataclass
 
-from moeferry.config import EngineConfig, ModelConfig, reset_moe_options_for_dense
+from moeferry.config import EngineConfig, ModelConfig
 from moeferry.engine.runner import ModelRunner
 from moeferry.engine.sampler import sample
-from moeferry.moe.prefill_policy import validate_demand_prefill
 from moeferry.sampling import InvalidRequest, SamplingParams
 from moeferry.scheduler.request import Request, Status
 from moeferry.scheduler.scheduler import Scheduler
@@ -45,12 +44,10 @@ class Engine:
     def __init__(self, ec: EngineConfig):
         from moeferry.default_model import resolve_model_dir
 
+        ec.check()  # every option alone, before even the default model is made
         model_dir = resolve_model_dir(ec.model)
-        ec = ec.replace(model=model_dir)
         mc = ModelConfig.from_dir(model_dir, ec.hf_overrides)
-        if not mc.is_moe:
-            ec = reset_moe_options_for_dense(ec)
-        validate_demand_prefill(ec)
+        ec = ec.replace(model=model_dir).check(mc)
         self.ec, self.mc = ec, mc
         t0 = time.monotonic()
         self.runner = ModelRunner(ec, mc)
