@@ -94,17 +94,18 @@ class SamplingParams:
         for token in self.stop_token_ids:
             _integer("stop_token_ids", token, 0, None)
         for name in NOT_SUPPORTED_YET:
-            if getattr(self, name) not in _NEUTRAL[name]:
+            if getattr(self, name) not in NEUTRAL_VALUES[name]:
                 raise InvalidRequest(f"{name} is not supported yet: leave it at its neutral value "
-                                     f"({_NEUTRAL[name][0]!r})", name)
+                                     f"({NEUTRAL_VALUES[name][0]!r})", name)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
 
-_NEUTRAL = {"presence_penalty": (0.0,), "frequency_penalty": (0.0,), "repetition_penalty": (1.0,),
-            "min_p": (0.0,), "logit_bias": (None, {})}
+# The values that do nothing, per field of NOT_SUPPORTED_YET (the first is the default).
+NEUTRAL_VALUES = {"presence_penalty": (0.0,), "frequency_penalty": (0.0,), "repetition_penalty": (1.0,),
+                  "min_p": (0.0,), "logit_bias": (None, {})}
 
 
 def _number(name: str, value, low: float, high: float | None, low_open: bool = False) -> None:
