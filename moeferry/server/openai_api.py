@@ -24,8 +24,6 @@ _DISCONNECT_POLL_S = 0.5
 # The finish_reason a stream cut short by the server's shutdown ends with: OpenAI's values are
 # stop, length, content_filter, tool_calls; "length" is the one that says the text was cut off.
 CUT_SHORT_FINISH = "length"
-
-
 _INLINE_PARSE_BYTES = 1 << 16  # a larger body is parsed in a worker thread, off the event loop
 
 

@@ -169,8 +169,7 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     logit_bias: dict[int, _Bias] | None = Field(None, max_length=MAX_LOGIT_BIAS_ENTRIES)
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
-    stop: str | list[str] | None = Field(None, json_schema_extra={"maxItems": MAX_STOP_STRINGS,
-                                                                  "maxLength": MAX_STOP_CHARS})
+    stop: str | list[str] | None = None  # bounded by _bounded_stop (and so documented in server/openapi.py)
     stop_token_ids: list[_TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     max_tokens: int | None = Field(None, gt=0)
     ignore_eos: bool = False
