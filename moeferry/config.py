@@ -1,15 +1,20 @@
 """Configuration: the model's shape (read from config.json through transformers) and the
-engine's options (built once from the CLI or from LLM keyword arguments, then frozen)."""
+engine's options (built once from the CLI or from LLM keyword arguments, then frozen), with
+the one check of those options (`EngineConfig.check`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
+import math
+import numbers
 import os
+import types
+import typing
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 logger = logging.getLogger(__name__)
 
@@ -18,26 +23,98 @@ class ConfigError(ValueError):
     """A user-facing configuration mistake; its message says what to change."""
 
 
+# ---- choices: every list of names comes from where the names are defined -------------------
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def strategy_names() -> list[str]:
+    """The MoE strategies, from their registry (moe/strategies.py)."""
+    from moeferry.moe.strategies import strategy_names as names
+
+    return names()
+
+
+def cache_policies() -> tuple[str, ...]:
+    """The expert cache's admission policies: the one list, kept beside the admission oracle."""
+    from moeferry.kernels.admission import POLICIES
+
+    return tuple(POLICIES)
+
+
+CHOICES = {"load_format": lambda: LOAD_FORMATS, "device": lambda: DEVICES, "dtype": lambda: DTYPES,
+           "moe_strategy": strategy_names, "moe_cache_policy": cache_policies}
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+# ---- ranges: every numeric option's, in one table -------------------------------------------
+class Bound(NamedTuple):
+    """[low, high] (low excluded when `low_open`; no upper bound when `high` is None)."""
+
+    low: float
+    high: float | None = None
+    low_open: bool = False
+
+    def holds(self, value) -> bool:
+        return (value > self.low if self.low_open else value >= self.low) and (self.high is None or value <= self.high)
+
+    def __str__(self) -> str:
+        if self.high is None:
+            return f"{'>' if self.low_open else '>='} {self.low}"
+        return f"in {'(' if self.low_open else '['}{self.low}, {self.high}]"
+
+
+RANGES = {
+    "seed": Bound(0, 2**32 - 1),  # the dummy weights' generators take seed * 1000 + layer: keep it in 64 bits
+    "memory_ratio": Bound(0, 1, low_open=True),
+    "vram_reserve_mb": Bound(0),
+    "kv_reserve_tokens": Bound(1),
+    "page_size": Bound(1),
+    "num_tokens": Bound(1),
+    "max_running_requests": Bound(1),
+    "max_prefill_tokens": Bound(1),
+    "max_model_len": Bound(2),  # one prompt token and one generated token
+    "moe_cache_slots": Bound(1),
+    "moe_cache_gb": Bound(0, low_open=True),
+    "moe_lrfu_decay": Bound(0, 1, low_open=True),
+}
+
+# The options only some strategies (or policies) read: set away from its default under any
+# other, an option would be silently ignored, so it is refused, naming who reads it.
+# (--moe-prefill-demand-tokens: moe/prefill_policy.validate_demand_prefill says it the same way.)
+READ_BY = {
+    "moe_cache_slots": ("moe_strategy", ("offload",)),
+    "moe_cache_gb": ("moe_strategy", ("offload",)),
+    "moe_cache_policy": ("moe_strategy", ("offload",)),
+    "moe_lrfu_decay": ("moe_cache_policy", ("lrfu",)),
+    "moe_collect_stats": ("moe_strategy", ("offload", "uva")),
+}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Every engine option; CLI flags and `LLM(**kwargs)` map one to one onto these fields.
 
-    Invariant: built once and never mutated; derived values are properties. Validation that
-    needs the model (for example a cache smaller than one layer's experts) happens in
-    `resolve()` against a ModelConfig.
+    Invariant: built once and never mutated; derived values are properties. `check()` is
+    the one validation of the options (the Engine runs it before building anything; with the
+    ModelConfig, it also fits them to the model).
     """
 
     model: str | None = None
-    load_format: str = "auto"  # auto | safetensors | dummy
+    load_format: str = "auto"  # LOAD_FORMATS
     hf_overrides: dict[str, Any] = field(default_factory=dict)
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # DTYPES
+    device: str = "auto"  # DEVICES
     seed: int = 0
     # MoE
     moe_strategy: str = "gpu"
     moe_cache_slots: int | None = None
     moe_cache_gb: float | None = None
-    moe_cache_policy: str = "layer_lru"  # layer_lru | lru | lrfu (moe/slot_cache.py, docs/offload.md)
+    moe_cache_policy: str = "layer_lru"  # cache_policies() (moe/slot_cache.py, docs/offload.md)
     moe_lrfu_decay: float = 0.5
     moe_collect_stats: bool = False
     moe_prefill_demand_tokens: int | str = 0  # a token count, or "auto"
@@ -55,6 +132,18 @@ class EngineConfig:
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+    def check(self, mc: "ModelConfig | None" = None) -> "EngineConfig":
+        """The one check of the options, before anything heavy is built; ConfigError (one line
+        naming the flag) on the first mistake. Without `mc`: each option's type, choice and
+        range, and the options together (a flag the chosen strategy would ignore is refused).
+        With the model's config also: a dense model drops its MoE options (with a warning), the
+        context is capped at the model's and said so, an expert cache under one layer's
+        experts is refused. Returns the config to run with."""
+        for f in dataclasses.fields(self):
+            _check_option(f.name, getattr(self, f.name))
+        _check_together(self)
+        return self if mc is None else _fit_to_model(self, mc)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -80,10 +169,9 @@ class EngineConfig:
 
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
-        try:
-            return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
-        except KeyError:
-            raise ConfigError(f"--dtype {self.dtype!r}: choose auto, float32, bfloat16 or float16") from None
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        return getattr(torch, self.dtype)
 
     @property
     def use_cuda_graph(self) -> bool:
@@ -94,13 +182,86 @@ DEFAULT_MAX_MODEL_LEN = 8192
 
 
 def resolve_max_model_len(ec: EngineConfig, mc: "ModelConfig") -> int:
-    """The context length served: --max-model-len, else the model's, capped at 8,192 tokens
-    (the rotary tables, page tables and KV plan are sized by it)."""
-    return ec.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+    """The context length served: --max-model-len, else the model's capped at 8,192 tokens
+    (the rotary tables, page tables and KV plan are sized by it); never past the model's."""
+    return min(ec.max_model_len or DEFAULT_MAX_MODEL_LEN, mc.max_position_embeddings)
 
 
+_HINTS: dict[str, Any] = {}
+_KIND_NAMES = {numbers.Integral: "an integer", numbers.Real: "a number", bool: "true or false", str: "a string",
+               dict: "a JSON object"}
+
+
+def _hint(name: str):
+    """The option's type, X for `X | None` (None is checked by the caller)."""
+    if not _HINTS:
+        _HINTS.update(typing.get_type_hints(EngineConfig))
+    hint = _HINTS[name]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = args[0] if len(args) == 1 else tuple(args)
+    return hint
+
+
+def _check_option(name: str, value) -> None:
+    """One option alone: its type, its choice from the registry, its range."""
+    if value is None and _DEFAULTS[name] is None:
+        return
+    if name == "moe_prefill_demand_tokens":
+        from moeferry.moe.prefill_policy import parse_demand_tokens
+
+        if isinstance(value, bool) or not isinstance(value, (numbers.Integral, str)):
+            raise ConfigError(f"--moe-prefill-demand-tokens must be a token count or 'auto', got {value!r}")
+        parse_demand_tokens(value)
+        return
+    hint = _hint(name)
+    wanted = {int: numbers.Integral, float: numbers.Real, bool: bool, str: str}.get(hint, hint)
+    if typing.get_origin(wanted) is dict:
+        wanted = dict
+    if not isinstance(value, wanted) or (isinstance(value, bool) and wanted is not bool):
+        raise ConfigError(f"{flag(name)} must be {_KIND_NAMES.get(wanted, wanted)}, got {value!r}")
+    if name in CHOICES and value not in CHOICES[name]():
+        raise ConfigError(f"{flag(name)} {value!r} is unknown; choose one of: {', '.join(CHOICES[name]())}")
+    bound = RANGES.get(name)
+    if bound is not None and not (math.isfinite(value) and bound.holds(value)):
+        raise ConfigError(f"{flag(name)} must be {bound}, got {value!r}")
+
+
+def _check_together(ec: EngineConfig) -> None:
+    """The options against each other."""
+    if ec.num_tokens is not None and ec.num_tokens < ec.page_size:
+        raise ConfigError(f"--num-tokens {ec.num_tokens} is less than one KV page of {ec.page_size} tokens "
+                          f"(--page-size): give at least {ec.page_size}")
+    if ec.moe_cache_slots is not None and ec.moe_cache_gb is not None:
+        raise ConfigError("--moe-cache-slots and --moe-cache-gb both size the expert cache: give one of them")
+    for name, (chooser, readers) in READ_BY.items():
+        if getattr(ec, name) != _DEFAULTS[name] and getattr(ec, chooser) not in readers:
+            raise ConfigError(f"{flag(name)} is read only by {flag(chooser)} {' or '.join(readers)}; under "
+                              f"{flag(chooser)} {getattr(ec, chooser)} it would be ignored: drop it, or choose "
+                              f"{' or '.join(readers)}")
+    from moeferry.moe.prefill_policy import validate_demand_prefill
+
+    validate_demand_prefill(ec)
+    ec.torch_dtype  # noqa: B018 - resolves --device and --dtype (ConfigError: cuda asked for, none seen)
+
+
+def _fit_to_model(ec: EngineConfig, mc: "ModelConfig") -> EngineConfig:
+    if not mc.is_moe:
+        ec = reset_moe_options_for_dense(ec)
+    limit = mc.max_position_embeddings
+    if ec.max_model_len is not None and ec.max_model_len > limit:
+        logger.warning("--max-model-len %d exceeds the model's max_position_embeddings %d: serving a context of %d "
+                       "tokens", ec.max_model_len, limit, limit)
+        ec = ec.replace(max_model_len=limit)
+    if mc.is_moe and ec.moe_cache_slots is not None and ec.moe_cache_slots < mc.num_experts:
+        raise ConfigError(f"--moe-cache-slots {ec.moe_cache_slots}: the expert cache would hold fewer than one "
+                          f"layer's {mc.num_experts} experts; give at least {mc.num_experts}")
+    return ec
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 # Options that only mean something for a model with routed experts.
-_MOE_OPTION_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.name.startswith("moe_")}
+_MOE_OPTION_DEFAULTS = {k: v for k, v in _DEFAULTS.items() if k.startswith("moe_")}
 
 
 def reset_moe_options_for_dense(config: EngineConfig) -> EngineConfig:
@@ -117,6 +278,12 @@ def _hf_field(name: str) -> property:
     return property(lambda self: getattr(self.hf, name), doc=f"config.json's {name}")
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's message cut to one line (for a one-line ConfigError)."""
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The architecture of one checkpoint, read from its config.json by transformers.
@@ -130,14 +297,19 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str, overrides: dict[str, Any] | None = None) -> "ModelConfig":
+        """Read and check `path`/config.json (with `overrides` merged in); ConfigError naming
+        the file and the field on any mistake."""
         if not os.path.isdir(path):
             raise ConfigError(f"model directory {path!r} does not exist")
         cfg_file = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_file):
             raise ConfigError(f"{path!r} has no config.json: not a Hugging Face checkpoint directory")
-        with open(cfg_file) as f:
-            raw = json.load(f)
-        model_type = raw.get("model_type")
+        try:
+            with open(cfg_file, encoding="utf-8") as f:
+                raw = json.load(f)
+        except (ValueError, OSError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise ConfigError(f"{cfg_file} is not valid JSON: {exc}") from None
+        model_type = raw.get("model_type") if isinstance(raw, dict) else None
         from moeferry.models.registry import family_names
 
         if model_type not in family_names():
@@ -146,12 +318,36 @@ class ModelConfig:
             )
         from transformers import AutoConfig
 
-        hf = AutoConfig.from_pretrained(path, local_files_only=True)
+        try:
+            hf = AutoConfig.from_pretrained(path, local_files_only=True)
+        except Exception as exc:  # noqa: BLE001 - transformers rejects a bad field with any exception type
+            raise ConfigError(f"{cfg_file}: transformers cannot read it: {first_line(exc)}") from None
         for key, value in (overrides or {}).items():
             setattr(hf, key, value)
         if "num_hidden_layers" in (overrides or {}) and getattr(hf, "layer_types", None):
             hf.layer_types = list(hf.layer_types)[: hf.num_hidden_layers]
-        return cls(path=path, hf=hf)
+        config = cls(path=path, hf=hf)
+        config.check(cfg_file + (" with --hf-overrides" if overrides else ""))
+        return config
+
+    def check(self, source: str) -> None:
+        """The shape the engine needs: positive sizes, kv heads grouping the query heads, and
+        a router that picks at most every expert; ConfigError naming `source` and the field."""
+        sizes = {"num_hidden_layers": self.hf.num_hidden_layers, "hidden_size": self.hidden_size,
+                 "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+                 "head_dim": self.head_dim, "vocab_size": self.vocab_size,
+                 "max_position_embeddings": self.max_position_embeddings}
+        for name, value in sizes.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{source}: {name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"{source}: num_attention_heads {self.num_heads} is not a multiple of "
+                              f"num_key_value_heads {self.num_kv_heads}")
+        if self.num_experts:
+            top_k = getattr(self.hf, "num_experts_per_tok", None)
+            if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= self.num_experts:
+                raise ConfigError(f"{source}: num_experts_per_tok must be in [1, {self.num_experts}] (the number of "
+                                  f"experts), got {top_k!r}")
 
     model_type = _hf_field("model_type")
     hidden_size = _hf_field("hidden_size")

@@ -40,7 +40,14 @@ class LLM:
         if single:
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
-        reqs = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        reqs = []
+        try:
+            for prompt, sp in zip(prompts, params):
+                reqs.append(self.engine.add_request(prompt, sp))
+        except ValueError:  # one refused prompt refuses the call: drop the ones already queued
+            for req in reqs:
+                self.engine.abort(req)
+            raise
         while any(not r.finished for r in reqs):
             for out in self.engine.step():
                 if on_output is not None:

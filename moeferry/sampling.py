@@ -1,22 +1,62 @@
-"""SamplingParams: how one request picks its tokens and when it stops."""
+"""SamplingParams: how one request picks its tokens and when it stops, and the check its values
+pass before the request joins a batch (the server's requests and the offline API's alike).
+
+The ranges below are the values' meaning, shared with the server's request models (which
+declare them in /openapi.json); the server's limits on a request's size live in
+server/protocol.py.
+"""
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
+
+SAMPLING_EPS = 1e-5  # a temperature below it is greedy (vLLM's _SAMPLING_EPS): 1/T would overflow
+TOP_P_FLOOR = 1e-8  # a smaller top_p is raised to it: float32 rounds 1e-46 to 0.0, which keeps no token;
+# at 1e-8 exactly the top token remains for any vocabulary under 10**8 (its probability is >= 1/V)
+TOP_K_MAX = 2**31 - 1  # a device sampler holds top_k in an int32 (SGLang's "all" is 1 << 30)
+PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty (OpenAI)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # each logit_bias value (OpenAI)
+SEED_RANGE = (-(2**63), 2**63 - 1)  # a 64-bit signed integer (vLLM: torch.long)
+
+# Fields accepted and range-checked here but not applied by the sampler yet: a request that
+# sets one away from its neutral value is refused, never silently ignored (SPEC section 5).
+# The device sampler's integration empties this.
+NOT_SUPPORTED_YET = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias")
+
+
+class InvalidRequest(ValueError):
+    """A request refused before it joins a batch; `param` names the field at fault (OpenAI's
+    `param`: "temperature", "prompt", "max_tokens", ...)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
 class SamplingParams:
-    """Sampling options of one request (the OpenAI API's fields).
+    """Sampling options of one request (the OpenAI API's fields, plus vLLM's extensions).
 
-    temperature 0 is greedy; top_k 0 or -1 means off; top_p 1.0 means off; `seed` makes a
-    sampled request reproducible; `stop` strings end the text before them; `ignore_eos`
-    keeps going past the end-of-sequence token until max_tokens.
+    temperature 0 (or below SAMPLING_EPS) is greedy; top_k 0 or -1 means off; top_p 1.0 means
+    off; `seed` makes a sampled request reproducible; `stop` strings end the text before them;
+    `stop_token_ids` end it after them, `ignore_eos` or not; `ignore_eos` keeps going past
+    the end-of-sequence token until max_tokens. Penalties, min_p and logit_bias at their
+    neutral values do nothing.
+
+    Invariant after construction: every value is in its range (else InvalidRequest naming
+    the field), finite, and normalised (tiny temperature -> 0, tiny top_p -> TOP_P_FLOOR).
     """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
     seed: int | None = None
     max_tokens: int = 16
     stop: list[str] | str | None = None
@@ -26,19 +66,62 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = [s for s in (self.stop or []) if s]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
+        self.stop = [s for s in self.stop if s]
+        if self.temperature < SAMPLING_EPS:
+            self.temperature = 0.0
+        self.top_p = max(self.top_p, TOP_P_FLOOR)
 
     def validate(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k is not None and self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off) or >= 0, got {self.top_k}")
-        if self.max_tokens is None or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens}")
+        """Raise InvalidRequest for the first field out of its range."""
+        _number("temperature", self.temperature, 0.0, None)
+        _number("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _integer("top_k", self.top_k, -1, TOP_K_MAX)
+        _number("min_p", self.min_p, 0.0, 1.0)
+        _number("presence_penalty", self.presence_penalty, *PENALTY_RANGE)
+        _number("frequency_penalty", self.frequency_penalty, *PENALTY_RANGE)
+        _number("repetition_penalty", self.repetition_penalty, 0.0, None, low_open=True)
+        for token, bias in (self.logit_bias or {}).items():
+            _integer("logit_bias", token, 0, None)
+            _number("logit_bias", bias, *LOGIT_BIAS_RANGE)
+        if self.seed is not None:
+            _integer("seed", self.seed, *SEED_RANGE)
+        _integer("max_tokens", self.max_tokens, 1, None)
+        if not all(isinstance(s, str) for s in self.stop):
+            raise InvalidRequest("stop must be a string or a list of strings", "stop")
+        for token in self.stop_token_ids:
+            _integer("stop_token_ids", token, 0, None)
+        for name in NOT_SUPPORTED_YET:
+            if getattr(self, name) not in NEUTRAL_VALUES[name]:
+                raise InvalidRequest(f"{name} is not supported yet: leave it at its neutral value "
+                                     f"({NEUTRAL_VALUES[name][0]!r})", name)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+# The values that do nothing, per field of NOT_SUPPORTED_YET (the first is the default).
+NEUTRAL_VALUES = {"presence_penalty": (0.0,), "frequency_penalty": (0.0,), "repetition_penalty": (1.0,),
+                  "min_p": (0.0,), "logit_bias": (None, {})}
+
+
+def _number(name: str, value, low: float, high: float | None, low_open: bool = False) -> None:
+    """`value` is a finite real number in [low, high] ((low, high] when `low_open`)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise InvalidRequest(f"{name} must be a finite number, got {value!r}", name)
+    if value < low or (low_open and value == low) or (high is not None and value > high):
+        bound = f"in {'(' if low_open else '['}{low}, {high}]" if high is not None else \
+            f"{'>' if low_open else '>='} {low}"
+        raise InvalidRequest(f"{name} must be {bound}, got {value!r}", name)
+
+
+def _integer(name: str, value, low: int, high: int | None) -> None:
+    """`value` is an integer in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InvalidRequest(f"{name} must be an integer, got {value!r}", name)
+    if value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise InvalidRequest(f"{name} must be {bound}, got {value}", name)

@@ -1,7 +1,7 @@
 """Engine: the step loop that joins the scheduler, the model runner and the sampler.
 
-`add_request` queues a request; `step` runs one scheduler step (prefill chunks and one
-decode token for every running request) and returns the requests that produced output.
+`add_request` checks and queues a request; `step` runs one scheduler step (prefill chunks and
+one decode token for every running request) and returns the requests that produced output.
 Not thread-safe: one thread drives it (the server runs it in its own thread).
 """
 
@@ -11,11 +11,10 @@ import logging
 import time
 from dataclasses import dataclass
 
-from moeferry.config import EngineConfig, ModelConfig, reset_moe_options_for_dense
+from moeferry.config import EngineConfig, ModelConfig
 from moeferry.engine.runner import ModelRunner
 from moeferry.engine.sampler import sample
-from moeferry.moe.prefill_policy import validate_demand_prefill
-from moeferry.sampling import SamplingParams
+from moeferry.sampling import InvalidRequest, SamplingParams
 from moeferry.scheduler.request import Request, Status
 from moeferry.scheduler.scheduler import Scheduler
 from moeferry.tokenizer.tokenizer import IncrementalDetokenizer, load_tokenizer
@@ -25,27 +24,30 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StepOutput:
-    """What one request got in one step: new token ids, new text, and whether it finished."""
+    """What one request got in one step: new token ids, new text, and whether it finished
+    (`error` says why, when it failed: its finish_reason is then "error")."""
 
     request: Request
     new_token_ids: list[int]
     new_text: str
     finished: bool
+    error: str | None = None
 
 
 class Engine:
-    """Invariant: every request handed to `add_request` ends finished (EOS, stop string,
-    max_tokens) or aborted, and its KV pages go back to the pool when it does."""
+    """Invariants: every request `add_request` accepted ends finished (EOS, stop string or
+    token, max_tokens), aborted, or failed, and its KV pages go back to the pool when it does.
+    A request fails alone: what one request's values can still break inside a step (its
+    sampling, its detokenisation) fails that request, and the others' tokens are the ones
+    they would have had without it."""
 
     def __init__(self, ec: EngineConfig):
         from moeferry.default_model import resolve_model_dir
 
+        ec.check()  # every option alone, before even the default model is made
         model_dir = resolve_model_dir(ec.model)
-        ec = ec.replace(model=model_dir)
         mc = ModelConfig.from_dir(model_dir, ec.hf_overrides)
-        if not mc.is_moe:
-            ec = reset_moe_options_for_dense(ec)
-        validate_demand_prefill(ec)
+        ec = ec.replace(model=model_dir).check(mc)
         self.ec, self.mc = ec, mc
         t0 = time.monotonic()
         self.runner = ModelRunner(ec, mc)
@@ -60,24 +62,30 @@ class Engine:
             self.eos_ids.add(int(self.tokenizer.eos_token_id))
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0,
-                         "requests_aborted": 0, "prefill_tokens": 0, "decode_tokens": 0}
+                         "requests_aborted": 0, "requests_failed": 0, "prefill_tokens": 0, "decode_tokens": 0}
 
     # ---- requests --------------------------------------------------------------------------
     def encode(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer: pass token ids")
+            raise InvalidRequest("this model has no tokenizer: pass token ids", "prompt")
         return list(self.tokenizer.encode(prompt))
 
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
+        """Check a request and queue it; InvalidRequest (naming the field) if it cannot run."""
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        bad = [t for t in ids if not 0 <= t < self.mc.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.mc.vocab_size})")
+        self._check_token_ids("prompt", ids)
+        self._check_token_ids("stop_token_ids", params.stop_token_ids)
+        self._check_token_ids("logit_bias", list(params.logit_bias or ()))
         req = Request(ids, params)
         self.scheduler.add(req)
         self._detok[req.rid] = IncrementalDetokenizer(self.tokenizer, ids)
         self.counters["prompt_tokens"] += len(ids)
         return req
+
+    def _check_token_ids(self, param: str, ids: list[int]) -> None:
+        bad = next((t for t in ids if not 0 <= t < self.mc.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {self.mc.vocab_size})", param)
 
     def abort(self, req: Request) -> None:
         if req.finished:
@@ -88,7 +96,13 @@ class Engine:
         req.status, req.finish_reason = Status.FINISHED, reason
         self.scheduler.free(req)
         self._detok.pop(req.rid, None)
-        self.counters["requests_aborted" if reason == "abort" else "requests_finished"] += 1
+        counter = {"abort": "requests_aborted", "error": "requests_failed"}.get(reason, "requests_finished")
+        self.counters[counter] += 1
+
+    def _fail(self, req: Request, what: str) -> StepOutput:
+        """End `req` alone after its own step work raised (the caller logged the traceback)."""
+        self._finish(req, "error")
+        return StepOutput(req, [], "", True, error=f"internal error in {what}; see the server log")
 
     def stats(self, include_moe: bool = True) -> dict:
         """A plain-Python snapshot: requests, token counters (cumulative), KV page use, and the
@@ -98,7 +112,7 @@ class Engine:
         out = {
             "requests": {"running": len(sched.running), "waiting": len(sched.waiting),
                          "finished": self.counters["requests_finished"], "aborted": self.counters["requests_aborted"],
-                         "preemptions": sched.num_preemptions},
+                         "failed": self.counters["requests_failed"], "preemptions": sched.num_preemptions},
             "tokens": {k: self.counters[k] for k in ("prompt_tokens", "generation_tokens", "prefill_tokens",
                                                       "decode_tokens")},
             "kv": {"pages_used": used, "pages_total": pool.num_pages, "page_size": sched.page_size,
@@ -122,7 +136,7 @@ class Engine:
         p = req.params
         delta = self._detok[req.rid].push(token)
         reason = None
-        if not p.ignore_eos and (token in self.eos_ids or token in p.stop_token_ids):
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
             reason = "stop"
         text = req.text + delta
         for s in p.stop:
@@ -139,6 +153,41 @@ class Engine:
             self._finish(req, reason)
         return StepOutput(req, [token], delta, reason is not None)
 
+    def _sample(self, logits, reqs: list[Request]) -> list[int | None]:
+        """One token per row. If the batch's sampling raises, each row is sampled again alone
+        from its generator's state before the batch, so a row that raises again gets None
+        (its request fails) and every other row gets the token it would have had anyway."""
+        gens = [q.generator for q in reqs]
+        states = [None if q.params.greedy else g.get_state() for q, g in zip(reqs, gens)]
+        try:
+            return sample(logits, [q.params for q in reqs], gens)
+        except Exception:  # noqa: BLE001 - find the row at fault below
+            logger.warning("batch sampling failed: sampling its %d rows one by one", len(reqs))
+        tokens: list[int | None] = []
+        for row, (req, gen, state) in enumerate(zip(reqs, gens, states)):
+            if state is not None:
+                gen.set_state(state)
+            try:
+                tokens.append(sample(logits[row:row + 1], [req.params], [gen])[0])
+            except Exception:  # noqa: BLE001 - this request's own values broke its sampling
+                logger.exception("sampling request %d failed; the other requests go on", req.rid)
+                tokens.append(None)
+        return tokens
+
+    def _emit(self, logits, reqs: list[Request]) -> list[StepOutput]:
+        """Sample and append a token for each of `reqs` (rows of `logits`), each failing alone."""
+        outputs = []
+        for req, token in zip(reqs, self._sample(logits, reqs)):
+            if token is None:
+                outputs.append(self._fail(req, "sampling"))
+                continue
+            try:
+                outputs.append(self._append(req, token))
+            except Exception:  # noqa: BLE001 - detokenising or stop matching this request's output
+                logger.exception("request %d failed after sampling; the other requests go on", req.rid)
+                outputs.append(self._fail(req, "detokenisation"))
+        return outputs
+
     def step(self) -> list[StepOutput]:
         plan = self.scheduler.schedule()
         outputs: list[StepOutput] = []
@@ -151,13 +200,9 @@ class Engine:
                 if req.num_computed == req.num_tokens:
                     done.append((row, req))
             if done:
-                rows = [r for r, _ in done]
-                reqs = [q for _, q in done]
-                tokens = sample(logits[rows], [q.params for q in reqs], [q.generator for q in reqs])
-                outputs += [self._append(q, t) for q, t in zip(reqs, tokens)]
+                outputs += self._emit(logits[[r for r, _ in done]], [q for _, q in done])
         if plan.decode:
             logits = self.runner.run_decode(plan.decode)
             self.counters["decode_tokens"] += len(plan.decode)
-            tokens = sample(logits, [q.params for q in plan.decode], [q.generator for q in plan.decode])
-            outputs += [self._append(q, t) for q, t in zip(plan.decode, tokens)]
+            outputs += self._emit(logits, plan.decode)
         return outputs

@@ -7,6 +7,7 @@ generated on the compute device (fast at 30B shapes) and copied to wherever the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -15,22 +16,27 @@ import re
 import torch
 from tqdm import tqdm
 
-from moeferry.config import ConfigError
+from moeferry.config import ConfigError, first_line
 
 logger = logging.getLogger(__name__)
 
 
 class LoadError(ConfigError):
-    """The checkpoint on disk does not match the model: names the file or tensor at fault."""
+    """The checkpoint on disk does not match the model: one line naming the file, the tensor
+    and what was expected."""
 
 
 def checkpoint_files(model_dir: str) -> list[str]:
     """The safetensors files of a checkpoint, from its index when sharded."""
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map", {})
-        files = sorted(set(weight_map.values()))
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise LoadError(f"{index}: not a safetensors index (a JSON object with a \"weight_map\" of tensor "
+                            f"name -> file name): {first_line(exc)}") from None
         for name in files:
             if not os.path.isfile(os.path.join(model_dir, name)):
                 raise LoadError(f"shard {name!r} named in {index} is missing from {model_dir}")
@@ -42,6 +48,27 @@ def checkpoint_files(model_dir: str) -> list[str]:
     if not found:
         raise LoadError(f"{model_dir} has no *.safetensors weights (use --load-format dummy for random weights)")
     return [os.path.join(model_dir, n) for n in found]
+
+
+@contextlib.contextmanager
+def _open_checkpoint(file: str):
+    """safe_open, with a file safetensors cannot read (empty, truncated, not safetensors)
+    reported as a LoadError naming it."""
+    from safetensors import safe_open
+
+    try:
+        handle = safe_open(file, framework="pt")
+    except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError, ... : all mean an unreadable file
+        raise LoadError(f"{file}: not a readable safetensors file ({first_line(exc)})") from None
+    with handle as f:
+        yield f
+
+
+def _read_tensor(f, name: str, file: str) -> torch.Tensor:
+    try:
+        return f.get_tensor(name)
+    except Exception as exc:  # noqa: BLE001 - a tensor whose bytes are missing or damaged
+        raise LoadError(f"{file}: tensor {name!r} cannot be read ({first_line(exc)})") from None
 
 
 def _check_tensor(name: str, tensor: torch.Tensor, shape: tuple, file: str) -> None:
@@ -58,8 +85,14 @@ class _ExpertWriter:
     def __init__(self, model):
         self.model = model
 
-    def target(self, layer_id: int, expert, kind: str):
-        banks = self.model.moe_block(layer_id).banks
+    def target(self, layer_id: int, expert, kind: str, name: str, file: str):
+        banks = getattr(self.model.moe_block(layer_id), "banks", None)
+        if banks is None:
+            raise LoadError(f"{file}: tensor {name!r} is an expert of layer {layer_id}, which the model's config "
+                            f"makes a dense layer")
+        if expert is not None and not 0 <= expert < banks.num_experts:
+            raise LoadError(f"{file}: tensor {name!r} is expert {expert}, but the model has {banks.num_experts} "
+                            f"experts per layer")
         inter = banks.w2.shape[2]
         if expert is None:
             return banks.w13 if kind == "gate_up" else banks.w2
@@ -80,8 +113,6 @@ def _beyond_cut(name: str, num_layers: int) -> bool:
 
 
 def load_safetensors(model, model_dir: str) -> None:
-    from safetensors import safe_open
-
     params = dict(model.named_parameters(remove_duplicate=False))
     if model.tie_word_embeddings:
         params.pop("lm_head.weight", None)
@@ -90,15 +121,15 @@ def load_safetensors(model, model_dir: str) -> None:
     expert_counts: dict[int, int] = {}
     files = checkpoint_files(model_dir)
     for file in tqdm(files, desc="loading shards", unit="file", disable=len(files) < 2):
-        with safe_open(file, framework="pt") as f:
+        with _open_checkpoint(file) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 if _beyond_cut(name, model.config.num_layers):
                     continue
                 target = model.expert_tensor_target(name)
                 if target is not None:
                     layer_id, expert, kind = target
-                    dst = writer.target(layer_id, expert, kind)
-                    src = f.get_tensor(name)
+                    dst = writer.target(layer_id, expert, kind, name, file)
+                    src = _read_tensor(f, name, file)
                     _check_tensor(name, src, dst.shape, file)
                     dst.copy_(src)
                     expert_counts[layer_id] = expert_counts.get(layer_id, 0) + (1 if expert is not None else 3 * dst.shape[0])
@@ -109,7 +140,7 @@ def load_safetensors(model, model_dir: str) -> None:
                     if name == "lm_head.weight" and model.tie_word_embeddings:
                         continue
                     raise LoadError(f"{file}: tensor {name!r} does not belong to a {model.config.model_type} model")
-                src = f.get_tensor(name)
+                src = _read_tensor(f, name, file)
                 _check_tensor(name, src, params[name].shape, file)
                 with torch.no_grad():
                     params[name].copy_(src)

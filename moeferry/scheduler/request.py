@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moeferry.sampling import SamplingParams
+from moeferry.sampling import InvalidRequest, SamplingParams
 
 _ids = itertools.count()
 
@@ -45,7 +45,7 @@ class Request:
 
     def __post_init__(self):
         if not self.prompt_ids:
-            raise ValueError("the prompt is empty")
+            raise InvalidRequest("the prompt is empty", "prompt")
         self.generator = torch.Generator()
         seed = self.params.seed if self.params.seed is not None else torch.seed()
         self.generator.manual_seed(seed)

@@ -8,6 +8,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from moeferry.kvcache.paged import PagePool
+from moeferry.sampling import InvalidRequest
 from moeferry.scheduler.request import Request, Status
 
 logger = logging.getLogger(__name__)
@@ -51,9 +52,9 @@ class Scheduler:
     def add(self, req: Request) -> None:
         limit = self.context_limit
         if len(req.prompt_ids) + req.params.max_tokens > limit:
-            raise ValueError(
+            raise InvalidRequest(
                 f"prompt of {len(req.prompt_ids)} tokens + max_tokens {req.params.max_tokens} exceeds the "
-                f"context limit of {limit} tokens")
+                f"context limit of {limit} tokens", "max_tokens")
         self.waiting.append(req)
 
     @property

@@ -24,11 +24,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from moeferry.server.engine_loop import EngineLoop
 from moeferry.server.metrics import ActivityLogger, ServerMetrics
 from moeferry.server.openai_api import ModelInfo, OpenAIEndpoints
-from moeferry.server.protocol import APIError
+from moeferry.server.openapi import openapi_schema
+from moeferry.server.protocol import MAX_BODY_BYTES, APIError
 
 logger = logging.getLogger("moeferry.server")
 
-MAX_BODY_BYTES = 8 * 2**20
 _ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/stats", "/health", "/metrics")
 
 
@@ -76,10 +76,14 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
         yield
         await asyncio.to_thread(engine_loop.stop)
 
-    app = FastAPI(title="moeferry", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    from moeferry import __version__
+
+    app = FastAPI(title="moeferry", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
     app.state.engine_loop, app.state.metrics, app.state.model_info = engine_loop, metrics, info
     _add_routes(app, api, engine_loop, metrics)
     _add_error_handlers(app)
+    app.openapi = lambda: openapi_schema(app, secured=config.api_key is not None)
     app.add_middleware(AccessMiddleware, api_key=config.api_key, metrics=metrics)
     return app
 
@@ -141,13 +145,14 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 class AccessMiddleware:
     """Pure ASGI middleware in front of every route. Invariants: with an API key set, a /v1
-    request without `Authorization: Bearer <key>` gets 401 and never reaches a route; every
+    request without `Authorization: Bearer <key>` (the scheme in any case, RFC 9110) gets 401
+    and never reaches a route; every
     HTTP request is counted once in metrics, by endpoint (unknown paths pooled as "other") and
     by the status it was answered with (500 if it raised before answering)."""
 
     def __init__(self, app, api_key: str | None, metrics: ServerMetrics):
         self.app, self.metrics = app, metrics
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.expected = api_key.encode() if api_key else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -164,7 +169,8 @@ class AccessMiddleware:
             if self._refused(scope):
                 body = APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
                                 code="invalid_api_key").body()
-                await JSONResponse(body, status_code=401)(scope, receive, send_counting)
+                await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(
+                    scope, receive, send_counting)
             else:
                 await self.app(scope, receive, send_counting)
         finally:
@@ -173,8 +179,8 @@ class AccessMiddleware:
     def _refused(self, scope) -> bool:
         if self.expected is None or not scope["path"].startswith("/v1"):
             return False
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        return not hmac.compare_digest(given, self.expected)
+        scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
+        return scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.expected)
 
 
 def _endpoint_label(path: str) -> str:

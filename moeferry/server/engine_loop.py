@@ -19,25 +19,28 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from moeferry.engine.engine import Engine, StepOutput
-from moeferry.sampling import SamplingParams
+from moeferry.sampling import InvalidRequest, SamplingParams
 from moeferry.server.protocol import APIError
 
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 1.0
+SHUTDOWN = "shutdown"  # the finish_reason of a request the server's shutdown cut short
+ERROR = "error"  # the finish_reason of a request that failed inside the engine
 
 
 @dataclass(frozen=True)
 class Delta:
-    """What one request produced since its last Delta. `finish_reason` is set on the last one
-    ("stop", "length", "abort", or "error" with `error` saying why)."""
+    """What one request produced since its last Delta. `finish_reason` is set on the last one:
+    "stop" or "length" (OpenAI's), or SHUTDOWN or ERROR with `error` the answer a client
+    waiting for the whole body gets (503 or 500)."""
 
     text: str
     token_ids: list[int]
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
-    error: str | None = None
+    error: APIError | None = None
 
 
 @dataclass(eq=False)
@@ -124,10 +127,13 @@ class EngineLoop:
             raise APIError(503, "the engine is not running", code="engine_dead")
         future = asyncio.get_running_loop().create_future()
         self.commands.put(("call", fn, future))
-        return await asyncio.wait_for(future, timeout)
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            raise APIError(503, f"the engine did not answer within {timeout:g} s", code="engine_busy") from None
 
     def finish_all(self) -> None:
-        """Stop taking requests and end every live one (its stream gets finish_reason "abort")."""
+        """Stop taking requests and end every live one with finish_reason SHUTDOWN."""
         self.accepting = False
         self.commands.put(("finish_all",))
 
@@ -147,7 +153,7 @@ class EngineLoop:
                 self._step()
             if self.activity is not None:
                 self.activity(self.engine)
-        self._end_all("abort")
+        self._end_all(SHUTDOWN, _shutdown_error())
         logger.debug("engine thread stopped")
 
     def _drain_commands(self, block: bool) -> bool:
@@ -174,7 +180,7 @@ class EngineLoop:
         elif kind == "call":
             self._call(cmd[1], cmd[2])
         elif kind == "finish_all":
-            self._end_all("abort")
+            self._end_all(SHUTDOWN, _shutdown_error())
 
     def _add(self, handle: RequestHandle) -> None:
         if not self.accepting:
@@ -182,8 +188,8 @@ class EngineLoop:
             return
         try:
             handle.request = self.engine.add_request(handle.prompt_ids, handle.params)
-        except ValueError as exc:
-            self._post(handle.accepted.set_exception, APIError(400, str(exc), param="prompt"))
+        except InvalidRequest as exc:
+            self._post(handle.accepted.set_exception, APIError(400, str(exc), param=exc.param))
             return
         except Exception:  # noqa: BLE001 - a bug here must cost one request, not the engine thread
             logger.exception("could not add a request")
@@ -210,7 +216,7 @@ class EngineLoop:
             outputs = self.engine.step()
         except Exception:  # noqa: BLE001 - one bad step must not take the server down
             logger.exception("engine step failed: failing every live request")
-            self._end_all("error", "internal error in the engine step; see the server log")
+            self._end_all(ERROR, APIError(500, "internal error in the engine step; see the server log"))
             return
         now = time.monotonic()
         batch = [(h, self._delta(h, out, now)) for out in outputs if (h := self.live.get(out.request.rid))]
@@ -227,10 +233,11 @@ class EngineLoop:
             else:
                 self.metrics.observe_next_token(now - handle.last_token_time)
         handle.last_token_time = now
+        error = APIError(500, out.error) if out.error is not None else None
         return Delta(out.new_text, list(out.new_token_ids), req.finish_reason if out.finished else None,
-                     len(req.prompt_ids), len(req.output_ids))
+                     len(req.prompt_ids), len(req.output_ids), error)
 
-    def _end_all(self, reason: str, error: str | None = None) -> None:
+    def _end_all(self, reason: str, error: APIError) -> None:
         batch = []
         for handle in list(self.live.values()):
             req = handle.request
@@ -251,6 +258,10 @@ class EngineLoop:
             self.loop.call_soon_threadsafe(_safe_call, fn, *args)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
+
+
+def _shutdown_error() -> APIError:
+    return APIError(503, "the server is shutting down: this request was cut short", code="shutting_down")
 
 
 def _put_all(batch: list[tuple[RequestHandle, Delta]]) -> None:

@@ -15,16 +15,21 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from moeferry.server.engine_loop import EngineLoop, RequestHandle
+from moeferry.server.engine_loop import SHUTDOWN, EngineLoop, RequestHandle
 from moeferry.server.protocol import (APIError, ChatCompletionRequest, ChatFormat, CompletionFormat,
-                                      CompletionRequest, usage, validation_error)
+                                      CompletionRequest, decode_json, usage, validation_error)
 from moeferry.tokenizer.tokenizer import apply_chat_template
 
 _DISCONNECT_POLL_S = 0.5
+# The finish_reason a stream cut short by the server's shutdown ends with: OpenAI's values are
+# stop, length, content_filter, tool_calls; "length" is the one that says the text was cut off.
+CUT_SHORT_FINISH = "length"
+_INLINE_PARSE_BYTES = 1 << 16  # a larger body is parsed in a worker thread, off the event loop
 
 
 async def read_json(request: Request, limit: int) -> object:
-    """The request body parsed as JSON; 413 past `limit` bytes (declared or actually sent)."""
+    """The request body parsed as JSON (protocol.decode_json); 413 past `limit` bytes
+    (declared or actually sent)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes",
@@ -34,10 +39,9 @@ async def read_json(request: Request, limit: int) -> object:
         body += chunk
         if len(body) > limit:
             raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    if len(body) <= _INLINE_PARSE_BYTES:
+        return decode_json(bytes(body))
+    return await asyncio.to_thread(decode_json, bytes(body))
 
 
 def parse(model: type[BaseModel], payload: object) -> BaseModel:
@@ -99,7 +103,7 @@ class OpenAIEndpoints:
         if body.model is not None and body.model != self.info.name:
             raise APIError(404, f"The model `{body.model}` does not exist; this server serves `{self.info.name}`.",
                            param="model", code="model_not_found")
-        body.check_supported()
+        body.check()
 
     def _chat_ids(self, messages: list[dict]) -> list[int]:
         try:
@@ -151,8 +155,10 @@ class OpenAIEndpoints:
         last = None
         async for delta in self.loop.stream(handle):
             last = delta
-            if delta.error is not None:
-                yield _event(APIError(500, delta.error).body())
+            if delta.finish_reason == SHUTDOWN:
+                yield _event(fmt.chunk(delta.text, CUT_SHORT_FINISH))
+            elif delta.error is not None:
+                yield _event(delta.error.body())
             elif delta.text or delta.finish_reason is not None:
                 yield _event(fmt.chunk(delta.text, delta.finish_reason))
         if include_usage and last is not None:
@@ -173,8 +179,8 @@ class OpenAIEndpoints:
         if disconnected:
             return Response(status_code=499)
         text, last = reader.result()
-        if last.error is not None:
-            raise APIError(500, last.error)
+        if last.error is not None:  # failed (500) or cut short by shutdown (503): no partial text
+            raise last.error
         return JSONResponse(fmt.full(text, last.finish_reason, usage(last.prompt_tokens, last.completion_tokens)))
 
 

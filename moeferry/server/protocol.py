@@ -1,18 +1,33 @@
-"""OpenAI API shapes: request models (pydantic), the error body, and response builders.
+"""OpenAI API shapes: the limits a request is held to, request models (pydantic), the error
+body, and response builders.
 
 Only what moeferry implements is accepted; unknown fields are ignored (clients send many),
 but a field we cannot honour (n > 1, logprobs) is refused with 400 rather than ignored.
+Every check here runs before the request reaches the engine.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from moeferry.sampling import SamplingParams
+from moeferry.sampling import LOGIT_BIAS_RANGE, PENALTY_RANGE, SEED_RANGE, TOP_K_MAX, InvalidRequest, SamplingParams
+
+# ---- limits: every bound on one request's size, in one place ------------------------------
+# (the ranges of the sampling values are the values' meaning: moeferry/sampling.py)
+MAX_BODY_BYTES = 8 * 2**20  # the request body (413 past it); prompts are bounded by the context anyway
+MAX_JSON_DEPTH = 64  # nesting of arrays and objects, checked before parsing: Python's parser recurses
+# once per level (RecursionError near 1,000); an OpenAI request nests about 5 deep
+MAX_STOP_STRINGS = 16  # OpenAI allows 4, vLLM any number; each is matched on the engine thread per token
+MAX_STOP_CHARS = 256  # one stop string; no peer bounds it, real ones are a few characters
+MAX_STOP_TOKEN_IDS = 256  # stop_token_ids (a vLLM extension); a model's end tokens are a handful
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's bound on logit_bias
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                 405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error"}
@@ -31,12 +46,88 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
+class ErrorDetail(BaseModel):
+    """The inside of OpenAI's error body (documents APIError.body in /openapi.json)."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
 def validation_error(exc: ValidationError) -> APIError:
     """The first pydantic error as a 400 naming the offending field (`messages.0.role`)."""
     err = exc.errors()[0]
     param = ".".join(str(p) for p in err.get("loc", ()) if not _is_union_tag(p)) or None
-    message = err.get("msg", "invalid request")
+    message = err.get("msg", "invalid request").removeprefix("Value error, ")
     return APIError(400, f"{param}: {message}" if param else message, param=param)
+
+
+def invalid_request(exc: InvalidRequest) -> APIError:
+    return APIError(400, str(exc), param=exc.param)
+
+
+# ---- the body ------------------------------------------------------------------------------
+_ESCAPED = re.compile(rb"\\.", re.DOTALL)
+_DEPTH_STEP = bytes(1 if c in b"[{" else 255 if c in b"]}" else 0 for c in range(256))  # +1, -1 as int8
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def json_depth(body: bytes) -> int:
+    """How deep the arrays and objects of a JSON text nest, counted without parsing it (so a
+    body nested 100,000 deep costs a scan, not a recursion): brackets inside strings are
+    skipped by removing escapes, then every other quote-delimited run."""
+    outside = b"".join(_ESCAPED.sub(b"", body).split(b'"')[::2])
+    if not outside:
+        return 0
+    steps = np.frombuffer(outside.translate(_DEPTH_STEP), dtype=np.int8)
+    return int(np.cumsum(steps, dtype=np.int64).max(initial=0))
+
+
+def decode_json(body: bytes) -> object:
+    """The body parsed as JSON; a 400 (code invalid_json) when it is not UTF-8 JSON (RFC 8259),
+    nests deeper than MAX_JSON_DEPTH, holds NaN or Infinity, or holds a string that is not
+    Unicode text (a lone UTF-16 surrogate, which no tokenizer can encode)."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise APIError(400, f"the body is not UTF-8 text: {exc}", code="invalid_json") from None
+    if json_depth(body) > MAX_JSON_DEPTH:  # exact on UTF-8: its multi-byte sequences hold no ASCII byte
+        raise APIError(400, f"the body nests arrays and objects more than {MAX_JSON_DEPTH} deep",
+                       code="invalid_json")
+    try:
+        payload = json.loads(text, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    if _SURROGATE_ESCAPE.search(body):
+        _check_text(payload, ())
+    return payload
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _check_text(value, path: tuple) -> None:
+    """Every string (and key) under `value` encodes as UTF-8; depth is bounded by MAX_JSON_DEPTH."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            param = ".".join(str(p) for p in path) or None
+            raise APIError(400, f"{param or 'the body'}: a string holds a lone UTF-16 surrogate, which is not "
+                                f"Unicode text", param=param, code="invalid_json") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key, path)
+            _check_text(item, (*path, key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_text(item, (*path, i))
 
 
 def _is_union_tag(loc_part) -> bool:
@@ -54,25 +145,53 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
-    """The sampling fields shared by both endpoints (top_k, ignore_eos, stop_token_ids are
-    extensions); `max_tokens` None means "up to the context" (chat) or 16 (completions)."""
+_Penalty = Annotated[float, Field(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])]
+_Bias = Annotated[float, Field(ge=LOGIT_BIAS_RANGE[0], le=LOGIT_BIAS_RANGE[1])]
+_TokenId = Annotated[int, Field(ge=0)]
 
-    model_config = ConfigDict(extra="ignore")
+
+class _SamplingFields(BaseModel):
+    """The sampling fields shared by both endpoints (top_k, min_p, repetition_penalty,
+    ignore_eos, stop_token_ids are vLLM's extensions); `max_tokens` None means "up to the
+    context" (chat) or 16 (completions). Numbers must be finite."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    top_k: int = Field(-1, ge=-1, le=TOP_K_MAX)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    presence_penalty: _Penalty = 0.0
+    frequency_penalty: _Penalty = 0.0
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    logit_bias: dict[int, _Bias] | None = Field(None, max_length=MAX_LOGIT_BIAS_ENTRIES)
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    stop: str | list[str] | None = None  # bounded by _bounded_stop (and so documented in server/openapi.py)
+    stop_token_ids: list[_TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     max_tokens: int | None = Field(None, gt=0)
     ignore_eos: bool = False
     n: int = Field(1, ge=1)
     user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, stop):
+        strings = [stop] if isinstance(stop, str) else stop or []
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}")
+        longest = max(map(len, strings), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"a stop string has at most {MAX_STOP_CHARS} characters, got one of {longest}")
+        return stop
+
+    def check(self) -> None:
+        """Every check that needs only the body, before any work is done for the request: what
+        the server cannot honour, then each sampling value against its range (SamplingParams)."""
+        self.check_supported()
+        self.sampling_params(max_tokens=1)
 
     def check_supported(self) -> None:
         if self.n != 1:
@@ -83,9 +202,14 @@ class _SamplingFields(BaseModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                              max_tokens=max_tokens, stop=self.stop, stop_token_ids=list(self.stop_token_ids or []),
-                              ignore_eos=self.ignore_eos)
+        try:
+            return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                                  presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                                  repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
+                                  seed=self.seed, max_tokens=max_tokens, stop=self.stop,
+                                  stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos)
+        except InvalidRequest as exc:
+            raise invalid_request(exc) from None
 
 
 class TextPart(BaseModel):

@@ -118,3 +118,53 @@ def test_hf_overrides_cut_a_real_checkpoint(ckpt):
     llm = LLM(ckpt, dtype="float32", device="cpu", hf_overrides={"num_hidden_layers": 2})
     assert len(llm.engine.runner.model.model.layers) == 2
     assert len(llm.generate([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
+
+
+def test_a_broken_index_names_its_file(ckpt, tmp_path):
+    d = _copy(ckpt, tmp_path)
+    open(os.path.join(d, "model.safetensors.index.json"), "w").write('{"weight_map": ')
+    with pytest.raises(ConfigError, match=r"model\.safetensors\.index\.json: not a safetensors index"):
+        LLM(d, device="cpu")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
+def test_an_unreadable_shard_names_its_file(ckpt, tmp_path, damage):
+    d = _copy(ckpt, tmp_path)
+    shard = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))[0]
+    path = os.path.join(d, shard)
+    data = open(path, "rb").read()
+    open(path, "wb").write({"truncated": data[: len(data) - 100], "garbage": os.urandom(2048), "empty": b""}[damage])
+    with pytest.raises(ConfigError, match=rf"{shard}: not a readable safetensors file \(.+\)$"):
+        LLM(d, device="cpu")
+
+
+def test_an_expert_past_the_configured_count_names_the_tensor(ckpt, tmp_path):
+    d = _copy(ckpt, tmp_path)
+    name = "model.layers.0.mlp.experts.3.down_proj.weight"
+    index = json.load(open(os.path.join(d, "model.safetensors.index.json")))
+    file = os.path.join(d, index["weight_map"][name])
+    tensors = load_file(file)
+    tensors["model.layers.0.mlp.experts.99.down_proj.weight"] = tensors[name].clone()
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"tensor 'model.layers.0.mlp.experts.99.down_proj.weight' is expert 99, "
+                                          r"but the model has 8 experts per layer"):
+        LLM(d, device="cpu")
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("num_experts_per_tok", 9, r"num_experts_per_tok must be in \[1, 8\]"),
+    ("num_key_value_heads", 3, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+    ("hidden_size", 0, "hidden_size must be a positive integer"),
+])
+def test_a_config_the_engine_cannot_run_is_refused_naming_the_field(ckpt, tmp_path, field, value, says):
+    d = _copy(ckpt, tmp_path)
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    json.dump({**cfg, field: value}, open(os.path.join(d, "config.json"), "w"))
+    with pytest.raises(ConfigError, match=rf"config\.json: {says}"):
+        LLM(d, device="cpu", load_format="dummy")
+
+
+def test_invalid_config_json_names_the_file(tmp_path):
+    open(tmp_path / "config.json", "w").write("{not json")
+    with pytest.raises(ConfigError, match=r"config\.json is not valid JSON"):
+        LLM(str(tmp_path), device="cpu")

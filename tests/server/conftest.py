@@ -1,12 +1,10 @@
+import contextlib
 import dataclasses
 import socket
 import threading
 import time
 
 import pytest
-
-
-
 
 API_KEY = "test-key"
 
@@ -25,14 +23,15 @@ class RunningServer:
         return {"Authorization": f"Bearer {self.api_key}"}
 
 
-@pytest.fixture(scope="module")
-def server(model_cache):
+@contextlib.contextmanager
+def running_server(**engine_options):
+    """The built-in model served on 127.0.0.1 (a free port) in a thread of this process, with
+    the API key; stopped (and checked stopped) on exit."""
     from moeferry.config import EngineConfig
     from moeferry.engine.engine import Engine
     from moeferry.server.app import ServerConfig, build_app, make_server
 
-    # max_model_len is kept small: the CPU reference decode attention costs O(max_model_len).
-    engine = Engine(EngineConfig(dtype="float32", device="cpu", max_running_requests=8, max_model_len=256))
+    engine = Engine(EngineConfig(dtype="float32", device="cpu", **engine_options))
     config = ServerConfig(api_key=API_KEY, log_interval=0, max_body_bytes=1 << 20)
     app = build_app(engine, config)
     srv = make_server(app, config)
@@ -44,7 +43,16 @@ def server(model_cache):
     while not srv.started:
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.05)
-    yield RunningServer(f"http://127.0.0.1:{sock.getsockname()[1]}", engine, app)
-    srv.should_exit = True
-    thread.join(30)
+    try:
+        yield RunningServer(f"http://127.0.0.1:{sock.getsockname()[1]}", engine, app)
+    finally:
+        srv.should_exit = True
+        thread.join(30)
     assert not thread.is_alive(), "the server did not stop"
+
+
+@pytest.fixture(scope="module")
+def server(model_cache):
+    # max_model_len is kept small: the CPU reference decode attention costs O(max_model_len).
+    with running_server(max_running_requests=8, max_model_len=256) as running:
+        yield running

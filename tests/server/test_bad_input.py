@@ -53,7 +53,41 @@ CASES = [
     ("batched prompts", COMPLETIONS, completion(prompt=["a", "b"]), 400, "prompt", None),
     ("logprobs", CHAT, chat(logprobs=True), 400, "logprobs", None),
     ("body not an object", CHAT, [1, 2], 400, None, None),
+    # the limits of protocol.py and the ranges of sampling.py, each refused naming its field
+    ("seed past 64 bits", COMPLETIONS, completion(seed=2**64), 400, "seed", None),
+    ("seed below 64 bits", CHAT, chat(seed=-(2**63) - 1), 400, "seed", None),
+    ("seed with a fraction", CHAT, chat(seed=1.5), 400, "seed", None),
+    ("too many stop strings", COMPLETIONS, completion(stop=[f"s{i}" for i in range(17)]), 400, "stop", None),
+    ("100,000 stop strings", COMPLETIONS, completion(stop=["x"] * 100_000), 400, "stop", None),
+    ("a stop string too long", CHAT, chat(stop="x" * 257), 400, "stop", None),
+    ("stop of the wrong type", CHAT, chat(stop=5), 400, "stop", None),
+    ("too many stop_token_ids", CHAT, chat(stop_token_ids=list(range(257))), 400, "stop_token_ids", None),
+    ("negative stop token id", CHAT, chat(stop_token_ids=[-1]), 400, "stop_token_ids.0", None),
+    ("stop token id outside the vocabulary", CHAT, chat(stop_token_ids=[10**6]), 400, "stop_token_ids", None),
+    ("temperature past float range", CHAT, json.dumps(chat()).replace('"max_tokens"', '"temperature": 1e400, "max_tokens"'),
+     400, "temperature", None),
+    ("top_k too large", CHAT, chat(top_k=2**31), 400, "top_k", None),
+    ("presence_penalty out of range", CHAT, chat(presence_penalty=2.5), 400, "presence_penalty", None),
+    ("frequency_penalty out of range", COMPLETIONS, completion(frequency_penalty=-3), 400, "frequency_penalty", None),
+    ("repetition_penalty zero", CHAT, chat(repetition_penalty=0), 400, "repetition_penalty", None),
+    ("min_p above one", CHAT, chat(min_p=1.5), 400, "min_p", None),
+    ("logit_bias value out of range", CHAT, chat(logit_bias={"5": 101}), 400, "logit_bias.5", None),
+    ("logit_bias key not a token id", CHAT, chat(logit_bias={"five": 1}), 400, "logit_bias.five", None),
+    ("logit_bias with 301 entries", CHAT, chat(logit_bias={str(i): 1 for i in range(301)}), 400, "logit_bias",
+     None),
+    # accepted and range-checked, but not applied by the sampler yet: refused, never ignored
+    ("presence_penalty not supported yet", CHAT, chat(presence_penalty=0.5), 400, "presence_penalty", None),
+    ("frequency_penalty not supported yet", CHAT, chat(frequency_penalty=0.5), 400, "frequency_penalty", None),
+    ("repetition_penalty not supported yet", COMPLETIONS, completion(repetition_penalty=1.2), 400,
+     "repetition_penalty", None),
+    ("min_p not supported yet", CHAT, chat(min_p=0.1), 400, "min_p", None),
+    ("logit_bias not supported yet", CHAT, chat(logit_bias={"5": 10}), 400, "logit_bias", None),
 ]
+
+
+def post(http, path, body):
+    """POST `body`: JSON from Python values, or sent as it is when already text."""
+    return http.post(path, content=body) if isinstance(body, str) else http.post(path, json=body)
 
 
 def assert_error_body(response, status, param=None, code=None):
@@ -78,7 +112,7 @@ def http(server):
 
 @pytest.mark.parametrize("name,path,body,status,param,code", CASES, ids=[c[0] for c in CASES])
 def test_bad_request_gets_its_status_and_error_body(http, name, path, body, status, param, code):
-    assert_error_body(http.post(path, json=body), status, param, code)
+    assert_error_body(post(http, path, body), status, param, code)
 
 
 def test_malformed_json(http):
@@ -86,6 +120,24 @@ def test_malformed_json(http):
     assert_error_body(r, 400, code="invalid_json")
     r = http.post(COMPLETIONS, content=b"\xff\xfe not json")
     assert_error_body(r, 400, code="invalid_json")
+    r = http.post(COMPLETIONS, content=b'{"prompt": "hi", "temperature": NaN}')
+    assert_error_body(r, 400, code="invalid_json")
+
+
+def test_a_lone_surrogate_is_refused_naming_its_field(http):
+    r = http.post(CHAT, content=b'{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}')
+    assert_error_body(r, 400, param="messages.0.content", code="invalid_json")
+    r = http.post(COMPLETIONS, content=b'{"prompt": "hi \\ud83d\\ude00", "max_tokens": 2}')  # a pair: fine
+    assert r.status_code == 200, r.text
+
+
+def test_deep_nesting_is_refused_before_parsing_and_keeps_the_connection(http):
+    for deep in (b"[" * 100_000 + b"]" * 100_000, b'{"prompt": ' + b"[" * 65 + b"]" * 65 + b"}"):
+        assert_error_body(http.post(COMPLETIONS, content=deep), 400, code="invalid_json")
+    # brackets inside strings are text, not nesting
+    assert http.post(COMPLETIONS, json=completion(prompt="[" * 70 + '"\\' + "{" * 70)).status_code == 200
+    # the keep-alive connection was answered, not reset: the next request on it is served
+    assert http.post(COMPLETIONS, json=completion()).status_code == 200
 
 
 def test_oversize_body_by_content_length(http):
@@ -108,8 +160,16 @@ def test_api_key_is_required_on_v1(server):
         assert_error_body(anonymous.get("/v1/models"), 401, code="invalid_api_key")
         assert_error_body(anonymous.post(CHAT, json=chat(), headers={"Authorization": "Bearer wrong"}), 401,
                           code="invalid_api_key")
+        assert_error_body(anonymous.get("/v1/models", headers={"Authorization": f"Basic {server.api_key}"}), 401)
+        assert_error_body(anonymous.get("/v1/models", headers={"Authorization": server.api_key}), 401)
         assert anonymous.get("/health").status_code == 200  # health and metrics stay open
         assert anonymous.get("/metrics").status_code == 200
+
+
+@pytest.mark.parametrize("scheme", ["bearer", "BEARER", "Bearer"])
+def test_the_bearer_scheme_is_case_insensitive(server, scheme):
+    r = httpx.get(server.url + "/v1/models", headers={"Authorization": f"{scheme} {server.api_key}"}, timeout=30)
+    assert r.status_code == 200, r.text
 
 
 def test_unknown_route_and_method(http):
@@ -137,7 +197,7 @@ def test_bad_input_does_not_disturb_a_running_stream(server, http):
     thread.start()
     assert started.wait(30)
     for name, path, bad, status, param, code in CASES:
-        assert http.post(path, json=bad).status_code == status, name
+        assert post(http, path, bad).status_code == status, name
     http.post(CHAT, content=b"{not json")
     thread.join(60)
     assert streamed[-1] is None, "the stream did not end with [DONE]"
@@ -174,3 +234,76 @@ def test_a_failing_engine_step_fails_only_its_requests(server, http, monkeypatch
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
     stats = http.get("/v1/stats").json()
     assert stats["requests"]["running"] == 0 and stats["kv"]["pages_used"] == 0
+
+
+def _stream_text(server, body: dict) -> tuple[str, str | None, list[dict]]:
+    """A completion stream's text, its last finish_reason and every event."""
+    events = []
+    with httpx.stream("POST", server.url + COMPLETIONS, json={**body, "stream": True}, headers=server.headers(),
+                      timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    chunks = [e["choices"][0] for e in events if e.get("choices")]
+    return "".join(c["text"] for c in chunks), (chunks[-1]["finish_reason"] if chunks else None), events
+
+
+@pytest.mark.parametrize("fields", [dict(temperature=1e-40), dict(temperature=1e-38), dict(top_p=1e-46)],
+                         ids=["temperature 1e-40", "temperature 1e-38", "top_p 1e-46"])
+def test_extreme_sampling_values_are_served_and_fail_nobody(server, http, fields):
+    base = completion(prompt="The quick brown fox", max_tokens=10, ignore_eos=True)
+    greedy = http.post(COMPLETIONS, json={**base, "temperature": 0}).json()["choices"][0]["text"]
+    results = {}
+    beside = threading.Thread(target=lambda: results.setdefault("beside", _stream_text(server, {**base, "temperature": 0})))
+    beside.start()
+    r = http.post(COMPLETIONS, json={**base, "seed": 1, **fields})
+    beside.join(60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == greedy  # a temperature under 1e-5 is greedy; top_p 1e-46 keeps the top
+    assert results["beside"][0] == greedy and results["beside"][1] == "length"
+
+
+def test_a_poisoned_request_fails_alone_over_http(server, http, monkeypatch):
+    """One request's params are broken behind validation's back (1/T overflows in the sampler):
+    it gets a 500 (or an error event when streamed); the requests beside it finish with the
+    text they get alone; nothing leaks."""
+    engine, real_add = server.engine, server.engine.add_request
+
+    def add(prompt, params):
+        if prompt[:2] == [1, 1]:  # the marker of the poisoned request
+            params.temperature = 1e-40
+        return real_add(prompt, params)
+
+    prompts = ["The quick brown fox", "Hello, world!", "One two three"]
+    base = dict(max_tokens=8, ignore_eos=True, temperature=0)
+    alone = [http.post(COMPLETIONS, json=completion(prompt=p, **base)).json()["choices"][0]["text"] for p in prompts]
+    monkeypatch.setattr(engine, "add_request", add)
+    results: dict = {}
+    threads = [threading.Thread(target=lambda i=i, p=p: results.__setitem__(i, _stream_text(
+        server, completion(prompt=p, **base)))) for i, p in enumerate(prompts)]
+    threads.append(threading.Thread(target=lambda: results.__setitem__("bad", http.post(
+        COMPLETIONS, json=completion(prompt=[1, 1, 5, 6], **base)))))
+    threads.append(threading.Thread(target=lambda: results.__setitem__("bad stream", _stream_text(
+        server, completion(prompt=[1, 1, 7], **base)))))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [results[i][:2] for i in range(len(prompts))] == [(text, "length") for text in alone]
+    assert_error_body(results["bad"], 500)
+    bad_events = results["bad stream"][2]
+    assert bad_events and "error" in bad_events[-1] and bad_events[-1]["error"]["type"] == "server_error"
+    stats = http.get("/v1/stats").json()
+    assert stats["requests"]["running"] == 0 and stats["kv"]["pages_used"] == 0
+
+
+def test_openapi_json_describes_every_endpoint(server):
+    doc = httpx.get(server.url + "/openapi.json", timeout=30).json()
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model_id}", "/health",
+            "/v1/stats", "/metrics"} <= set(doc["paths"])
+    chat_op = doc["paths"][CHAT]["post"]
+    assert chat_op["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ChatCompletionRequest"}
+    assert chat_op["security"] == [{"bearer": []}] and "401" in chat_op["responses"]
+    seed = doc["components"]["schemas"]["CompletionRequest"]["properties"]["seed"]
+    assert {"minimum": -(2**63), "maximum": 2**63 - 1}.items() <= seed["anyOf"][0].items()

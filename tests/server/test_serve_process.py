@@ -1,5 +1,6 @@
 """`moeferry serve` as a process: it logs its plan and a periodic activity line, and on
-SIGTERM or SIGINT ends the in-flight stream properly (final chunk, `data: [DONE]`) and exits 0."""
+SIGTERM or SIGINT ends the in-flight stream properly (a final chunk with an OpenAI finish_reason,
+`data: [DONE]`), answers an in-flight non-streamed request with a 503 error body, and exits 0."""
 
 import json
 import os
@@ -41,7 +42,11 @@ def start_server(port: int) -> subprocess.Popen:
 def test_signal_ends_streams_properly_and_exits_cleanly(model_cache, sig):
     port = free_port()
     proc = start_server(port)
-    events, enough = [], threading.Event()
+    events, enough, answers = [], threading.Event(), []
+
+    def whole():
+        body = {"prompt": "Hi", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
+        answers.append(httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60))
 
     def stream():
         body = {"prompt": "Hello", "max_tokens": 240, "temperature": 0, "ignore_eos": True, "stream": True}
@@ -53,14 +58,16 @@ def test_signal_ends_streams_properly_and_exits_cleanly(model_cache, sig):
                     enough.set()
         enough.set()
 
-    thread = threading.Thread(target=stream)
+    thread, waiting = threading.Thread(target=stream), threading.Thread(target=whole)
     try:
         thread.start()
+        waiting.start()
         assert enough.wait(60)
         time.sleep(0.4)  # let the periodic line come out
         proc.send_signal(sig)
         thread.join(30)
-        assert not thread.is_alive()
+        waiting.join(30)
+        assert not thread.is_alive() and not waiting.is_alive()
         output, _ = proc.communicate(timeout=30)
     finally:
         if proc.poll() is None:
@@ -68,8 +75,10 @@ def test_signal_ends_streams_properly_and_exits_cleanly(model_cache, sig):
     assert proc.returncode == 0, output
     assert events[-1] == "[DONE]"
     last = json.loads(events[-2])["choices"][0]
-    assert last["finish_reason"] == "abort"
+    assert last["finish_reason"] == "length"  # OpenAI's value for text cut off ("abort" is not one)
     assert len(events) - 2 < 240  # it was cut short, not run to the end
+    assert answers[0].status_code == 503, answers[0].text
+    assert answers[0].json()["error"]["code"] == "shutting_down" and "choices" not in answers[0].json()
     assert "serving moeferry-tiny-moe" in output and "KV cache" in output and "max batch 8" in output
     assert "CUDA graphs off" in output
     assert "decode" in output and "tok/s" in output and "KV " in output

@@ -1,0 +1,107 @@
+"""/openapi.json: FastAPI's description of the routes, completed with what it cannot see.
+
+The completion handlers read and check their bodies themselves (protocol.decode_json, then
+the pydantic models), so FastAPI knows neither their request bodies nor their errors: both
+are added here from the same models, with every status a route answers in OpenAI's error
+shape and the Bearer scheme on /v1. Clients and tools (schemathesis among them) generate
+from this document, so it states what the server enforces.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from moeferry.sampling import LOGIT_BIAS_RANGE, NEUTRAL_VALUES, NOT_SUPPORTED_YET
+from moeferry.server.protocol import (MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+                                      ChatCompletionRequest, CompletionRequest, ErrorResponse)
+
+_REF = "#/components/schemas/{model}"
+_BODIES = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+# (path, method) -> the error statuses it answers; /v1 routes also answer 401 with an API key
+_ERRORS = {
+    ("/v1/chat/completions", "post"): (400, 404, 413, 500, 503),
+    ("/v1/completions", "post"): (400, 404, 413, 500, 503),
+    ("/v1/models", "get"): (),
+    ("/v1/models/{model_id}", "get"): (404,),
+    ("/v1/stats", "get"): (503,),
+    ("/health", "get"): (),
+    ("/metrics", "get"): (),
+}
+# Under OpenAPI 3.1 an event stream's schema describes one event; each of ours carries a JSON
+# chunk (or an error body, or [DONE]) as its data.
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
+_STREAM_OR_JSON = {"application/json": {"schema": {"type": "object"}}, "text/event-stream": {"schema": _SSE_EVENT}}
+_PROMETHEUS_TEXT = {"text/plain": {"schema": {"type": "string"}}}
+
+
+def openapi_schema(app: FastAPI, secured: bool) -> dict:
+    """The document, built once per app; `secured`: the /v1 routes need the Bearer key."""
+    if app.openapi_schema is None:
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        for model in (*_BODIES.values(), ErrorResponse):
+            schema = model.model_json_schema(ref_template=_REF)
+            schemas.update(schema.pop("$defs", {}))
+            schemas[model.__name__] = schema
+            schema.get("properties", {}).update(_accepted(model, app.state.model_info))
+        for name in ("HTTPValidationError", "ValidationError"):  # FastAPI's 422: never answered
+            schemas.pop(name, None)
+        if secured:
+            doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        for (path, method), statuses in _ERRORS.items():
+            _complete(doc["paths"][path][method], path, statuses, secured and path.startswith("/v1"))
+        app.openapi_schema = doc
+    return app.openapi_schema
+
+
+def _accepted(model, info) -> dict[str, dict]:
+    """Property schemas stating what the handlers accept beyond the models' types: the limits
+    of protocol.py, token ids within the vocabulary, the served model, and the values the
+    handlers refuse (n > 1, logprobs, sampling fields not supported yet)."""
+    if model not in _BODIES.values():
+        return {}
+    text = {"type": "string", "maxLength": MAX_STOP_CHARS}
+    token_id = {"type": "integer", "minimum": 0, "maximum": info.vocab_size - 1}
+    props = {
+        "model": {"anyOf": [{"enum": [info.name]}, {"type": "null"}], "description": "the served model"},
+        "n": {"const": 1, "description": "one completion per request"},
+        "stop": {"anyOf": [text, {"type": "array", "maxItems": MAX_STOP_STRINGS, "items": text}, {"type": "null"}]},
+        "stop_token_ids": {"anyOf": [{"type": "array", "maxItems": MAX_STOP_TOKEN_IDS, "items": token_id},
+                                     {"type": "null"}]},
+        "logit_bias": {"anyOf": [{"type": "object", "maxProperties": MAX_LOGIT_BIAS_ENTRIES,
+                                  "propertyNames": {"pattern": "^[0-9]+$"},
+                                  "additionalProperties": {"type": "number", "minimum": LOGIT_BIAS_RANGE[0],
+                                                           "maximum": LOGIT_BIAS_RANGE[1]}}, {"type": "null"}]},
+    }
+    for name in NOT_SUPPORTED_YET:
+        props[name] = {"enum": [v for v in NEUTRAL_VALUES[name] if v != {}], "description": "not supported yet"}
+    if model is ChatCompletionRequest:
+        props["messages"] = {"type": "array", "minItems": 1, "items": {"$ref": _REF.format(model="ChatMessage")}}
+        props["logprobs"] = {"enum": [False, None], "description": "not supported"}
+    else:
+        one = {"type": "string", "minLength": 1}
+        props["prompt"] = {"anyOf": [one, {"type": "array", "minItems": 1, "items": token_id},
+                                     {"type": "array", "minItems": 1, "maxItems": 1, "items": one}]}
+        props["logprobs"] = {"enum": [None, 0], "description": "not supported"}
+        props["echo"] = {"const": False, "description": "not supported"}
+        props["best_of"] = {"enum": [None, 1], "description": "not supported"}
+    return props
+
+
+def _complete(op: dict, path: str, statuses: tuple[int, ...], secured: bool) -> None:
+    responses = op.setdefault("responses", {})
+    responses.pop("422", None)
+    if path in _BODIES:
+        ref = {"$ref": _REF.format(model=_BODIES[path].__name__)}
+        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref}}}
+        responses["200"] = {"description": "the completion, or its server-sent events when `stream` is true",
+                            "content": _STREAM_OR_JSON}
+    if path == "/metrics":
+        responses["200"] = {"description": "Prometheus text exposition", "content": _PROMETHEUS_TEXT}
+    if secured:
+        op["security"] = [{"bearer": []}]
+        statuses = (*statuses, 401)
+    error = {"application/json": {"schema": {"$ref": _REF.format(model="ErrorResponse")}}}
+    for status in sorted(statuses):
+        responses[str(status)] = {"description": "an error in OpenAI's shape", "content": error}
