@@ -152,7 +152,8 @@ def _cmd_serve(args) -> int:
     return serve(engine_config_from_args(args).check(), args)
 
 
-_BENCHMARKS = ("admission", "copy", "decode", "fused_moe", "attention", "ttft", "uva", "serve", "parity")
+_BENCHMARKS = ("admission", "copy", "decode", "sampling", "fused_moe", "attention", "linear", "ttft", "uva", "serve",
+               "parity")
 
 
 def _cmd_bench(args) -> int:

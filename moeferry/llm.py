@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moeferry.config import EngineConfig
-from moeferry.sampling import SamplingParams
+from moeferry.sampling import InvalidRequest, SamplingParams
 
 
 @dataclass
 class RequestOutput:
-    """One prompt's result: the generated token ids, their text and why generation stopped."""
+    """One prompt's result: the generated token ids, their text, why generation stopped, and
+    (with SamplingParams.logprobs) each token's TokenLogprobs (engine/sampler.py)."""
 
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
     finish_reason: str
+    logprobs: list = field(default_factory=list)
 
 
 class LLM:
@@ -40,6 +42,9 @@ class LLM:
         if single:
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        if any(sp.n != 1 for sp in params):
+            raise InvalidRequest("n > 1 is served by the OpenAI server; offline, pass the prompt n times "
+                                 "with seeds of their own", "n")
         reqs = []
         try:
             for prompt, sp in zip(prompts, params):
@@ -52,4 +57,4 @@ class LLM:
             for out in self.engine.step():
                 if on_output is not None:
                     on_output(out)
-        return [RequestOutput(r.prompt_ids, list(r.output_ids), r.text, r.finish_reason) for r in reqs]
+        return [RequestOutput(r.prompt_ids, list(r.output_ids), r.text, r.finish_reason, list(r.logprobs)) for r in reqs]

@@ -16,14 +16,16 @@ SAMPLING_EPS = 1e-5  # a temperature below it is greedy (vLLM's _SAMPLING_EPS): 
 TOP_P_FLOOR = 1e-8  # a smaller top_p is raised to it: float32 rounds 1e-46 to 0.0, which keeps no token;
 # at 1e-8 exactly the top token remains for any vocabulary under 10**8 (its probability is >= 1/V)
 TOP_K_MAX = 2**31 - 1  # a device sampler holds top_k in an int32 (SGLang's "all" is 1 << 30)
+TEMPERATURE_MAX = 100.0  # OpenAI caps at 2, vLLM not at all; past ~10 the draw is uniform already, and the
+# sampler holds T and 1/T in float32 (1e300 does not fit)
+REPETITION_PENALTY_RANGE = (0.01, 100.0)  # vLLM and HF need > 0; beyond these, z / r leaves float32's range
 PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty (OpenAI)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # each logit_bias value (OpenAI)
 SEED_RANGE = (-(2**63), 2**63 - 1)  # a 64-bit signed integer (vLLM: torch.long)
 
-# Fields accepted and range-checked here but not applied by the sampler yet: a request that
-# sets one away from its neutral value is refused, never silently ignored (SPEC section 5).
-# The device sampler's integration empties this.
-NOT_SUPPORTED_YET = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias")
+MAX_LOGIT_BIAS = 300  # logit_bias entries per request (OpenAI)
+MAX_LOGPROBS = 20  # top log-probs per token (OpenAI's top_logprobs limit)
+MAX_N = 16  # samples of one prompt per request
 
 
 class InvalidRequest(ValueError):
@@ -43,7 +45,9 @@ class SamplingParams:
     off; `seed` makes a sampled request reproducible; `stop` strings end the text before them;
     `stop_token_ids` end it after them, `ignore_eos` or not; `ignore_eos` keeps going past
     the end-of-sequence token until max_tokens. Penalties, min_p and logit_bias at their
-    neutral values do nothing.
+    neutral values do nothing. `logprobs` None: no log-probs; k >= 0: each token's log-prob
+    and the k most likely tokens' (engine/sampler.py says of which distribution). `n`: the
+    number of samples of the prompt (the server makes one request of each).
 
     Invariant after construction: every value is in its range (else InvalidRequest naming
     the field), finite, and normalised (tiny temperature -> 0, tiny top_p -> TOP_P_FLOOR).
@@ -62,6 +66,8 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -76,13 +82,16 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise InvalidRequest for the first field out of its range."""
-        _number("temperature", self.temperature, 0.0, None)
+        _number("temperature", self.temperature, 0.0, TEMPERATURE_MAX)
         _number("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _integer("top_k", self.top_k, -1, TOP_K_MAX)
         _number("min_p", self.min_p, 0.0, 1.0)
         _number("presence_penalty", self.presence_penalty, *PENALTY_RANGE)
         _number("frequency_penalty", self.frequency_penalty, *PENALTY_RANGE)
-        _number("repetition_penalty", self.repetition_penalty, 0.0, None, low_open=True)
+        _number("repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE)
+        if len(self.logit_bias or {}) > MAX_LOGIT_BIAS:
+            raise InvalidRequest(f"logit_bias holds {len(self.logit_bias)} entries, at most {MAX_LOGIT_BIAS}",
+                                 "logit_bias")
         for token, bias in (self.logit_bias or {}).items():
             _integer("logit_bias", token, 0, None)
             _number("logit_bias", bias, *LOGIT_BIAS_RANGE)
@@ -93,19 +102,13 @@ class SamplingParams:
             raise InvalidRequest("stop must be a string or a list of strings", "stop")
         for token in self.stop_token_ids:
             _integer("stop_token_ids", token, 0, None)
-        for name in NOT_SUPPORTED_YET:
-            if getattr(self, name) not in NEUTRAL_VALUES[name]:
-                raise InvalidRequest(f"{name} is not supported yet: leave it at its neutral value "
-                                     f"({NEUTRAL_VALUES[name][0]!r})", name)
+        if self.logprobs is not None:
+            _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        _integer("n", self.n, 1, MAX_N)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-
-# The values that do nothing, per field of NOT_SUPPORTED_YET (the first is the default).
-NEUTRAL_VALUES = {"presence_penalty": (0.0,), "frequency_penalty": (0.0,), "repetition_penalty": (1.0,),
-                  "min_p": (0.0,), "logit_bias": (None, {})}
 
 
 def _number(name: str, value, low: float, high: float | None, low_open: bool = False) -> None:

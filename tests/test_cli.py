@@ -47,7 +47,7 @@ def test_bench_runs_a_benchmark_from_the_checkout(tmp_path):
 
 
 def test_choices_come_from_the_registries():
-    from moeferry.kernels.reference.admission import POLICIES
+    from moeferry.kernels.admission import POLICIES
     from moeferry.moe.strategies import strategy_names
 
     actions = {a.dest: a for a in build_parser()._subparsers._group_actions[0].choices["serve"]._actions}

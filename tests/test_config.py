@@ -9,7 +9,7 @@ from moeferry.config import CHOICES, RANGES, ConfigError, EngineConfig
 
 
 def test_choices_are_the_registries_lists():
-    from moeferry.kernels.reference.admission import POLICIES
+    from moeferry.kernels.admission import POLICIES
     from moeferry.moe.strategies import strategy_names
 
     assert CHOICES["moe_cache_policy"]() == tuple(POLICIES)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from moeferry.engine.batch import ForwardBatch, fill_page_table
+from moeferry.engine.sampler import SampleBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -50,44 +51,52 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sizes
 
 
-def _split_int32(buffer: torch.Tensor, rows: int, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(page table [rows, pages], lengths [rows]): the two views of an int32 staging buffer."""
-    return buffer[:rows * pages].view(rows, pages), buffer[rows * pages:]
+def _split_int32(buffer: torch.Tensor, rows: int, pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(page table [rows, pages], lengths [rows], sampler slots [rows]): the views of an int32
+    staging buffer."""
+    table = rows * pages
+    return buffer[:table].view(rows, pages), buffer[table:table + rows], buffer[table + rows:]
 
 
 class StagedInputs:
     """The decode graphs' inputs for up to `rows` requests, as the graphs read them: int64
-    `input_ids`, `positions`, `out_slots` [rows] and int32 `page_table` [rows, pages],
-    `seq_lens` [rows] on the device. `write` puts a step's values into pinned host twins of
-    the two buffers (one per dtype) and copies each over: two copies per step.
+    `input_ids`, `positions`, `out_slots`, `draw_positions` [rows] and int32 `page_table`
+    [rows, pages], `seq_lens`, `sample_slots` [rows] on the device. `write` puts a step's
+    values into pinned host twins of the two buffers (one per dtype) and copies each over: two
+    copies per step.
 
     Invariants: the device tensors never move (captured graphs hold their pointers); the host
     twins are rewritten only once the previous copies from them finished (event `copied`);
-    rows past the live requests are padding: scratch slot, scratch page, length 1.
+    rows past the live requests are padding: scratch slot, scratch page, length 1, sampler
+    slot -1 (the sampler skips them).
     """
 
     def __init__(self, rows: int, pages: int, device: torch.device, scratch_page: int, page_size: int):
         pinned = device.type == "cuda"
         self.scratch_page, self.scratch_slot = scratch_page, scratch_page * page_size
-        self.host64 = torch.zeros((3, rows), dtype=torch.int64, pin_memory=pinned)
-        self.host32 = torch.zeros(rows * (pages + 1), dtype=torch.int32, pin_memory=pinned)
+        self.host64 = torch.zeros((4, rows), dtype=torch.int64, pin_memory=pinned)
+        self.host32 = torch.zeros(rows * (pages + 2), dtype=torch.int32, pin_memory=pinned)
         self.dev64 = torch.zeros_like(self.host64, device=device)
         self.dev32 = torch.zeros_like(self.host32, device=device)
         self.copied = torch.cuda.Event() if pinned else None
-        self.input_ids, self.positions, self.out_slots = self.dev64
-        self.page_table, self.seq_lens = _split_int32(self.dev32, rows, pages)
-        self._ids, self._positions, self._slots = self.host64.numpy()
-        self._table, self._lens = (view.numpy() for view in _split_int32(self.host32, rows, pages))
+        self.input_ids, self.positions, self.out_slots, self.draw_positions = self.dev64
+        self.page_table, self.seq_lens, self.sample_slots = _split_int32(self.dev32, rows, pages)
+        self._ids, self._positions, self._slots, self._draws = self.host64.numpy()
+        self._table, self._lens, self._sample_slots = (view.numpy() for view in _split_int32(self.host32, rows, pages))
 
-    def write(self, ids, positions, slots, lens, pages, rows: int) -> None:
+    def write(self, ids, positions, slots, lens, pages, rows: int, sample_slots=None) -> None:
         """Rows [0, rows) for len(ids) live requests (their ids, positions, output slots,
-        lengths and page lists), the rest padding; then the two copies."""
+        lengths, page lists and sampler slots; a request draws the token at its position + 1),
+        the rest padding; then the two copies."""
         n = len(ids)
         if self.copied is not None:
             self.copied.synchronize()  # the previous step's copies have read the host twins
         self._ids[:n], self._positions[:n], self._slots[:n], self._lens[:n] = ids, positions, slots, lens
+        self._draws[:n] = self._positions[:n] + 1
+        self._sample_slots[:n] = -1 if sample_slots is None else sample_slots
         fill_page_table(self._table, pages, self.scratch_page)
         self._ids[n:rows], self._positions[n:rows], self._slots[n:rows] = 0, 0, self.scratch_slot
+        self._draws[n:rows], self._sample_slots[n:rows] = 0, -1
         self._table[n:rows], self._lens[n:rows] = self.scratch_page, 1
         self.dev64.copy_(self.host64, non_blocking=True)
         self.dev32.copy_(self.host32, non_blocking=True)
@@ -96,11 +105,14 @@ class StagedInputs:
 
 
 class DecodeGraphs:
-    """Captured decode forwards for batch sizes 1, 2, 4, ... up to max_running_requests.
+    """Captured decode steps for batch sizes 1, 2, 4, ... up to max_running_requests: the
+    forward, then the sampler over its logits (engine/sampler.py), in one graph per size.
 
-    Invariant: the static buffers (and each size's ForwardBatch, whose row index tensor the
-    graph reads) are allocated once, before capture, and live as long as the graphs; `run`
-    copies a step's inputs into them and replays the smallest graph that fits, so no captured pointer changes.
+    Invariant: the static buffers (staged inputs, each size's ForwardBatch, whose row index
+    tensor the graph reads, and each size's sampler buffers) are allocated once, before
+    capture, and live as long as the graphs; `run` copies a step's inputs into them and
+    replays the smallest graph that fits, so no captured pointer changes. Rows without a
+    sampler slot (padding, or a step that only wants logits) draw nothing.
     """
 
     def __init__(self, runner):
@@ -109,9 +121,12 @@ class DecodeGraphs:
         self.inputs = StagedInputs(self.sizes[-1], runner.max_pages_per_req, runner.device,
                                    runner.scratch_page, runner.ec.page_size)
         self.inputs.write([], [], [], [], [], self.sizes[-1])
+        self.samples = SampleBuffers(self.inputs.sample_slots, self.inputs.draw_positions,
+                                     *SampleBuffers.allocate(self.sizes[-1], runner.mc.vocab_size,
+                                                             runner.device).outputs())
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.batches: dict[int, ForwardBatch] = {}  # kept alive: a graph reads their tensors at every replay
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
         self._capture_all()
 
@@ -121,13 +136,16 @@ class DecodeGraphs:
                             torch.arange(b, device=x.input_ids.device), page_table=x.page_table[:b],
                             seq_lens=x.seq_lens[:b])
 
+    def _step(self, b: int) -> torch.Tensor:
+        logits = self.runner.model(self.batches[b], self.runner.kv)
+        self.runner.sampler.run(logits, self.samples.view(b))
+        return logits
+
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        model, kv = self.runner.model, self.runner.kv
         for b in reversed(self.sizes):
-            batch = self.batches[b] = self._batch(b)
-            graph, self.outputs[b] = capture(functools.partial(model, batch, kv), warmups=2,
-                                             pool=self.pool)
+            self.batches[b] = self._batch(b)
+            graph, self.logits[b] = capture(functools.partial(self._step, b), warmups=2, pool=self.pool)
             self.pool = graph.pool()
             self.graphs[b] = graph
         # One more eager forward on a side stream, after the last capture: without it an
@@ -138,15 +156,17 @@ class DecodeGraphs:
         # it is the driver's choice of the SMs' L1/shared split around the MoE GEMM (110,592
         # bytes of shared memory). Triton has no launch option for the carveout. (Figures and
         # commits: benchmarks/RESULTS.md, Findings.)
-        run_on_side_stream(functools.partial(model, self.batches[self.sizes[0]], kv))
+        run_on_side_stream(functools.partial(self.runner.model, self.batches[self.sizes[0]], self.runner.kv))
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
     def can_run(self, n: int) -> bool:
         return n <= self.sizes[-1]
 
-    def run(self, reqs) -> torch.Tensor:
+    def run(self, reqs, sample_slots=None) -> tuple[torch.Tensor, SampleBuffers]:
+        """Replay one decode step of `reqs`: (their logits [n, V], the sampler buffers of the
+        graph's rows). Rows draw a token only with `sample_slots` (one per request)."""
         n = len(reqs)
         b = next(s for s in self.sizes if s >= n)
-        self.inputs.write(*self.runner.decode_inputs(reqs), b)
+        self.inputs.write(*self.runner.decode_inputs(reqs), b, sample_slots)
         self.graphs[b].replay()
-        return self.outputs[b][:n]
+        return self.logits[b][:n], self.samples.view(b)

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moeferry.config import EngineConfig, ModelConfig
 from moeferry.engine.runner import ModelRunner
-from moeferry.engine.sampler import sample
+from moeferry.engine.sampler import TokenLogprobs
 from moeferry.sampling import InvalidRequest, SamplingParams
 from moeferry.scheduler.request import Request, Status
 from moeferry.scheduler.scheduler import Scheduler
@@ -25,13 +25,15 @@ logger = logging.getLogger(__name__)
 @dataclass
 class StepOutput:
     """What one request got in one step: new token ids, new text, and whether it finished
-    (`error` says why, when it failed: its finish_reason is then "error")."""
+    (`error` says why, when it failed: its finish_reason is then "error"); `logprobs`, one
+    per new token, when the request asked for them."""
 
     request: Request
     new_token_ids: list[int]
     new_text: str
     finished: bool
     error: str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 class Engine:
@@ -95,6 +97,7 @@ class Engine:
     def _finish(self, req: Request, reason: str) -> None:
         req.status, req.finish_reason = Status.FINISHED, reason
         self.scheduler.free(req)
+        self.runner.sampler.release(req)
         self._detok.pop(req.rid, None)
         counter = {"abort": "requests_aborted", "error": "requests_failed"}.get(reason, "requests_finished")
         self.counters[counter] += 1
@@ -127,10 +130,12 @@ class Engine:
         return self.scheduler.has_work
 
     # ---- stepping --------------------------------------------------------------------------
-    def _append(self, req: Request, token: int) -> StepOutput:
+    def _append(self, req: Request, token: int, logprobs: TokenLogprobs | None = None) -> StepOutput:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         req.output_ids.append(token)
+        if logprobs is not None:
+            req.logprobs.append(logprobs)
         req.num_computed = req.num_tokens - 1
         self.counters["generation_tokens"] += 1
         p = req.params
@@ -151,38 +156,27 @@ class Engine:
             reason = "length"
         if reason is not None:
             self._finish(req, reason)
-        return StepOutput(req, [token], delta, reason is not None)
+        return StepOutput(req, [token], delta, reason is not None, logprobs=[logprobs] if logprobs else [])
 
-    def _sample(self, logits, reqs: list[Request]) -> list[int | None]:
-        """One token per row. If the batch's sampling raises, each row is sampled again alone
-        from its generator's state before the batch, so a row that raises again gets None
-        (its request fails) and every other row gets the token it would have had anyway."""
-        gens = [q.generator for q in reqs]
-        states = [None if q.params.greedy else g.get_state() for q, g in zip(reqs, gens)]
-        try:
-            return sample(logits, [q.params for q in reqs], gens)
-        except Exception:  # noqa: BLE001 - find the row at fault below
-            logger.warning("batch sampling failed: sampling its %d rows one by one", len(reqs))
-        tokens: list[int | None] = []
-        for row, (req, gen, state) in enumerate(zip(reqs, gens, states)):
-            if state is not None:
-                gen.set_state(state)
+    def _bind(self, reqs: list[Request]) -> tuple[list[Request], list[StepOutput]]:
+        """The requests whose sampler slot holds their parameters, and the failures of those
+        whose values the sampler cannot take (each fails alone, before anything is drawn)."""
+        ready, failed = [], []
+        for req in reqs:
             try:
-                tokens.append(sample(logits[row:row + 1], [req.params], [gen])[0])
-            except Exception:  # noqa: BLE001 - this request's own values broke its sampling
+                self.runner.sampler.bind(req)
+                ready.append(req)
+            except Exception:  # noqa: BLE001 - this request's own values: it fails, the rest go on
                 logger.exception("sampling request %d failed; the other requests go on", req.rid)
-                tokens.append(None)
-        return tokens
+                failed.append(self._fail(req, "sampling"))
+        return ready, failed
 
-    def _emit(self, logits, reqs: list[Request]) -> list[StepOutput]:
-        """Sample and append a token for each of `reqs` (rows of `logits`), each failing alone."""
+    def _emit(self, reqs: list[Request], sampled) -> list[StepOutput]:
+        """Append each request's sampled token, each failing alone."""
         outputs = []
-        for req, token in zip(reqs, self._sample(logits, reqs)):
-            if token is None:
-                outputs.append(self._fail(req, "sampling"))
-                continue
+        for req, token, logprobs in zip(reqs, sampled.tokens, sampled.logprobs):
             try:
-                outputs.append(self._append(req, token))
+                outputs.append(self._append(req, token, logprobs))
             except Exception:  # noqa: BLE001 - detokenising or stop matching this request's output
                 logger.exception("request %d failed after sampling; the other requests go on", req.rid)
                 outputs.append(self._fail(req, "detokenisation"))
@@ -190,19 +184,26 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         plan = self.scheduler.schedule()
+        for req in plan.preempted:
+            self.runner.sampler.release(req)
         outputs: list[StepOutput] = []
         if plan.prefill:
             logits = self.runner.run_prefill(plan.prefill)
             self.counters["prefill_tokens"] += sum(n for _, n in plan.prefill)
-            done = []
+            rows = {}
             for row, (req, n) in enumerate(plan.prefill):
                 req.num_computed += n
                 if req.num_computed == req.num_tokens:
-                    done.append((row, req))
-            if done:
-                outputs += self._emit(logits[[r for r, _ in done]], [q for _, q in done])
+                    rows[req.rid] = row
+            ready, failed = self._bind([req for req, _ in plan.prefill if req.rid in rows])
+            outputs += failed
+            if ready:
+                sampled = self.runner.sample(logits[[rows[req.rid] for req in ready]], ready)
+                outputs += self._emit(ready, sampled)
         if plan.decode:
-            logits = self.runner.run_decode(plan.decode)
-            self.counters["decode_tokens"] += len(plan.decode)
-            outputs += self._emit(logits, plan.decode)
+            ready, failed = self._bind(plan.decode)
+            outputs += failed
+            self.counters["decode_tokens"] += len(ready)
+            if ready:
+                outputs += self._emit(ready, self.runner.decode(ready))
         return outputs

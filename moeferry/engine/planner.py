@@ -4,7 +4,9 @@ each owner then allocates its part from the plan (the strategy its slots and buf
 runner the KV cache), so no part is sized twice or depends on who allocates first.
 
 Order of claims on the budget (free device memory x --memory-ratio - --vram-reserve-mb):
-1. the prefill stream buffers of a strategy that streams layers (offload on a GPU);
+1. the sampler's state and buffers (per running request, a vocabulary's worth of counts,
+   prompt marks and log-probs), and the prefill stream buffers of a strategy that streams
+   layers (offload on a GPU);
 2. the KV cache the flags ask for (--num-tokens, else --kv-reserve-tokens, else one full
    context per running request) is reserved;
 3. expert slots: --moe-cache-slots, else --moe-cache-gb, else what 1 and 2 leave, capped at
@@ -49,6 +51,7 @@ class MemoryPlan:
     expert_slots: int
     slot_bytes: int
     stream_bytes: int
+    sampler_bytes: int
     host_bytes: int
     free_bytes: int | None  # device memory free once the weights were loaded (None: CPU)
     budget_bytes: int | None
@@ -66,6 +69,7 @@ class MemoryPlan:
                 ("budget (x --memory-ratio - --vram-reserve-mb)", gib(self.budget_bytes)),
                 (f"expert slots: {self.expert_slots}", gib(self.slot_bytes)),
                 ("prefill stream buffers", gib(self.stream_bytes)),
+                ("sampler state and buffers", gib(self.sampler_bytes)),
                 (f"KV cache: {self.kv_pages} pages x {self.page_size} = {self.kv_tokens} tokens", gib(self.kv_bytes)),
                 ("pinned host memory for experts", gib(self.host_bytes))]
         width = max(len(name) for name, _ in rows)
@@ -108,11 +112,14 @@ def _device_budget(ec, device: torch.device) -> tuple[int | None, int | None]:
     return free, int(free * ec.memory_ratio - ec.vram_reserve_mb * 2**20)
 
 
-def plan_memory(ec, needs: ExpertNeeds, kv: KVShape | None = None, device: torch.device | None = None) -> MemoryPlan:
+def plan_memory(ec, needs: ExpertNeeds, kv: KVShape | None = None, device: torch.device | None = None,
+                sampler_bytes: int = 0) -> MemoryPlan:
     """The plan for this engine (see the module for the order of claims); `kv` None plans no
     KV cache (a strategy built on its own, in tests)."""
     device = torch.device(device or ec.torch_device)
     free, budget = _device_budget(ec, device)
+    if budget is not None:
+        budget -= sampler_bytes
     want_kv = wanted_kv_tokens(ec, kv) if kv is not None else 0
     if budget is None:
         slots = expert_slots(ec, needs, None)
@@ -127,7 +134,7 @@ def plan_memory(ec, needs: ExpertNeeds, kv: KVShape | None = None, device: torch
         raise ConfigError(_no_room_for_kv(ec, kv_tokens))
     return MemoryPlan(kv_pages=pages, page_size=ec.page_size, kv_bytes=pages * ec.page_size * (kv.bytes_per_token if kv else 0),
                       expert_slots=slots, slot_bytes=slots * needs.expert_bytes,
-                      stream_bytes=needs.stream_bytes, host_bytes=needs.host_bytes,
+                      stream_bytes=needs.stream_bytes, sampler_bytes=sampler_bytes, host_bytes=needs.host_bytes,
                       free_bytes=free, budget_bytes=budget)
 
 

@@ -1,5 +1,6 @@
-"""ModelRunner: builds the model and its KV cache, turns a StepPlan into ForwardBatches, runs
-them (decode through captured CUDA graphs on the GPU) and returns logits."""
+"""ModelRunner: builds the model, its KV cache and its sampler, turns a StepPlan into
+ForwardBatches, runs them (decode and its sampling through captured CUDA graphs on the GPU) and
+returns the sampled tokens (or the logits, for callers that want them)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from moeferry.engine.batch import ForwardBatch, PrefillSeq, fill_page_table
 from moeferry.engine.cuda_graph import DecodeGraphs
 from moeferry.engine.loader import load_dummy, load_safetensors
 from moeferry.engine.planner import KVShape, plan_memory
+from moeferry.engine.sampler import SampledTokens, Sampler
 from moeferry.kvcache.paged import PagedKVCache
 from moeferry.layers.attention import Attention
 from moeferry.models.decoder import MoECausalLM
@@ -36,12 +38,14 @@ class ModelRunner:
         self.model = self._build_model()
         kv_shape = KVShape(PagedKVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype),
                            self.max_model_len)
-        self.plan = plan_memory(ec, self.strategy.memory_needs(), kv_shape, self.device)
+        sampler_bytes = Sampler.device_bytes(ec.max_running_requests, mc.vocab_size, ec.max_running_requests)
+        self.plan = plan_memory(ec, self.strategy.memory_needs(), kv_shape, self.device, sampler_bytes)
         logger.info(self.plan.table())
         self.strategy.finalize(self.plan)
         self.kv = PagedKVCache(mc.num_layers, self.plan.kv_pages, ec.page_size, mc.num_kv_heads, mc.head_dim,
                                self.dtype, self.device)
         self.scratch_page = self.kv.scratch_page
+        self.sampler = Sampler(ec.max_running_requests, mc.vocab_size, self.device)
         self.max_pages_per_req = -(-self.max_model_len // ec.page_size)
         self.graphs = DecodeGraphs(self) if ec.use_cuda_graph else None
 
@@ -115,6 +119,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_decode(self, reqs) -> torch.Tensor:
+        """The logits of one decode step of `reqs`, nothing sampled."""
         if self.graphs is not None and self.graphs.can_run(len(reqs)):
-            return self.graphs.run(reqs)
+            return self.graphs.run(reqs)[0]
         return self.forward(self.decode_batch(reqs))
+
+    @torch.inference_mode()
+    def decode(self, reqs) -> SampledTokens:
+        """One decode step of `reqs` and a token for each, sampled on the device (inside the
+        step's CUDA graph where there is one)."""
+        if self.graphs is not None and self.graphs.can_run(len(reqs)):
+            _, samples = self.graphs.run(reqs, [self.sampler.bind(r) for r in reqs])
+            return self.sampler.read(samples, reqs)
+        return self.sampler.sample(self.forward(self.decode_batch(reqs)), reqs)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, reqs) -> SampledTokens:
+        """A token for each of `reqs` from its row of `logits` (the end of a prefill)."""
+        return self.sampler.sample(logits, reqs)

@@ -1,35 +1,155 @@
-"""Token sampling over a batch of logits, one SamplingParams per row."""
+"""The engine's sampler: every running request owns a slot of one device SamplingState
+(kernels/sampling), and a batch's tokens are drawn on the device in one launch, inside the
+decode CUDA graph where there is one; the host reads back the token ids (and, for requests that
+asked, their log-probs) and nothing else.
+
+A slot is written whole (`SamplingState.assign`) when its request first samples after a prefill
+(its first token, or again after a preemption, with the tokens generated so far for the
+penalties), and freed when the request finishes, is aborted or is preempted. A request's random
+stream is keyed by its seed and the position of the token it draws, so a seeded request gives
+the same tokens in any batch, replayed from a graph or not.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    if top_k and top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        cum = probs.cumsum(-1)
-        drop = (cum - probs) >= top_p  # keep the smallest prefix whose mass reaches top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
-    return logits
+from moeferry.kernels.sampling import SamplingState, sample
+from moeferry.sampling import MAX_LOGIT_BIAS, SAMPLING_EPS
 
 
-def sample(logits: torch.Tensor, params: list, generators: list) -> list[int]:
-    """logits [B, V] float32 -> one token per row. Greedy rows take the argmax; the others
-    sample from temperature-scaled, top-k/top-p filtered probabilities with their own CPU
-    generator (so a seed gives the same tokens on every device)."""
-    greedy = logits.argmax(dim=-1).tolist()
-    out = []
-    for row, (p, gen) in enumerate(zip(params, generators)):
-        if p.greedy:
-            out.append(greedy[row])
-            continue
-        row_logits = _filter_top_k_top_p(logits[row].cpu() / p.temperature, p.top_k, p.top_p)
-        probs = torch.softmax(row_logits, dim=-1)
-        out.append(int(torch.multinomial(probs, 1, generator=gen).item()))
-    return out
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One sampled token's log-probability and the `top` most likely tokens' [(id, logprob)],
+    from the log-softmax of the processed logits (penalties, bias and temperature applied,
+    before top-k/top-p/min-p truncation)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class SampleBuffers:
+    """Static device buffers of one sampler call of up to `rows` rows (a decode graph captures
+    their pointers): the rows' slots and draw positions (inputs), tokens, their log-probs and
+    the processed log-probs of every token (outputs)."""
+
+    row_slot: torch.Tensor
+    positions: torch.Tensor
+    tokens: torch.Tensor
+    token_logprobs: torch.Tensor
+    logprobs: torch.Tensor
+
+    @classmethod
+    def allocate(cls, rows: int, vocab: int, device) -> "SampleBuffers":
+        return cls(row_slot=torch.full((rows,), -1, dtype=torch.int32, device=device),
+                   positions=torch.zeros(rows, dtype=torch.int64, device=device),
+                   tokens=torch.zeros(rows, dtype=torch.int64, device=device),
+                   token_logprobs=torch.zeros(rows, dtype=torch.float32, device=device),
+                   logprobs=torch.zeros(rows, vocab, dtype=torch.float32, device=device))
+
+    def outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.tokens, self.token_logprobs, self.logprobs
+
+    def view(self, rows: int) -> "SampleBuffers":
+        return SampleBuffers(self.row_slot[:rows], self.positions[:rows], self.tokens[:rows],
+                             self.token_logprobs[:rows], self.logprobs[:rows])
+
+
+class Sampler:
+    """Slots of one SamplingState for the running requests.
+
+    Invariants: a request holds at most one slot, and a slot at most one request; a slot's
+    contents are its request's parameters and penalty state (the counts of every token it
+    generated since the slot was assigned: the kernel adds each sampled token on the device).
+    """
+
+    def __init__(self, num_slots: int, vocab: int, device: torch.device):
+        self.state = SamplingState.allocate(num_slots, vocab, MAX_LOGIT_BIAS, device)
+        self.vocab, self.device = vocab, device
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._slot_of: dict[int, int] = {}
+
+    @staticmethod
+    def device_bytes(num_slots: int, vocab: int, rows: int) -> int:
+        """Device bytes of a sampler of `num_slots` slots and a graph's buffers of `rows` rows:
+        per slot int32 counts and a byte of prompt mark per token, per row float32 log-probs."""
+        return num_slots * vocab * 5 + rows * vocab * 4
+
+    def bind(self, req) -> int:
+        """The request's slot, assigned and written now if it has none."""
+        slot = self._slot_of.get(req.rid)
+        if slot is not None:
+            return slot
+        p = req.params
+        if 0.0 < p.temperature < SAMPLING_EPS:  # SamplingParams makes these greedy: 1/T would overflow
+            raise ValueError(f"request {req.rid}: temperature {p.temperature} below {SAMPLING_EPS} and not 0")
+        if not self._free:
+            raise RuntimeError("no free sampling slot: more running requests than slots")
+        slot = self._slot_of[req.rid] = self._free.pop()
+        self.state.assign(slot, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                          repetition_penalty=p.repetition_penalty, frequency_penalty=p.frequency_penalty,
+                          presence_penalty=p.presence_penalty, seed=req.seed, logit_bias=p.logit_bias,
+                          prompt_ids=req.prompt_ids if p.repetition_penalty != 1.0 else (),
+                          output_ids=req.output_ids, full_logprobs=bool(p.logprobs))  # logprobs 0: the token's own only
+        return slot
+
+    def release(self, req) -> None:
+        slot = self._slot_of.pop(req.rid, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def stage(self, buffers: SampleBuffers, reqs) -> None:
+        """Write the rows' slots and draw positions into `buffers` (rows past len(reqs) are
+        padding: slot -1). The position of a draw is the index of the token it makes."""
+        n = len(reqs)
+        slots = torch.tensor([self.bind(r) for r in reqs] + [-1] * (buffers.row_slot.shape[0] - n), dtype=torch.int32)
+        positions = torch.tensor([r.num_tokens for r in reqs] + [0] * (buffers.positions.shape[0] - n))
+        buffers.row_slot.copy_(slots, non_blocking=True)
+        buffers.positions.copy_(positions, non_blocking=True)
+
+    def run(self, logits: torch.Tensor, buffers: SampleBuffers) -> None:
+        """The sampler kernel over `logits` [rows, V] into `buffers` (graph-capturable)."""
+        sample(logits, buffers.row_slot, buffers.positions, self.state, logprobs_out=buffers.logprobs,
+               tokens_out=buffers.tokens, token_logprobs_out=buffers.token_logprobs)
+
+    def sample(self, logits: torch.Tensor, reqs) -> "SampledTokens":
+        """Eagerly: one token for each of `reqs`, row i of `logits` [len(reqs), V] float32."""
+        buffers = SampleBuffers.allocate(len(reqs), self.vocab, logits.device)
+        self.stage(buffers, reqs)
+        self.run(logits, buffers)
+        return self.read(buffers, reqs)
+
+    def read(self, buffers: SampleBuffers, reqs) -> "SampledTokens":
+        """The tokens of the first len(reqs) rows, and the log-probs of those that asked."""
+        n = len(reqs)
+        tokens = buffers.tokens[:n].tolist()
+        wanted = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        if not wanted:
+            return SampledTokens(tokens, [None] * n)
+        return SampledTokens(tokens, self._logprobs(buffers, reqs, wanted))
+
+    def _logprobs(self, buffers: SampleBuffers, reqs, wanted: list[int]) -> list[TokenLogprobs | None]:
+        out: list[TokenLogprobs | None] = [None] * len(reqs)
+        chosen = buffers.token_logprobs[wanted].tolist()
+        k = max(reqs[i].params.logprobs for i in wanted)
+        top_values = top_ids = None
+        if k > 0:
+            top = torch.topk(buffers.logprobs[wanted], k, dim=-1)
+            top_values, top_ids = top.values.tolist(), top.indices.tolist()
+        for j, i in enumerate(wanted):
+            kept = reqs[i].params.logprobs
+            top_pairs = tuple(zip(top_ids[j][:kept], top_values[j][:kept])) if kept else ()
+            out[i] = TokenLogprobs(chosen[j], top_pairs)
+        return out
+
+
+@dataclass(frozen=True)
+class SampledTokens:
+    """One sampler call's result on the host: a token per request, and its TokenLogprobs where
+    the request asked for log-probs (else None)."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None]

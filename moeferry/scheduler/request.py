@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import enum
 import itertools
+import secrets
 import time
 from dataclasses import dataclass, field
-
-import torch
 
 from moeferry.sampling import InvalidRequest, SamplingParams
 
@@ -40,15 +39,15 @@ class Request:
     text: str = ""
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
-    generator: torch.Generator | None = None
+    seed: int | None = None
     num_preemptions: int = 0
+    logprobs: list = field(default_factory=list)  # TokenLogprobs of each output token, when asked for
 
     def __post_init__(self):
         if not self.prompt_ids:
             raise InvalidRequest("the prompt is empty", "prompt")
-        self.generator = torch.Generator()
-        seed = self.params.seed if self.params.seed is not None else torch.seed()
-        self.generator.manual_seed(seed)
+        if self.seed is None:  # the key of the request's random stream (its sampler slot's seed)
+            self.seed = self.params.seed if self.params.seed is not None else secrets.randbits(63)
 
     @property
     def tokens(self) -> list[int]:

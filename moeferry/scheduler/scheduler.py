@@ -16,10 +16,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StepPlan:
-    """One step's work: prefill chunks (request, number of tokens) and decoding requests."""
+    """One step's work: prefill chunks (request, number of tokens) and decoding requests, and
+    the requests preempted while planning it (back in `waiting`, their pages released)."""
 
     prefill: list[tuple[Request, int]] = field(default_factory=list)
     decode: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -43,6 +45,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._preempted: list[Request] = []
 
     @property
     def context_limit(self) -> int:
@@ -79,6 +82,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.running.remove(req)
         self.waiting.appendleft(req)
+        self._preempted.append(req)
         logger.info("preempted request %d (KV pages exhausted); it will be recomputed", req.rid)
 
     def free(self, req: Request) -> None:
@@ -153,8 +157,9 @@ class Scheduler:
         """Plan one step: decode first (every decoding request gets its token's page, later
         admissions are preempted for it), then running prefills, then FCFS admission, the
         prefill chunks sharing `max_prefill_tokens`."""
+        self._preempted = []
         decode = self._plan_decode()
         prefill, starved = self._plan_running_prefill(decode, self.max_prefill_tokens)
         if not starved:
             prefill += self._admit_waiting(self.max_prefill_tokens - sum(n for _, n in prefill))
-        return StepPlan(prefill=prefill, decode=decode)
+        return StepPlan(prefill=prefill, decode=decode, preempted=self._preempted)

@@ -41,6 +41,7 @@ class Delta:
     prompt_tokens: int
     completion_tokens: int
     error: APIError | None = None
+    logprobs: list = field(default_factory=list)  # TokenLogprobs per token, when the request asked
 
 
 @dataclass(eq=False)
@@ -235,7 +236,7 @@ class EngineLoop:
         handle.last_token_time = now
         error = APIError(500, out.error) if out.error is not None else None
         return Delta(out.new_text, list(out.new_token_ids), req.finish_reason if out.finished else None,
-                     len(req.prompt_ids), len(req.output_ids), error)
+                     len(req.prompt_ids), len(req.output_ids), error, list(out.logprobs))
 
     def _end_all(self, reason: str, error: APIError) -> None:
         batch = []

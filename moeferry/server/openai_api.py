@@ -8,6 +8,7 @@ engine nothing and never disturbs the others.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -16,7 +17,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from moeferry.server.engine_loop import SHUTDOWN, EngineLoop, RequestHandle
-from moeferry.server.protocol import (APIError, ChatCompletionRequest, ChatFormat, CompletionFormat,
+from moeferry.sampling import SamplingParams
+from moeferry.server.protocol import (APIError, ChatCompletionRequest, ChatFormat, Choice, CompletionFormat,
                                       CompletionRequest, decode_json, usage, validation_error)
 from moeferry.tokenizer.tokenizer import apply_chat_template
 
@@ -79,7 +81,7 @@ class OpenAIEndpoints:
         self._check_common(body)
         messages = [m.as_template_input() for m in body.messages]
         ids = await asyncio.to_thread(self._chat_ids, messages)
-        return await self._generate(request, body, ids, body.requested_max_tokens, ChatFormat(self.info.name),
+        return await self._generate(request, body, ids, body.requested_max_tokens, ChatFormat,
                                     prompt_param="messages")
 
     async def completions(self, request: Request):
@@ -88,8 +90,8 @@ class OpenAIEndpoints:
         prompt = body.text_or_ids
         ids = await asyncio.to_thread(self._encode, prompt) if isinstance(prompt, str) else list(prompt)
         self._check_vocab(ids)
-        return await self._generate(request, body, ids, body.requested_max_tokens,
-                                    CompletionFormat(self.info.name), prompt_param="prompt")
+        return await self._generate(request, body, ids, body.requested_max_tokens, CompletionFormat,
+                                    prompt_param="prompt")
 
     def models(self) -> dict:
         return {"object": "list", "data": [self.model_card()]}
@@ -139,57 +141,118 @@ class OpenAIEndpoints:
         return requested
 
     # ---- generation ---------------------------------------------------------------------------
-    async def _generate(self, request: Request, body, ids: list[int], requested: int | None, fmt: ChatFormat,
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
+
+    async def _generate(self, request: Request, body, ids: list[int], requested: int | None, fmt_type,
                         prompt_param: str):
         params = body.sampling_params(self._max_tokens(ids, requested, prompt_param))
-        handle = await self.loop.submit(ids, params)
+        fmt = fmt_type(self.info.name, self._token_text, params.logprobs is not None)
+        handles = []
+        try:
+            for choice in range(params.n):
+                handles.append(await self.loop.submit(ids, choice_params(params, choice)))
+        except BaseException:
+            for handle in handles:
+                self.loop.abort(handle)
+            raise
         if body.stream:
-            return StreamingResponse(self._sse(handle, fmt, body.include_usage), media_type="text/event-stream",
+            return StreamingResponse(self._sse(handles, fmt, body.include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._collect(request, handle, fmt)
+        return await self._collect(request, handles, fmt)
 
-    async def _sse(self, handle: RequestHandle, fmt: ChatFormat, include_usage: bool):
-        opening = fmt.opening()
-        if opening is not None:
-            yield _event(opening)
-        last = None
-        async for delta in self.loop.stream(handle):
-            last = delta
+    async def _sse(self, handles: list[RequestHandle], fmt: ChatFormat, include_usage: bool):
+        for index in range(len(handles)):
+            opening = fmt.opening(index)
+            if opening is not None:
+                yield _event(opening)
+        last: dict[int, object] = {}
+        async for index, delta in _merged(self.loop, handles):
+            last[index] = delta
+            tokens = list(zip(delta.token_ids, delta.logprobs))
             if delta.finish_reason == SHUTDOWN:
-                yield _event(fmt.chunk(delta.text, CUT_SHORT_FINISH))
+                yield _event(fmt.chunk(index, delta.text, CUT_SHORT_FINISH, tokens))
             elif delta.error is not None:
                 yield _event(delta.error.body())
-            elif delta.text or delta.finish_reason is not None:
-                yield _event(fmt.chunk(delta.text, delta.finish_reason))
-        if include_usage and last is not None:
-            yield _event(fmt.usage_chunk(usage(last.prompt_tokens, last.completion_tokens)))
+            elif delta.text or delta.finish_reason is not None or tokens:
+                yield _event(fmt.chunk(index, delta.text, delta.finish_reason, tokens))
+        if include_usage and last:
+            yield _event(fmt.usage_chunk(_usage(last.values())))
         yield "data: [DONE]\n\n"
 
-    async def _collect(self, request: Request, handle: RequestHandle, fmt: ChatFormat) -> JSONResponse:
-        """Gather the whole answer, aborting the request if the client goes away meanwhile."""
+    async def _collect(self, request: Request, handles: list[RequestHandle], fmt: ChatFormat) -> JSONResponse:
+        """Gather every choice's whole answer, aborting them all if the client goes away meanwhile."""
         watcher = asyncio.create_task(_wait_disconnect(request))
-        reader = asyncio.create_task(_gather(self.loop.stream(handle)))
+        reader = asyncio.create_task(_gather(self.loop, handles))
         try:
             await asyncio.wait({watcher, reader}, return_when=asyncio.FIRST_COMPLETED)
             disconnected = not reader.done()
         finally:
             watcher.cancel()
             if not reader.done():
-                reader.cancel()  # the stream's finally aborts the request
+                reader.cancel()  # the streams' finally blocks abort the requests
         if disconnected:
             return Response(status_code=499)
-        text, last = reader.result()
-        if last.error is not None:  # failed (500) or cut short by shutdown (503): no partial text
-            raise last.error
-        return JSONResponse(fmt.full(text, last.finish_reason, usage(last.prompt_tokens, last.completion_tokens)))
+        choices, lasts = reader.result()
+        failed = next((last for last in lasts if last.error is not None), None)
+        if failed is not None:  # failed (500) or cut short by shutdown (503): no partial text
+            raise failed.error
+        return JSONResponse(fmt.full(choices, _usage(lasts)))
 
 
-async def _gather(deltas):
-    parts, last = [], None
-    async for delta in deltas:
-        parts.append(delta.text)
-        last = delta
-    return "".join(parts), last
+def choice_params(params: SamplingParams, choice: int) -> SamplingParams:
+    """The params of choice `choice` of an n-sample request: the same, but a seed of its own
+    (derived from the request's, so a seeded request still gives the same n answers)."""
+    if choice == 0:
+        return params
+    seed = None if params.seed is None else (params.seed + choice * _SEED_STRIDE + 2**63) % 2**64 - 2**63
+    return dataclasses.replace(params, seed=seed)
+
+
+_SEED_STRIDE = 0x9E3779B97F4A7C15  # the golden ratio in 64 bits: choices' seeds far apart
+
+
+def _usage(lasts) -> dict:
+    """The usage of a request's choices: the prompt once, every choice's completion tokens."""
+    lasts = list(lasts)
+    return usage(lasts[0].prompt_tokens, sum(last.completion_tokens for last in lasts))
+
+
+async def _merged(loop: EngineLoop, handles: list[RequestHandle]):
+    """(choice index, Delta) of every choice's stream as they come; when the consumer stops
+    early every choice's request is aborted."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, handle: RequestHandle):
+        async for delta in loop.stream(handle):
+            await queue.put((index, delta))
+
+    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        for _ in range(len(handles)):
+            while True:
+                index, delta = await queue.get()
+                yield index, delta
+                if delta.finish_reason is not None:
+                    break
+    finally:
+        for task in tasks:
+            task.cancel()
+        for handle in handles:
+            loop.abort(handle)
+
+
+async def _gather(loop: EngineLoop, handles: list[RequestHandle]) -> tuple[list[Choice], list]:
+    """Every choice whole: (Choices in index order, each choice's last Delta)."""
+    parts = [[] for _ in handles]
+    tokens = [[] for _ in handles]
+    lasts = [None] * len(handles)
+    async for index, delta in _merged(loop, handles):
+        parts[index].append(delta.text)
+        tokens[index] += zip(delta.token_ids, delta.logprobs)
+        lasts[index] = delta
+    choices = [Choice("".join(p), last.finish_reason, t) for p, last, t in zip(parts, lasts, tokens)]
+    return choices, lasts
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -12,8 +12,9 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from moeferry.sampling import LOGIT_BIAS_RANGE, NEUTRAL_VALUES, NOT_SUPPORTED_YET
-from moeferry.server.protocol import (MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+from moeferry.sampling import LOGIT_BIAS_RANGE, MAX_N
+from moeferry.server.protocol import (MAX_COMPLETION_LOGPROBS, MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_CHARS,
+                                      MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, NEUTRAL_UNSUPPORTED,
                                       ChatCompletionRequest, CompletionRequest, ErrorResponse)
 
 _REF = "#/components/schemas/{model}"
@@ -58,14 +59,14 @@ def openapi_schema(app: FastAPI, secured: bool) -> dict:
 def _accepted(model, info) -> dict[str, dict]:
     """Property schemas stating what the handlers accept beyond the models' types: the limits
     of protocol.py, token ids within the vocabulary, the served model, and the values the
-    handlers refuse (n > 1, logprobs, sampling fields not supported yet)."""
+    handlers refuse (fields not supported yet)."""
     if model not in _BODIES.values():
         return {}
     text = {"type": "string", "maxLength": MAX_STOP_CHARS}
     token_id = {"type": "integer", "minimum": 0, "maximum": info.vocab_size - 1}
     props = {
         "model": {"anyOf": [{"enum": [info.name]}, {"type": "null"}], "description": "the served model"},
-        "n": {"const": 1, "description": "one completion per request"},
+        "n": {"type": "integer", "minimum": 1, "maximum": MAX_N, "description": "samples of the prompt"},
         "stop": {"anyOf": [text, {"type": "array", "maxItems": MAX_STOP_STRINGS, "items": text}, {"type": "null"}]},
         "stop_token_ids": {"anyOf": [{"type": "array", "maxItems": MAX_STOP_TOKEN_IDS, "items": token_id},
                                      {"type": "null"}]},
@@ -74,16 +75,18 @@ def _accepted(model, info) -> dict[str, dict]:
                                   "additionalProperties": {"type": "number", "minimum": LOGIT_BIAS_RANGE[0],
                                                            "maximum": LOGIT_BIAS_RANGE[1]}}, {"type": "null"}]},
     }
-    for name in NOT_SUPPORTED_YET:
-        props[name] = {"enum": [v for v in NEUTRAL_VALUES[name] if v != {}], "description": "not supported yet"}
+    for name in NEUTRAL_UNSUPPORTED:
+        props[name] = {"type": "null", "description": "not supported yet"}
     if model is ChatCompletionRequest:
         props["messages"] = {"type": "array", "minItems": 1, "items": {"$ref": _REF.format(model="ChatMessage")}}
-        props["logprobs"] = {"enum": [False, None], "description": "not supported"}
+        props["logprobs"] = {"anyOf": [{"type": "boolean"}, {"type": "null"}]}
     else:
         one = {"type": "string", "minLength": 1}
         props["prompt"] = {"anyOf": [one, {"type": "array", "minItems": 1, "items": token_id},
                                      {"type": "array", "minItems": 1, "maxItems": 1, "items": one}]}
-        props["logprobs"] = {"enum": [None, 0], "description": "not supported"}
+        props["logprobs"] = {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_COMPLETION_LOGPROBS},
+                                       {"type": "null"}]}
+        props["suffix"] = {"type": "null", "description": "not supported"}
         props["echo"] = {"const": False, "description": "not supported"}
         props["best_of"] = {"enum": [None, 1], "description": "not supported"}
     return props

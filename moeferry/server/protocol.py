@@ -2,7 +2,8 @@
 body, and response builders.
 
 Only what moeferry implements is accepted; unknown fields are ignored (clients send many),
-but a field we cannot honour (n > 1, logprobs) is refused with 400 rather than ignored.
+but a field we cannot honour yet (response_format, tools, ...) is refused with a 400 naming
+it rather than ignored.
 Every check here runs before the request reaches the engine.
 """
 
@@ -12,12 +13,15 @@ import json
 import re
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from moeferry.sampling import LOGIT_BIAS_RANGE, PENALTY_RANGE, SEED_RANGE, TOP_K_MAX, InvalidRequest, SamplingParams
+from moeferry.sampling import (LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, PENALTY_RANGE,
+                               REPETITION_PENALTY_RANGE, SEED_RANGE, TEMPERATURE_MAX, TOP_K_MAX, InvalidRequest,
+                               SamplingParams)
 
 # ---- limits: every bound on one request's size, in one place ------------------------------
 # (the ranges of the sampling values are the values' meaning: moeferry/sampling.py)
@@ -27,7 +31,8 @@ MAX_JSON_DEPTH = 64  # nesting of arrays and objects, checked before parsing: Py
 MAX_STOP_STRINGS = 16  # OpenAI allows 4, vLLM any number; each is matched on the engine thread per token
 MAX_STOP_CHARS = 256  # one stop string; no peer bounds it, real ones are a few characters
 MAX_STOP_TOKEN_IDS = 256  # stop_token_ids (a vLLM extension); a model's end tokens are a handful
-MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's bound on logit_bias
+MAX_LOGIT_BIAS_ENTRIES = MAX_LOGIT_BIAS
+MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs (OpenAI); chat's top_logprobs go to MAX_LOGPROBS
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                 405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error"}
@@ -160,21 +165,31 @@ class _SamplingFields(BaseModel):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float = Field(1.0, ge=0.0)
+    temperature: float = Field(1.0, ge=0.0, le=TEMPERATURE_MAX)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, le=TOP_K_MAX)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     presence_penalty: _Penalty = 0.0
     frequency_penalty: _Penalty = 0.0
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    repetition_penalty: float = Field(1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     logit_bias: dict[int, _Bias] | None = Field(None, max_length=MAX_LOGIT_BIAS_ENTRIES)
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = None  # bounded by _bounded_stop (and so documented in server/openapi.py)
     stop_token_ids: list[_TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     max_tokens: int | None = Field(None, gt=0)
     ignore_eos: bool = False
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_N)
     user: str | None = None
+    # Fields of the OpenAI API this server does not honour yet: refused unless at their neutral value.
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
 
     @field_validator("stop")
     @classmethod
@@ -194,12 +209,18 @@ class _SamplingFields(BaseModel):
         self.sampling_params(max_tokens=1)
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise APIError(400, "n > 1 is not supported: send one request per completion", param="n")
+        for name, neutral in NEUTRAL_UNSUPPORTED.items():
+            if not neutral(getattr(self, name)):
+                raise APIError(400, f"{name} is not supported by this server yet", param=name)
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def logprob_count(self) -> int | None:
+        """SamplingParams.logprobs: None, or how many top log-probs each token reports."""
+        return None
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         try:
@@ -207,9 +228,24 @@ class _SamplingFields(BaseModel):
                                   presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                                   repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
                                   seed=self.seed, max_tokens=max_tokens, stop=self.stop,
-                                  stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos)
+                                  stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+                                  logprobs=self.logprob_count, n=self.n)
         except InvalidRequest as exc:
             raise invalid_request(exc) from None
+
+
+# The neutral values of the fields not honoured yet (what a client sends when it means "none").
+NEUTRAL_UNSUPPORTED = {
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "tools": lambda v: not v,
+    "tool_choice": lambda v: v in (None, "none"),
+    "functions": lambda v: not v,
+    "function_call": lambda v: v in (None, "none"),
+    "modalities": lambda v: v in (None, ["text"]),
+    "audio": lambda v: v is None,
+    "prediction": lambda v: v is None,
+    "web_search_options": lambda v: v is None,
+}
 
 
 class TextPart(BaseModel):
@@ -240,13 +276,19 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, gt=0)
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def check_supported(self) -> None:
         super().check_supported()
         if not self.messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
-        if self.logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+
+    @property
+    def logprob_count(self) -> int | None:
+        """SamplingParams.logprobs: None, or how many top log-probs each token reports."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -258,20 +300,25 @@ class CompletionRequest(_SamplingFields):
     one string; `max_tokens` defaults to 16 as in OpenAI's API."""
 
     prompt: str | list[int] | list[str]
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
+    suffix: str | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
             raise APIError(400, "batched prompts are not supported: send one prompt per request", param="prompt")
-        if self.logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
         if self.echo:
             raise APIError(400, "echo is not supported", param="echo")
         if self.best_of not in (None, 1):
             raise APIError(400, "best_of > 1 is not supported", param="best_of")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+
+    @property
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -290,54 +337,96 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-class ChatFormat:
-    """Builds chat.completion bodies and chat.completion.chunk events for one request."""
+@dataclass
+class Choice:
+    """One finished choice of a request: its text, why it stopped, and its tokens' log-probs
+    ([(token id, TokenLogprobs)], empty when not asked for)."""
 
-    def __init__(self, model: str):
+    text: str
+    finish_reason: str
+    logprobs: list = field(default_factory=list)
+
+
+class ChatFormat:
+    """Builds chat.completion bodies and chat.completion.chunk events for one request of
+    `n` choices. `token_text(id)` is a token's text, for the log-probs."""
+
+    def __init__(self, model: str, token_text, with_logprobs: bool):
         self.id, self.model, self.created = f"chatcmpl-{uuid.uuid4().hex}", model, int(time.time())
+        self.token_text, self.with_logprobs = token_text, with_logprobs
 
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def opening(self) -> dict | None:
-        """The event sent before any text (the assistant role), or None."""
+    def opening(self, index: int) -> dict | None:
+        """The event sent before a choice's text (the assistant role), or None."""
         return {**self._base("chat.completion.chunk"),
-                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "choices": [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}]}
 
-    def chunk(self, text: str, finish_reason: str | None) -> dict:
+    def chunk(self, index: int, text: str, finish_reason: str | None, logprobs: list) -> dict:
         delta = {"content": text} if text else {}
         return {**self._base("chat.completion.chunk"),
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+                "choices": [{"index": index, "delta": delta, "logprobs": self.logprobs(logprobs),
+                             "finish_reason": finish_reason}]}
 
     def usage_chunk(self, used: dict) -> dict:
         return {**self._base("chat.completion.chunk"), "choices": [], "usage": used}
 
-    def full(self, text: str, finish_reason: str, used: dict) -> dict:
-        message = {"role": "assistant", "content": text}
+    def full(self, choices: list[Choice], used: dict) -> dict:
         return {**self._base("chat.completion"),
-                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
+                "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
+                             "logprobs": self.logprobs(c.logprobs), "finish_reason": c.finish_reason}
+                            for i, c in enumerate(choices)],
                 "usage": used}
+
+    def _entry(self, token: int, logprob: float) -> dict:
+        text = self.token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def logprobs(self, tokens: list) -> dict | None:
+        """OpenAI's chat `logprobs` of these (token id, TokenLogprobs), or None when not asked for."""
+        if not self.with_logprobs:
+            return None
+        return {"content": [{**self._entry(t, lp.logprob), "top_logprobs": [self._entry(i, v) for i, v in lp.top]}
+                            for t, lp in tokens], "refusal": None}
 
 
 class CompletionFormat(ChatFormat):
-    """Builds text_completion bodies and stream events for one request."""
+    """Builds text_completion bodies and stream events for one request of `n` choices."""
 
-    def __init__(self, model: str):
-        super().__init__(model)
+    def __init__(self, model: str, token_text, with_logprobs: bool):
+        super().__init__(model, token_text, with_logprobs)
         self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.offsets: dict[int, int] = {}  # choice -> characters of its text so far (text_offset)
 
-    def opening(self) -> dict | None:
+    def opening(self, index: int) -> dict | None:
         return None
 
-    def chunk(self, text: str, finish_reason: str | None) -> dict:
+    def chunk(self, index: int, text: str, finish_reason: str | None, logprobs: list) -> dict:
         return {**self._base("text_completion"),
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+                "choices": [{"index": index, "text": text, "logprobs": self.logprobs(logprobs, index),
+                             "finish_reason": finish_reason}]}
 
     def usage_chunk(self, used: dict) -> dict:
         return {**self._base("text_completion"), "choices": [], "usage": used}
 
-    def full(self, text: str, finish_reason: str, used: dict) -> dict:
+    def full(self, choices: list[Choice], used: dict) -> dict:
         return {**self._base("text_completion"),
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+                "choices": [{"index": i, "text": c.text, "logprobs": self.logprobs(c.logprobs, i),
+                             "finish_reason": c.finish_reason} for i, c in enumerate(choices)],
                 "usage": used}
+
+    def logprobs(self, tokens: list, index: int = 0) -> dict | None:
+        """OpenAI's completions `logprobs` (tokens, token_logprobs, top_logprobs, text_offset)."""
+        if not self.with_logprobs:
+            return None
+        texts = [self.token_text(t) for t, _ in tokens]
+        offsets, at = [], self.offsets.get(index, 0)
+        for text in texts:
+            offsets.append(at)
+            at += len(text)
+        self.offsets[index] = at
+        return {"tokens": texts, "token_logprobs": [lp.logprob for _, lp in tokens],
+                "top_logprobs": [{self.token_text(i): v for i, v in lp.top} for _, lp in tokens],
+                "text_offset": offsets}

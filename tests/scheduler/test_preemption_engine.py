@@ -32,11 +32,14 @@ def test_more_requests_than_kv_pages_complete_through_preemption(tiny_kv_llm):
     assert stats["requests"]["preemptions"] == engine.scheduler.num_preemptions
 
 
-def test_seeded_sampling_survives_preemption(tiny_kv_llm):
-    params = [SamplingParams(temperature=1.0, top_k=20, seed=100 + i, max_tokens=20, ignore_eos=True)
-              for i in range(len(PROMPTS))]
+def test_seeded_sampled_requests_keep_their_tokens_through_preemption(tiny_kv_llm):
+    """A preempted request resumes its random stream where it was (seed and position) and its
+    penalty counts from the tokens it had: the same tokens as alone."""
+    engine = tiny_kv_llm.engine
+    params = [SamplingParams(temperature=1.0, top_p=0.9, presence_penalty=0.5, seed=40 + i, max_tokens=20,
+                             ignore_eos=True) for i in range(len(PROMPTS))]
     alone = [tiny_kv_llm.generate(p, sp)[0].token_ids for p, sp in zip(PROMPTS, params)]
-    before = tiny_kv_llm.engine.scheduler.num_preemptions
-    together = [o.token_ids for o in tiny_kv_llm.generate(PROMPTS, params)]
-    assert tiny_kv_llm.engine.scheduler.num_preemptions > before
-    assert together == alone
+    before = engine.scheduler.num_preemptions
+    together = tiny_kv_llm.generate(PROMPTS, params)
+    assert engine.scheduler.num_preemptions > before
+    assert [o.token_ids for o in together] == alone

@@ -102,3 +102,46 @@ def test_eight_concurrent_streams_each_equal_running_alone(server, client):
             await aclient.close()
 
     assert asyncio.run(stream_all()) == alone
+
+
+def test_chat_log_probs_through_the_client(client):
+    out = client.chat.completions.create(model="moeferry-tiny-moe", messages=CHAT, max_tokens=6, logprobs=True,
+                                         top_logprobs=3, **GREEDY)
+    content = out.choices[0].logprobs.content
+    assert len(content) == 6
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the most likely token
+        assert bytes(entry.bytes).decode("utf-8", errors="replace") == entry.token
+    assert "".join(entry.token for entry in content) == out.choices[0].message.content
+
+
+def test_completion_log_probs_streamed_and_not(client):
+    full = client.completions.create(model="moeferry-tiny-moe", prompt="Hello, world!", max_tokens=6, logprobs=2,
+                                     **GREEDY)
+    lp = full.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == full.choices[0].text and lp.text_offset[0] == 0
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model="moeferry-tiny-moe", prompt="Hello, world!", max_tokens=6, logprobs=2, stream=True, **GREEDY)
+        if c.choices and c.choices[0].logprobs is not None]
+    assert sum((c.token_logprobs for c in streamed), []) == pytest.approx(lp.token_logprobs)
+
+
+def test_n_samples_of_one_prompt(client):
+    out = client.chat.completions.create(model="moeferry-tiny-moe", messages=CHAT, max_tokens=8, n=3, seed=11,
+                                         temperature=1.0, extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    texts = [c.message.content for c in out.choices]
+    assert len(set(texts)) > 1  # each choice its own draw
+    assert out.usage.completion_tokens == 24
+    again = client.chat.completions.create(model="moeferry-tiny-moe", messages=CHAT, max_tokens=8, n=3, seed=11,
+                                           temperature=1.0, extra_body={"ignore_eos": True})
+    assert [c.message.content for c in again.choices] == texts  # seeded: the same three answers
+    stream = client.chat.completions.create(model="moeferry-tiny-moe", messages=CHAT, max_tokens=8, n=3, seed=11,
+                                            temperature=1.0, stream=True, extra_body={"ignore_eos": True})
+    streamed = ["", "", ""]
+    for chunk in stream:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == texts

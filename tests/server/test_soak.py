@@ -27,7 +27,7 @@ def plan(rng: random.Random) -> list[dict]:
             body.update(stop=[rng.choice(["e", " ", "o"])], ignore_eos=True)
         elif kind == "penalties":
             body[rng.choice(PENALTY_FIELDS)] = 1.2
-        disconnect = rng.random() < DISCONNECT_SHARE and kind != "penalties"
+        disconnect = rng.random() < DISCONNECT_SHARE
         requests.append({"kind": kind, "body": body, "stream": disconnect or rng.random() < 0.5,
                          "disconnect": disconnect})
     return requests
@@ -83,10 +83,7 @@ def test_a_soak_of_mixed_requests_loses_nothing_and_frees_every_page(server):
     assert not [r for r in results if r["status"] >= 500], "a request got a 5xx"
     assert len(results) == REQUESTS
     for r in results:
-        if r["kind"] == "penalties":  # range-checked, refused until the sampler applies them
-            assert r["status"] == 400 and r["answer"]["error"]["param"] in PENALTY_FIELDS, r
-        else:
-            assert r["status"] == 200, r
+        assert r["status"] == 200, r
     answered = [r for r in results if r["status"] == 200 and not r.get("dropped")]
     assert all(r["done"] for r in answered if r["stream"]), "a stream ended without [DONE]"
     finishes = [r["finish"] if r["stream"] else r["answer"]["choices"][0]["finish_reason"] for r in answered]

@@ -122,6 +122,8 @@ def draw(z: torch.Tensor, candidates: torch.Tensor, seed: int, position: int, ro
     rows = -(-v // COLUMNS)
     column_mass = torch.nn.functional.pad(mass, (0, rows * COLUMNS - v)).view(rows, COLUMNS).sum(0)
     columns = torch.nonzero(column_mass > 0)[:, 0]
+    if columns.numel() == 0:  # no candidate has a finite mass (NaN or +inf logits): any token will do
+        return int(torch.argmax(torch.nan_to_num(z)))
     keys = torch.log(column_mass[columns]) + gumbel(seed, position, round_, 0, columns)
     column = int(columns[torch.argmax(keys)])
     tokens = torch.arange(column, v, COLUMNS, device=z.device)
