@@ -1,6 +1,6 @@
 """Sampling inside the decode CUDA graph (GPU): a batch of seeded requests with mixed sampling
-parameters gives the same tokens replayed from graphs as run eagerly, and each request the same
-tokens alone as in the batch."""
+parameters gives the same tokens replayed from graphs as run eagerly (the same kernels over the
+same logits; a request alone may see other logits bits, as the model's GEMMs tile by batch)."""
 import os
 
 import pytest
@@ -29,7 +29,7 @@ def generate(engine, prompts, all_params):
     return [list(r.output_ids) for r in reqs]
 
 
-def test_graphed_sampling_equals_eager_and_alone(tmp_path):
+def test_graphed_sampling_equals_eager(tmp_path):
     cfg = write_config_dir(os.path.join(tmp_path, "m"), QWEN3_30B_DIR_CONFIG)
     common = dict(model=cfg, load_format="dummy", hf_overrides={"num_hidden_layers": 4}, max_running_requests=8,
                   max_model_len=128, num_tokens=4096)
@@ -38,9 +38,7 @@ def test_graphed_sampling_equals_eager_and_alone(tmp_path):
     graphed = Engine(EngineConfig(**common))
     assert graphed.runner.graphs is not None
     batch = generate(graphed, prompts, all_params)
-    alone = [generate(graphed, [p], [sp])[0] for p, sp in zip(prompts, all_params)]
     del graphed
     eager = generate(Engine(EngineConfig(disable_cuda_graph=True, **common)), prompts, all_params)
-    assert batch == alone
     assert batch == eager
     assert len({tuple(t) for t in batch}) == len(batch)
