@@ -6,7 +6,12 @@ presence, frequency and repetition penalties), then the sampler kernel alone: mi
 call over a [B, V] float32 batch of logits against torch's argmax of the same logits, with the
 floor of one read of the logits at the measured HBM bandwidth.
 
-Routing does not matter here (every expert is on the GPU); the dummy router routes as it does.
+Routing matters even with every expert on the GPU: a step reads each distinct routed expert
+once, and the dummy weights make greedy requests repeat one token, so a greedy batch routes
+every row to the same few experts while sampled rows spread over all of them. Rows are
+measured under two routings: `dummy` (the router as it is) and `uniform` (large noise added to
+the router logits inside the graph, so every row routes at random and greedy and sampled
+batches read the same experts: the ratio then measures sampling alone).
 GPU only: without CUDA it says so and exits 0.
 """
 
@@ -45,6 +50,7 @@ def parse_args(argv):
     p.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES),
                    help="the sampling cases (greedy first: the ratios are to it)")
     p.add_argument("--parts", nargs="+", choices=["decode", "kernel"], default=["decode", "kernel"])
+    p.add_argument("--routings", nargs="+", choices=["uniform", "dummy"], default=["uniform", "dummy"])
     add_results_flag(p)
     return p.parse_args(argv)
 
@@ -60,10 +66,24 @@ def make_engine(config_dir, args):
     return Engine(ec)
 
 
-def decode_rows(engine, args) -> list[list]:
-    """[batch, case, tok/s, ratio to greedy] for every batch and case, the fastest of the repeats."""
+UNIFORM_NOISE_STD = 100.0  # router logits have a spread of about 1: this drowns them
+
+
+def uniform_routing(engine) -> list:
+    """Forward hooks on every MoE gate adding N(0, UNIFORM_NOISE_STD) noise to the router
+    logits (drawn inside the decode graph at every replay); returns the handles."""
+    model = engine.runner.model
+    return [model.moe_block(layer_id).gate.register_forward_hook(
+        lambda _m, _i, out: out + torch.randn_like(out) * UNIFORM_NOISE_STD) for layer_id in engine.mc.moe_layer_ids]
+
+
+def decode_rows(engine, args, routing: str) -> list[list]:
+    """[routing, batch, case, tok/s, ratio to greedy] for every batch and case, the fastest of
+    the repeats, under `routing`."""
     from moeferry.sampling import SamplingParams
 
+    hooks = uniform_routing(engine) if routing == "uniform" else []
+    engine.runner.recapture_graphs()  # the graphs bake in the router hooks
     rows = []
     for batch in args.batch:
         greedy_tok_s = None
@@ -74,8 +94,10 @@ def decode_rows(engine, args) -> list[list]:
                     for _ in range(max(1, args.repeats))]
             tok_s = max(run["tok_s"] for run in runs)
             greedy_tok_s = greedy_tok_s or tok_s
-            rows.append([batch, CASE_NAMES[name], f"{tok_s:.1f}", f"{tok_s / greedy_tok_s:.3f}"])
+            rows.append([routing, batch, CASE_NAMES[name], f"{tok_s:.1f}", f"{tok_s / greedy_tok_s:.3f}"])
             print(rows[-1], flush=True)
+    for hook in hooks:
+        hook.remove()
     return rows
 
 
@@ -115,7 +137,8 @@ def main(argv, args) -> int:
     if "decode" in args.parts:
         cfg_dir = write_config_dir(os.path.join(tempfile.mkdtemp(), "qwen3-30b-a3b"), QWEN3_30B_DIR_CONFIG)
         engine = make_engine(cfg_dir, args)
-        tables.append(markdown_table(["batch", "sampling", "decode tok/s", "of greedy"], decode_rows(engine, args)))
+        rows = [row for routing in args.routings for row in decode_rows(engine, args, routing)]
+        tables.append(markdown_table(["routing", "batch", "sampling", "decode tok/s", "of greedy"], rows))
         del engine
         free_engine_memory()
     if "kernel" in args.parts:
