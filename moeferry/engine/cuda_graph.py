@@ -124,6 +124,7 @@ class DecodeGraphs:
         self.samples = SampleBuffers(self.inputs.sample_slots, self.inputs.draw_positions,
                                      *SampleBuffers.allocate(self.sizes[-1], runner.mc.vocab_size,
                                                              runner.device).outputs())
+        self.sample_views = {b: self.samples.view(b) for b in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.batches: dict[int, ForwardBatch] = {}  # kept alive: a graph reads their tensors at every replay
         self.logits: dict[int, torch.Tensor] = {}
@@ -138,7 +139,7 @@ class DecodeGraphs:
 
     def _step(self, b: int) -> torch.Tensor:
         logits = self.runner.model(self.batches[b], self.runner.kv)
-        self.runner.sampler.run(logits, self.samples.view(b))
+        self.runner.sampler.run(logits, self.sample_views[b])
         return logits
 
     @torch.inference_mode()
@@ -169,4 +170,4 @@ class DecodeGraphs:
         b = next(s for s in self.sizes if s >= n)
         self.inputs.write(*self.runner.decode_inputs(reqs), b, sample_slots)
         self.graphs[b].replay()
-        return self.logits[b][:n], self.samples.view(b)
+        return self.logits[b][:n], self.sample_views[b]
