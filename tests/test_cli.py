@@ -72,7 +72,7 @@ def run_cli(argv, capsys) -> str:
 # (flags after `generate --prompt hi`, what the one line says) -- each fails before a model loads
 BEFORE_LOADING = [
     (["--max-tokens", "0"], "argument --max-tokens: max_tokens must be >= 1"),
-    (["--temperature", "-1"], "argument --temperature: temperature must be >= 0"),
+    (["--temperature", "-1"], "argument --temperature: temperature must be in [0.0, 100.0]"),
     (["--top-p", "0"], "argument --top-p: top_p must be in (0.0, 1.0]"),
     (["--sampling-seed", str(2**64)], "argument --sampling-seed: seed must be in"),
     (["--max-running-requests", "0"], "--max-running-requests must be >= 1, got 0"),

@@ -44,3 +44,10 @@ def implementation(op: str, tensor, impl: str | None = None, *, triton_eligible:
     """The module kernels/<op>/<choose(...)>.py. Triton on CPU tensors needs TRITON_INTERPRET=1,
     set before triton is first imported."""
     return importlib.import_module(f"moeferry.kernels.{op}.{choose(op, tensor, impl, triton_eligible=triton_eligible)}")
+
+
+def size_of(tensor_field: str, axis: int) -> property:
+    """A read-only size of a state dataclass: dimension `axis` of its tensor `tensor_field`
+    (the sizes of a device state are its tensors' shapes, never stored twice)."""
+    return property(lambda self: getattr(self, tensor_field).shape[axis],
+                    doc=f"{tensor_field}.shape[{axis}]")

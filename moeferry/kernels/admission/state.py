@@ -9,6 +9,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from moeferry.kernels import size_of
+
 POLICIES = ("lru", "lrfu", "layer_lru")
 
 
@@ -103,17 +105,9 @@ class SlotState:
             max_routes=max_routes,
         )
 
-    @property
-    def num_layers(self) -> int:
-        return self.slot_of.shape[0]
-
-    @property
-    def num_experts(self) -> int:
-        return self.slot_of.shape[1]
-
-    @property
-    def num_slots(self) -> int:
-        return self.owner_of.shape[0]
+    num_layers = size_of("slot_of", 0)
+    num_experts = size_of("slot_of", 1)
+    num_slots = size_of("owner_of", 0)
 
     def reset(self) -> None:
         """Empty the cache in place (clock and plan included); nothing is reallocated."""

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moeferry.kernels import size_of
+
 __all__ = ["SamplingState"]
 
 
@@ -64,17 +66,9 @@ class SamplingState:
             bias_ids=full((num_slots, max(1, max_bias)), -1, torch.int32),
             bias_values=full((num_slots, max(1, max_bias)), 0.0, torch.float32))
 
-    @property
-    def num_slots(self) -> int:
-        return self.output_counts.shape[0]
-
-    @property
-    def vocab(self) -> int:
-        return self.output_counts.shape[1]
-
-    @property
-    def max_bias(self) -> int:
-        return self.bias_ids.shape[1]
+    num_slots = size_of("output_counts", 0)
+    vocab = size_of("output_counts", 1)
+    max_bias = size_of("bias_ids", 1)
 
     def assign(self, slot: int, *, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0,
                min_p: float = 0.0, repetition_penalty: float = 1.0, frequency_penalty: float = 0.0,
