@@ -3,7 +3,8 @@ requests and time to first token of a 512-token prompt, for a dummy Qwen3-30B-A3
 model behind `moeferry serve`, with decode CUDA graphs and with `--disable-cuda-graph`.
 
 Each server runs as a subprocess on 127.0.0.1 (a free port) and is driven with httpx over
-/v1/completions, token-id prompts, `stream: true`, temperature 0, ignore_eos. Per request the
+/v1/completions, token-id prompts, `stream: true`, ignore_eos, each concurrency greedy
+(temperature 0) and sampled (temperature 1, the OpenAI API's default, seeded). Per request the
 client records the arrival time of every streamed token and the exact token count from the
 usage chunk. Decode tokens/s = sum over requests of (tokens - 1, those after its first token)
 / (last token anywhere - first "first token" anywhere); mean inter-token latency = the same
@@ -52,6 +53,8 @@ def parse_args(argv):
     p.add_argument("--requests", type=int, nargs="+", default=[1, 4, 16], help="concurrent streaming requests")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0],
+                   help="each concurrency is measured at each temperature (0: greedy)")
     p.add_argument("--ttft-prompt-len", type=int, default=512)
     p.add_argument("--ttft-repeats", type=int, default=3)
     p.add_argument("--skip-no-graph", action="store_true", help="measure with CUDA graphs only")
@@ -184,9 +187,9 @@ def random_prompt(seed: int, length: int, vocab: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(length)]
 
 
-async def stream_completion(client, prompt: list[int], max_tokens: int) -> Stream:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+async def stream_completion(client, prompt: list[int], max_tokens: int, temperature: float = 0.0) -> Stream:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "seed": len(prompt),
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     sent, times, used = time.perf_counter(), [], None
     async with client.stream("POST", "/v1/completions", json=body) as resp:
         if resp.status_code != 200:
@@ -206,12 +209,12 @@ async def stream_completion(client, prompt: list[int], max_tokens: int) -> Strea
     return Stream(sent, times, used)
 
 
-async def run_concurrent(url: str, prompts: list[list[int]], max_tokens: int) -> list[Stream]:
+async def run_concurrent(url: str, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0) -> list[Stream]:
     import httpx
 
     limits = httpx.Limits(max_connections=len(prompts) + 4)
     async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=httpx.Timeout(600.0), limits=limits) as client:
-        return await asyncio.gather(*(stream_completion(client, p, max_tokens) for p in prompts))
+        return await asyncio.gather(*(stream_completion(client, p, max_tokens, temperature) for p in prompts))
 
 
 def decode_stats(streams: list[Stream]) -> tuple[float, float, float]:
@@ -234,14 +237,16 @@ def measure(server: ServerProcess, args, vocab: int) -> tuple[list[list], list[f
     asyncio.run(run_concurrent(server.url, [random_prompt(20_000, args.ttft_prompt_len, vocab)], 1))
     rows = []
     for n in args.requests:
-        prompts = [random_prompt(1000 * n + i, args.prompt_len, vocab) for i in range(n)]
-        streams = asyncio.run(run_concurrent(server.url, prompts, args.max_tokens))
-        got = [s.completion_tokens for s in streams]
-        if any(g != args.max_tokens for g in got):
-            raise RuntimeError(f"asked {args.max_tokens} tokens per request, got {got}")
-        rate, itl, ttft = decode_stats(streams)
-        rows.append([n, f"{rate:.1f}", f"{rate / n:.1f}", f"{itl * 1e3:.2f}", f"{ttft * 1e3:.1f}"])
-        print(rows[-1], flush=True)
+        for temperature in args.temperatures:
+            prompts = [random_prompt(1000 * n + i, args.prompt_len, vocab) for i in range(n)]
+            streams = asyncio.run(run_concurrent(server.url, prompts, args.max_tokens, temperature))
+            got = [s.completion_tokens for s in streams]
+            if any(g != args.max_tokens for g in got):
+                raise RuntimeError(f"asked {args.max_tokens} tokens per request, got {got}")
+            rate, itl, ttft = decode_stats(streams)
+            rows.append([n, f"{temperature:g}", f"{rate:.1f}", f"{rate / n:.1f}", f"{itl * 1e3:.2f}",
+                         f"{ttft * 1e3:.1f}"])
+            print(rows[-1], flush=True)
     ttfts = []
     for i in range(args.ttft_repeats):
         [s] = asyncio.run(run_concurrent(server.url, [random_prompt(30_000 + i, args.ttft_prompt_len, vocab)], 1))
@@ -273,7 +278,7 @@ def main(argv=None) -> int:
                           f"{max(ttfts) * 1e3:.1f}"])
         notes.append(f"graphs {label}: server up in {server.startup_s:.0f} s, exit status {server.exit_code} "
                      f"after SIGINT")
-    decode = markdown_table(["CUDA graphs", "concurrent requests", "decode tok/s", "tok/s per request",
+    decode = markdown_table(["CUDA graphs", "concurrent requests", "temperature", "decode tok/s", "tok/s per request",
                              "mean inter-token ms", f"mean TTFT ms ({args.prompt_len}-token prompts)"], decode_rows)
     ttft = markdown_table(["CUDA graphs", f"TTFT ms, {args.ttft_prompt_len}-token prompt (median)", "min", "max"],
                           ttft_rows)
@@ -281,7 +286,8 @@ def main(argv=None) -> int:
              if args.allow_cpu and not torch.cuda.is_available() else "Qwen3-30B-A3B shape (128 experts, top-8)")
     text = (f"{args.layers} layers, {shape}, dummy weights, `--moe-strategy gpu`, max {max(args.requests)} running "
             f"requests. Streaming /v1/completions over HTTP on 127.0.0.1 (httpx): {args.prompt_len}-token random "
-            f"prompts, {args.max_tokens} tokens each, greedy, ignore_eos. Decode tok/s counts the tokens after each "
+            f"prompts, {args.max_tokens} tokens each, ignore_eos, temperature 0 (greedy) or as shown (seeded, top_p 1). "
+            f"Routing: the dummy router (greedy rows repeat tokens and read fewer experts). Decode tok/s counts the tokens after each "
             f"request's first, over the time from the first first-token to the last token; TTFT is a lone request, "
             f"median of {args.ttft_repeats}, after a warm-up. " + "; ".join(notes) + ".")
     report("serve", "Serving through the HTTP API", command_line("benchmarks.bench_serve", argv),
