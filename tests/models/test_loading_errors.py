@@ -61,13 +61,18 @@ def test_unknown_model_type(ckpt, tmp_path):
         LLM(d, device="cpu")
 
 
-def _edit_tensor(d, name, fn):
+def _edit_shard(d, name, edit):
+    """Apply `edit` to the tensors dict of the shard that holds `name`; returns the shard's name."""
     index = json.load(open(os.path.join(d, "model.safetensors.index.json")))
     file = os.path.join(d, index["weight_map"][name])
     tensors = load_file(file)
-    tensors[name] = fn(tensors[name])
+    edit(tensors)
     save_file(tensors, file, metadata={"format": "pt"})
     return os.path.basename(file)
+
+
+def _edit_tensor(d, name, fn):
+    return _edit_shard(d, name, lambda tensors: tensors.__setitem__(name, fn(tensors[name])))
 
 
 @pytest.mark.parametrize("name", ["model.layers.1.self_attn.q_proj.weight", "model.layers.0.mlp.experts.3.down_proj.weight"])
@@ -89,11 +94,7 @@ def test_wrong_dtype(ckpt, tmp_path):
 def test_missing_tensor(ckpt, tmp_path):
     d = _copy(ckpt, tmp_path)
     name = "model.layers.2.post_attention_layernorm.weight"
-    index = json.load(open(os.path.join(d, "model.safetensors.index.json")))
-    file = os.path.join(d, index["weight_map"][name])
-    tensors = load_file(file)
-    del tensors[name]
-    save_file(tensors, file, metadata={"format": "pt"})
+    _edit_shard(d, name, lambda tensors: tensors.pop(name))
     with pytest.raises(ConfigError, match="lacks 1 tensor.*post_attention_layernorm"):
         LLM(d, device="cpu")
 
@@ -141,11 +142,8 @@ def test_an_unreadable_shard_names_its_file(ckpt, tmp_path, damage):
 def test_an_expert_past_the_configured_count_names_the_tensor(ckpt, tmp_path):
     d = _copy(ckpt, tmp_path)
     name = "model.layers.0.mlp.experts.3.down_proj.weight"
-    index = json.load(open(os.path.join(d, "model.safetensors.index.json")))
-    file = os.path.join(d, index["weight_map"][name])
-    tensors = load_file(file)
-    tensors["model.layers.0.mlp.experts.99.down_proj.weight"] = tensors[name].clone()
-    save_file(tensors, file, metadata={"format": "pt"})
+    _edit_shard(d, name, lambda tensors: tensors.__setitem__("model.layers.0.mlp.experts.99.down_proj.weight",
+                                                             tensors[name].clone()))
     with pytest.raises(ConfigError, match=r"tensor 'model.layers.0.mlp.experts.99.down_proj.weight' is expert 99, "
                                           r"but the model has 8 experts per layer"):
         LLM(d, device="cpu")

@@ -22,6 +22,16 @@ class RunningServer:
     def headers(self) -> dict:
         return {"Authorization": f"Bearer {self.api_key}"}
 
+    def wait_idle(self, http, timeout: float = 60.0) -> dict:
+        """/v1/stats once nothing runs or waits (`http`: a client of this server)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = http.get("/v1/stats").json()
+            if stats["requests"]["running"] == 0 and stats["requests"]["waiting"] == 0:
+                return stats
+            assert time.monotonic() < deadline, f"the engine is still busy: {stats}"
+            time.sleep(0.05)
+
 
 @contextlib.contextmanager
 def running_server(**engine_options):

@@ -15,14 +15,6 @@ def http(server):
         yield client
 
 
-def wait_idle(http, timeout=30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = http.get("/v1/stats").json()
-        if stats["requests"]["running"] == 0 and stats["requests"]["waiting"] == 0:
-            return stats
-        assert time.monotonic() < deadline, f"the engine is still busy: {stats}"
-        time.sleep(0.05)
 
 
 def long_request(stream: bool) -> dict:
@@ -30,7 +22,7 @@ def long_request(stream: bool) -> dict:
 
 
 def test_disconnect_mid_stream_aborts_the_request_and_frees_its_pages(server, http):
-    before = wait_idle(http)
+    before = server.wait_idle(http)
     with httpx.stream("POST", server.url + "/v1/completions", json=long_request(True), headers=server.headers(),
                       timeout=60) as r:
         assert r.status_code == 200  # hang up right after the headers, before reading any event
@@ -45,7 +37,7 @@ def test_disconnect_mid_stream_aborts_the_request_and_frees_its_pages(server, ht
                 # still connected (leaving this loop closes the connection): the request runs
                 assert http.get("/v1/stats").json()["kv"]["pages_used"] > 0
                 break
-    after = wait_idle(http)
+    after = server.wait_idle(http)
     assert after["requests"]["aborted"] == before["requests"]["aborted"] + 2
     assert after["kv"]["pages_used"] == 0
     assert after["tokens"]["generation_tokens"] - before["tokens"]["generation_tokens"] < 2 * 200
@@ -54,17 +46,17 @@ def test_disconnect_mid_stream_aborts_the_request_and_frees_its_pages(server, ht
 
 
 def test_disconnect_while_waiting_for_a_full_answer_aborts_it(server, http):
-    before = wait_idle(http)
+    before = server.wait_idle(http)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=long_request(False), headers=server.headers(), timeout=0.3)
-    after = wait_idle(http)
+    after = server.wait_idle(http)
     assert after["requests"]["aborted"] == before["requests"]["aborted"] + 1
     assert after["kv"]["pages_used"] == 0
 
 
-def test_stats_endpoint(http):
+def test_stats_endpoint(server, http):
     http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
-    stats = wait_idle(http)
+    stats = server.wait_idle(http)
     assert set(stats) == {"requests", "tokens", "kv", "moe"}
     assert stats["kv"]["pages_total"] > 0 and 0.0 <= stats["kv"]["usage"] <= 1.0
     assert stats["tokens"]["generation_tokens"] >= 3 and stats["tokens"]["prompt_tokens"] >= 1
@@ -78,13 +70,13 @@ def _samples(text: str) -> dict:
     return out
 
 
-def test_metrics_parse_and_count_the_requests_made(http):
+def test_metrics_parse_and_count_the_requests_made(server, http):
     before = _samples(http.get("/metrics").text)
     body = {"prompt": "Hi", "max_tokens": 4, "ignore_eos": True}
     for _ in range(3):
         assert http.post("/v1/completions", json=body).status_code == 200
     assert http.post("/v1/chat/completions", json={"messages": []}).status_code == 400
-    wait_idle(http)
+    server.wait_idle(http)
     after = _samples(http.get("/metrics").text)
 
     def delta(name, **labels):

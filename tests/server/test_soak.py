@@ -62,23 +62,13 @@ async def soak(server) -> list[dict]:
         return await asyncio.gather(*(bounded(r) for r in reqs))
 
 
-def wait_idle(http, timeout=60.0) -> dict:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = http.get("/v1/stats").json()
-        if stats["requests"]["running"] == 0 and stats["requests"]["waiting"] == 0:
-            return stats
-        assert time.monotonic() < deadline, stats
-        time.sleep(0.05)
 
 
 def test_a_soak_of_mixed_requests_loses_nothing_and_frees_every_page(server):
     http = httpx.Client(base_url=server.url, headers=server.headers(), timeout=60)
-    before = wait_idle(http)
+    before = server.wait_idle(http)
     results = asyncio.run(soak(server))
-    after = wait_idle(http)
+    after = server.wait_idle(http)
 
     assert not [r for r in results if r["status"] >= 500], "a request got a 5xx"
     assert len(results) == REQUESTS
