@@ -121,10 +121,9 @@ class DecodeGraphs:
         self.inputs = StagedInputs(self.sizes[-1], runner.max_pages_per_req, runner.device,
                                    runner.scratch_page, runner.ec.page_size)
         self.inputs.write([], [], [], [], [], self.sizes[-1])
-        self.samples = SampleBuffers(self.inputs.sample_slots, self.inputs.draw_positions,
-                                     *SampleBuffers.allocate(self.sizes[-1], runner.mc.vocab_size,
-                                                             runner.device).outputs())
-        self.sample_views = {b: self.samples.view(b) for b in self.sizes}
+        samples = SampleBuffers.allocate(self.sizes[-1], runner.mc.vocab_size, runner.device,
+                                         row_slot=self.inputs.sample_slots, positions=self.inputs.draw_positions)
+        self.sample_views = {b: samples.view(b) for b in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.batches: dict[int, ForwardBatch] = {}  # kept alive: a graph reads their tensors at every replay
         self.logits: dict[int, torch.Tensor] = {}

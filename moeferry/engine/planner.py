@@ -130,16 +130,11 @@ def plan_memory(ec, needs: ExpertNeeds, kv: KVShape | None = None, device: torch
         left = budget - needs.stream_bytes - slots * needs.expert_bytes
         kv_tokens = want_kv if ec.num_tokens is not None or kv is None else min(want_kv, left // kv.bytes_per_token)
     pages = kv_tokens // ec.page_size
-    if kv is not None and pages < 1:
-        raise ConfigError(_no_room_for_kv(ec, kv_tokens))
+    if kv is not None and pages < 1:  # (a --num-tokens under one page is refused by EngineConfig.check)
+        raise ConfigError(f"no room for the KV cache: {kv_tokens} tokens fit (raise --memory-ratio, lower "
+                          f"--vram-reserve-mb or the expert cache, or set --num-tokens)")
     return MemoryPlan(kv_pages=pages, page_size=ec.page_size, kv_bytes=pages * ec.page_size * (kv.bytes_per_token if kv else 0),
                       expert_slots=slots, slot_bytes=slots * needs.expert_bytes,
                       stream_bytes=needs.stream_bytes, sampler_bytes=sampler_bytes, host_bytes=needs.host_bytes,
                       free_bytes=free, budget_bytes=budget)
 
-
-def _no_room_for_kv(ec, tokens: int) -> str:
-    if ec.num_tokens is not None:
-        return f"--num-tokens {ec.num_tokens} is less than one KV page (--page-size {ec.page_size})"
-    return (f"no room for the KV cache: {tokens} tokens fit (raise --memory-ratio, lower --vram-reserve-mb or the "
-            f"expert cache, or set --num-tokens)")

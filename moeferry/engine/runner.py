@@ -126,10 +126,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, reqs) -> SampledTokens:
-        """One decode step of `reqs` and a token for each, sampled on the device (inside the
-        step's CUDA graph where there is one)."""
+        """One decode step of `reqs` (bound to sampler slots) and a token for each, sampled on
+        the device (inside the step's CUDA graph where there is one)."""
         if self.graphs is not None and self.graphs.can_run(len(reqs)):
-            _, samples = self.graphs.run(reqs, [self.sampler.bind(r) for r in reqs])
+            _, samples = self.graphs.run(reqs, self.sampler.slots(reqs))
             return self.sampler.read(samples, reqs)
         return self.sampler.sample(self.forward(self.decode_batch(reqs)), reqs)
 

@@ -43,15 +43,17 @@ class SampleBuffers:
     logprobs: torch.Tensor
 
     @classmethod
-    def allocate(cls, rows: int, vocab: int, device) -> "SampleBuffers":
-        return cls(row_slot=torch.full((rows,), -1, dtype=torch.int32, device=device),
-                   positions=torch.zeros(rows, dtype=torch.int64, device=device),
+    def allocate(cls, rows: int, vocab: int, device, row_slot: torch.Tensor | None = None,
+                 positions: torch.Tensor | None = None) -> "SampleBuffers":
+        """New buffers; the inputs may be given (the decode graphs stage them with the rest)."""
+        if row_slot is None:
+            row_slot = torch.full((rows,), -1, dtype=torch.int32, device=device)
+        if positions is None:
+            positions = torch.zeros(rows, dtype=torch.int64, device=device)
+        return cls(row_slot=row_slot, positions=positions,
                    tokens=torch.zeros(rows, dtype=torch.int64, device=device),
                    token_logprobs=torch.zeros(rows, dtype=torch.float32, device=device),
                    logprobs=torch.zeros(rows, vocab, dtype=torch.float32, device=device))
-
-    def outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.tokens, self.token_logprobs, self.logprobs
 
     def view(self, rows: int) -> "SampleBuffers":
         return SampleBuffers(self.row_slot[:rows], self.positions[:rows], self.tokens[:rows],
@@ -68,7 +70,7 @@ class Sampler:
 
     def __init__(self, num_slots: int, vocab: int, device: torch.device):
         self.state = SamplingState.allocate(num_slots, vocab, MAX_LOGIT_BIAS, device)
-        self.vocab, self.device = vocab, device
+        self.vocab = vocab
         self._free = list(range(num_slots - 1, -1, -1))
         self._slot_of: dict[int, int] = {}
 
@@ -79,7 +81,8 @@ class Sampler:
         return num_slots * vocab * 5 + rows * vocab * 4
 
     def bind(self, req) -> int:
-        """The request's slot, assigned and written now if it has none."""
+        """The request's slot, assigned and written now if it has none (the engine binds every
+        request it samples for, before the step draws; `slots` then only looks them up)."""
         slot = self._slot_of.get(req.rid)
         if slot is not None:
             return slot
@@ -96,6 +99,10 @@ class Sampler:
                           output_ids=req.output_ids, full_logprobs=bool(p.logprobs))  # logprobs 0: the token's own only
         return slot
 
+    def slots(self, reqs) -> list[int]:
+        """The slots of bound requests (KeyError for one that is not)."""
+        return [self._slot_of[r.rid] for r in reqs]
+
     def release(self, req) -> None:
         slot = self._slot_of.pop(req.rid, None)
         if slot is not None:
@@ -105,7 +112,7 @@ class Sampler:
         """Write the rows' slots and draw positions into `buffers` (rows past len(reqs) are
         padding: slot -1). The position of a draw is the index of the token it makes."""
         n = len(reqs)
-        slots = torch.tensor([self.bind(r) for r in reqs] + [-1] * (buffers.row_slot.shape[0] - n), dtype=torch.int32)
+        slots = torch.tensor(self.slots(reqs) + [-1] * (buffers.row_slot.shape[0] - n), dtype=torch.int32)
         positions = torch.tensor([r.num_tokens for r in reqs] + [0] * (buffers.positions.shape[0] - n))
         buffers.row_slot.copy_(slots, non_blocking=True)
         buffers.positions.copy_(positions, non_blocking=True)
