@@ -51,14 +51,11 @@ class ServerConfig:
 
 
 def served_model_name(engine, config: ServerConfig) -> str:
-    from moeferry.default_model import DEFAULT_MODEL_NAME, default_model_dir
+    from moeferry.default_model import builtin_model_name
 
     if config.served_model_name:
         return config.served_model_name
-    model_dir = os.path.realpath(engine.ec.model)
-    if model_dir == os.path.realpath(default_model_dir()):
-        return DEFAULT_MODEL_NAME
-    return os.path.basename(model_dir)
+    return builtin_model_name(engine.ec.model) or os.path.basename(os.path.realpath(engine.ec.model))
 
 
 # ---- the app ---------------------------------------------------------------------------------
