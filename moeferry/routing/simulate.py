@@ -19,7 +19,8 @@ Prediction (`moeferry routing simulate`; a model, not a measurement):
 
 Compute time: --step-ms x decode steps when given; else, for a trace recorded under the `gpu`
 strategy (every expert resident, so no copies inside its times), the sum of its decode steps'
-recorded wall-clock times; else none, and no prediction is printed. Copies are taken as not
+recorded wall-clock times (forward, sampling and the read of the tokens; not the scheduler's or
+detokeniser's host time); else none, and no prediction is printed. Copies are taken as not
 overlapping compute (an offload layer copies its misses after its router and before its GEMM,
 inside the step), and the admission's own microseconds per layer are left out. H2D bandwidth:
 --h2d-gbps; else a pinned host-to-device copy measured here when torch sees a CUDA GPU; else
