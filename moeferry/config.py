@@ -118,6 +118,7 @@ class EngineConfig:
     moe_lrfu_decay: float = 0.5
     moe_collect_stats: bool = False
     moe_prefill_demand_tokens: int | str = 0  # a token count, or "auto"
+    moe_record_routing: str | None = None  # a file: every step's routes, for `moeferry routing simulate` (routing/)
     # memory budget
     memory_ratio: float = 0.9
     vram_reserve_mb: int = 1024
@@ -239,6 +240,10 @@ def _check_together(ec: EngineConfig) -> None:
             raise ConfigError(f"{flag(name)} is read only by {flag(chooser)} {' or '.join(readers)}; under "
                               f"{flag(chooser)} {getattr(ec, chooser)} it would be ignored: drop it, or choose "
                               f"{' or '.join(readers)}")
+    trace = ec.moe_record_routing
+    if trace is not None and (not trace or os.path.isdir(trace)
+                              or not os.path.isdir(os.path.dirname(os.path.abspath(trace)))):
+        raise ConfigError(f"--moe-record-routing {trace!r}: give a file path in an existing directory")
     from moeferry.moe.prefill_policy import validate_demand_prefill
 
     validate_demand_prefill(ec)

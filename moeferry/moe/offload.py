@@ -179,6 +179,9 @@ class OffloadStrategy(MoEStrategy):
             return self._through_cache(layer_id, hidden, topk_weights, topk_ids, "prefill", sum_routes)
         return self._streamed(layer_id, hidden, topk_weights, topk_ids, sum_routes)
 
+    def admits_prefill(self) -> bool:
+        return bool(self.decision.demand)
+
     def stats(self) -> dict:
         out = {"strategy": self.name, "slots": self.cache.num_slots,
                "experts": self.cache.num_layers * self.cache.num_experts,
