@@ -153,7 +153,7 @@ def _cmd_serve(args) -> int:
 
 
 _BENCHMARKS = ("admission", "copy", "decode", "sampling", "fused_moe", "attention", "linear", "ttft", "uva", "serve",
-               "parity")
+               "parity", "routing")
 
 
 def _cmd_bench(args) -> int:
