@@ -76,8 +76,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
         kind = _flag_type(f)
-        if kind is bool:
-            group.add_argument(flag, action="store_true", default=f.default)
+        if kind is bool:  # a flag on by default also gets its way off: --no-<flag>
+            action = argparse.BooleanOptionalAction if f.default else "store_true"
+            group.add_argument(flag, action=action, default=f.default)
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         choices = CHOICES[f.name]() if f.name in CHOICES else None

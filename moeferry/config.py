@@ -129,6 +129,7 @@ class EngineConfig:
     max_running_requests: int = 8
     max_prefill_tokens: int = 2048
     max_model_len: int | None = None
+    enable_prefix_caching: bool = True  # reuse the KV pages of a known prompt prefix (kvcache/paged.py)
     disable_cuda_graph: bool = False
 
     def replace(self, **changes: Any) -> "EngineConfig":

@@ -23,6 +23,16 @@ def test_engine_flags_parse_to_their_types():
     assert ec.moe_collect_stats is True and ec.memory_ratio == 0.5
 
 
+
+def test_a_flag_on_by_default_has_a_no_form_and_one_off_by_default_has_none():
+    parser = build_parser()
+    assert engine_config_from_args(parser.parse_args(["serve"])).enable_prefix_caching is True
+    args = parser.parse_args(["serve", "--no-enable-prefix-caching", "--disable-cuda-graph"])
+    ec = engine_config_from_args(args)
+    assert ec.enable_prefix_caching is False and ec.disable_cuda_graph is True
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--no-disable-cuda-graph"])
+
 def test_generate_on_the_default_model_streams_text(tmp_path):
     env = {"MOEFERRY_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-m", "moeferry.cli", "generate", "--prompt", "Hello", "--max-tokens", "6",
