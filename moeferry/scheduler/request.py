@@ -25,8 +25,12 @@ class Request:
     more than one token is pending (or nothing was generated yet) the request is prefilling
     its pending tokens in chunks; after that it decodes one token a step. A preempted request
     drops its pages and sets num_computed to 0: its prompt and the tokens generated so far are
-    recomputed when it runs again. Requests compare by identity (eq=False), so membership
-    tests in the scheduler's queues cost O(1) per element, not a comparison of token lists."""
+    recomputed when it runs again (less the pages the prefix cache still holds). Its pages
+    below `num_computed` may be shared with other requests: it only writes at positions
+    >= num_computed. `page_keys` are the prefix cache's chain keys of its first full pages
+    (tokens only grow, so they stay valid); its first `num_registered` pages were offered to
+    the cache. Requests compare by identity (eq=False), so membership tests in the scheduler's
+    queues cost O(1) per element, not a comparison of token lists."""
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -34,6 +38,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0
+    page_keys: list[bytes] = field(default_factory=list)
+    num_registered: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None
     text: str = ""

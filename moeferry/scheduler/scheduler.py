@@ -1,5 +1,6 @@
 """Continuous batching: FCFS admission, chunked prefill under a token budget, every running
-request decodes each step, preemption (recompute later) when KV pages run out."""
+request decodes each step, preemption (recompute later) when KV pages run out, and prefix
+caching: an admitted request starts after the cached pages of its longest known prefix."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from moeferry.kvcache.paged import PagePool
+from moeferry.kvcache.paged import PagePool, chain_page_keys
 from moeferry.sampling import InvalidRequest
 from moeferry.scheduler.request import Request, Status
 
@@ -16,12 +17,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StepPlan:
-    """One step's work: prefill chunks (request, number of tokens) and decoding requests, and
-    the requests preempted while planning it (back in `waiting`, their pages released)."""
+    """One step's work: prefill chunks (request, number of tokens) and decoding requests, the
+    requests preempted while planning it (back in `waiting`, their pages released), and the
+    tokens the requests admitted in it looked up in the prefix cache and found there."""
 
     prefill: list[tuple[Request, int]] = field(default_factory=list)
     decode: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
 
     @property
     def empty(self) -> bool:
@@ -37,10 +41,16 @@ class Scheduler:
     `max_prefill_tokens`; admission is FCFS (no request overtakes the head of `waiting`).
     Progress: a request that `add` accepted fits alone in the KV cache, and preemption takes
     the latest-admitted request first, so the oldest running request always advances.
+    With `prefix_caching`, a running request's computed full pages are registered in the pool's
+    cache (at each step's planning, and when it is preempted or freed), and a request being
+    admitted shares the cached pages of its longest known prefix, never the page of its last
+    token: its prefill computes at least that token, whose logits it samples from. Cached pages
+    nobody holds count as free: the pool evicts them when it needs the room.
     """
 
-    def __init__(self, pool: PagePool, page_size: int, max_running: int, max_prefill_tokens: int, max_model_len: int):
-        self.pool, self.page_size = pool, page_size
+    def __init__(self, pool: PagePool, page_size: int, max_running: int, max_prefill_tokens: int, max_model_len: int,
+                 prefix_caching: bool = False):
+        self.pool, self.page_size, self.prefix_caching = pool, page_size, prefix_caching
         self.max_running, self.max_prefill_tokens, self.max_model_len = max_running, max_prefill_tokens, max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -74,9 +84,37 @@ class Scheduler:
         req.pages.extend(self.pool.allocate(need))
         return True
 
-    def _preempt(self, req: Request) -> None:
+    def _register_computed(self, req: Request) -> None:
+        """Offer the prefix cache `req`'s full pages whose KV is computed (prompt or generated)."""
+        full = req.num_computed // self.page_size
+        if not self.prefix_caching or full <= req.num_registered:
+            return
+        keys = chain_page_keys(req.page_keys, req.tokens, self.page_size, full)
+        for i in range(req.num_registered, full):
+            self.pool.register(req.pages[i], keys[i])
+        req.num_registered = full
+
+    def _drop_pages(self, req: Request) -> None:
+        """Release `req`'s pages (its computed full pages stay cached for whoever comes next)."""
+        self._register_computed(req)
         self.pool.release(req.pages)
-        req.pages, req.num_computed = [], 0
+        req.pages, req.num_computed, req.num_registered = [], 0, 0
+
+    def _attach_cached_prefix(self, req: Request) -> int:
+        """Give `req` (holding no pages) the cached pages of its longest known prefix, short of
+        the page holding its last token; returns the tokens they cover."""
+        if not self.prefix_caching:
+            return 0
+        reusable = (req.num_tokens - 1) // self.page_size
+        keys = chain_page_keys(req.page_keys, req.tokens, self.page_size, reusable)
+        req.pages = self.pool.match(keys[:reusable])
+        self.pool.share(req.pages)
+        req.num_registered = len(req.pages)
+        req.num_computed = len(req.pages) * self.page_size
+        return req.num_computed
+
+    def _preempt(self, req: Request) -> None:
+        self._drop_pages(req)
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -87,8 +125,7 @@ class Scheduler:
 
     def free(self, req: Request) -> None:
         """Return a finished or aborted request's pages to the pool."""
-        self.pool.release(req.pages)
-        req.pages = []
+        self._drop_pages(req)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -135,31 +172,40 @@ class Scheduler:
                 starved = True
         return chunks, starved
 
-    def _admit_waiting(self, budget: int) -> list[tuple[Request, int]]:
-        """FCFS admission: the head of `waiting` joins while the budget, the running limit and
-        the free pages allow; a head that does not fit stops admission (no overtaking)."""
-        chunks = []
+    def _admit_waiting(self, plan: StepPlan) -> None:
+        """FCFS admission into `plan`: the head of `waiting` joins, after the cached pages of its
+        prefix, while the prefill budget, the running limit and the free pages allow; a head
+        that does not fit stops admission (no overtaking) and gives its cached pages back."""
+        budget = self.max_prefill_tokens - sum(n for _, n in plan.prefill)
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             req = self.waiting[0]
+            hit = self._attach_cached_prefix(req)
             n = min(req.num_tokens - req.num_computed, budget)
             if not self._grow(req, req.num_computed + n):
+                self._drop_pages(req)
                 if not self.running:
                     raise RuntimeError(f"request {req.rid} does not fit in an empty KV cache")
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
-            chunks.append((req, n))
+            plan.prefill.append((req, n))
+            if self.prefix_caching:
+                plan.prefix_queried_tokens += req.num_tokens
+                plan.prefix_hit_tokens += hit
             budget -= n
-        return chunks
 
     def schedule(self) -> StepPlan:
         """Plan one step: decode first (every decoding request gets its token's page, later
         admissions are preempted for it), then running prefills, then FCFS admission, the
-        prefill chunks sharing `max_prefill_tokens`."""
+        prefill chunks sharing `max_prefill_tokens`. The KV the previous step computed is
+        registered in the prefix cache first, so this step's admissions can share it."""
         self._preempted = []
+        for req in self.running:
+            self._register_computed(req)
         decode = self._plan_decode()
         prefill, starved = self._plan_running_prefill(decode, self.max_prefill_tokens)
+        plan = StepPlan(prefill=prefill, decode=decode, preempted=self._preempted)
         if not starved:
-            prefill += self._admit_waiting(self.max_prefill_tokens - sum(n for _, n in prefill))
-        return StepPlan(prefill=prefill, decode=decode, preempted=self._preempted)
+            self._admit_waiting(plan)
+        return plan
