@@ -95,7 +95,8 @@ def main(argv, args) -> int:
     ec = EngineConfig(model=cfg_dir, load_format="dummy", hf_overrides={"num_hidden_layers": args.layers},
                       moe_strategy="offload", moe_cache_slots=slots, moe_collect_stats=True,
                       moe_prefill_demand_tokens="auto", max_running_requests=4, max_prefill_tokens=longest,
-                      max_model_len=longest + 64, num_tokens=2 * (longest + 64) + 4096)
+                      max_model_len=longest + 64, num_tokens=2 * (longest + 64) + 4096,
+                      enable_prefix_caching=False)  # each threshold runs the same prompts: all would be hits
     engine = Engine(ec)
     strategy = engine.runner.strategy
     rows = []

@@ -58,13 +58,14 @@ class Engine:
                     ec.moe_strategy, str(self.runner.dtype).replace("torch.", ""), self.runner.device)
         self.tokenizer = load_tokenizer(model_dir)
         self.scheduler = Scheduler(self.runner.kv.pool, ec.page_size, ec.max_running_requests, ec.max_prefill_tokens,
-                                   self.runner.max_model_len)
+                                   self.runner.max_model_len, prefix_caching=ec.enable_prefix_caching)
         self.eos_ids = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(int(self.tokenizer.eos_token_id))
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0,
-                         "requests_aborted": 0, "requests_failed": 0, "prefill_tokens": 0, "decode_tokens": 0}
+                         "requests_aborted": 0, "requests_failed": 0, "prefill_tokens": 0, "decode_tokens": 0,
+                         "prefix_cache_queried_tokens": 0, "prefix_cache_hit_tokens": 0}
 
     # ---- requests --------------------------------------------------------------------------
     def encode(self, prompt: str) -> list[int]:
@@ -108,8 +109,10 @@ class Engine:
         return StepOutput(req, [], "", True, error=f"internal error in {what}; see the server log")
 
     def stats(self, include_moe: bool = True) -> dict:
-        """A plain-Python snapshot: requests, token counters (cumulative), KV page use, and the
-        MoE strategy's own figures under "moe" (may sync the device: leave out on hot paths)."""
+        """A plain-Python snapshot: requests, token counters (cumulative; the prefix cache's
+        queried and hit tokens among them), KV page use (pages held by requests, and those
+        holding a cached prefix), and the MoE strategy's own figures under "moe" (may sync the
+        device: leave out on hot paths)."""
         sched, pool = self.scheduler, self.scheduler.pool
         used = pool.num_pages - pool.free_pages
         out = {
@@ -117,9 +120,10 @@ class Engine:
                          "finished": self.counters["requests_finished"], "aborted": self.counters["requests_aborted"],
                          "failed": self.counters["requests_failed"], "preemptions": sched.num_preemptions},
             "tokens": {k: self.counters[k] for k in ("prompt_tokens", "generation_tokens", "prefill_tokens",
-                                                      "decode_tokens")},
+                                                      "decode_tokens", "prefix_cache_queried_tokens",
+                                                      "prefix_cache_hit_tokens")},
             "kv": {"pages_used": used, "pages_total": pool.num_pages, "page_size": sched.page_size,
-                   "usage": used / pool.num_pages if pool.num_pages else 0.0},
+                   "usage": used / pool.num_pages if pool.num_pages else 0.0, "pages_cached": pool.cached_pages},
         }
         if include_moe:
             out["moe"] = self.runner.strategy.stats()
@@ -184,6 +188,8 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         plan = self.scheduler.schedule()
+        self.counters["prefix_cache_queried_tokens"] += plan.prefix_queried_tokens
+        self.counters["prefix_cache_hit_tokens"] += plan.prefix_hit_tokens
         for req in plan.preempted:
             self.runner.sampler.release(req)
         outputs: list[StepOutput] = []

@@ -48,6 +48,12 @@ class _EngineStatsCollector:
         yield _counter("moeferry_prompt_tokens", "Prompt tokens received.", tok["prompt_tokens"])
         yield _counter("moeferry_generation_tokens", "Tokens generated.", tok["generation_tokens"])
         yield _counter("moeferry_preemptions", "Requests preempted for lack of KV pages.", req["preemptions"])
+        yield _gauge("moeferry_kv_cache_pages_cached", "KV pages holding a cached prefix (used or evictable).",
+                     kv["pages_cached"])
+        yield _counter("moeferry_prefix_cache_queries", "Tokens of admitted requests looked up in the prefix cache.",
+                       tok["prefix_cache_queried_tokens"])
+        yield _counter("moeferry_prefix_cache_hits", "Tokens of admitted requests found in the prefix cache.",
+                       tok["prefix_cache_hit_tokens"])
         hit = expert_cache_hit_rate(s.get("moe"))
         if hit is not None:
             yield _gauge("moeferry_expert_cache_hit_ratio", "Decode expert-cache hit rate.", hit)

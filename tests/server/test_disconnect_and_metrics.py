@@ -93,5 +93,21 @@ def test_metrics_parse_and_count_the_requests_made(server, http):
         assert after[(gauge, ())] == 0.0
 
 
+def test_a_repeated_prompt_is_counted_as_prefix_cache_hits_in_stats_and_metrics(server, http):
+    prompt = list(range(100, 140))  # 40 tokens: pages of 16, so 32 can be found again (not the last token's page)
+    before, metrics_before = server.wait_idle(http), _samples(http.get("/metrics").text)
+    for _ in range(2):
+        assert http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}).status_code == 200
+    after, metrics_after = server.wait_idle(http), _samples(http.get("/metrics").text)
+
+    def delta(counter: str, metric: str) -> tuple[int, float]:
+        return (after["tokens"][counter] - before["tokens"][counter],
+                metrics_after[(metric, ())] - metrics_before[(metric, ())])
+
+    assert delta("prefix_cache_queried_tokens", "moeferry_prefix_cache_queries_total") == (80, 80.0)
+    assert delta("prefix_cache_hit_tokens", "moeferry_prefix_cache_hits_total") == (32, 32.0)
+    assert after["kv"]["pages_cached"] >= 2 and after["kv"]["pages_used"] == 0
+
+
 def test_health(http):
     assert http.get("/health").json() == {"status": "ok"}
