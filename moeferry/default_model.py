@@ -98,8 +98,3 @@ def ensure_default_model() -> str:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
 
-
-def resolve_model_dir(model: str | None) -> str:
-    if model in (None, "", DEFAULT_MODEL_NAME):
-        return ensure_default_model()
-    return model

@@ -44,10 +44,11 @@ class Engine:
     they would have had without it."""
 
     def __init__(self, ec: EngineConfig):
-        from moeferry.default_model import resolve_model_dir
+        from moeferry.model_source import resolve_model
 
         ec.check()  # every option alone, before even the default model is made
-        model_dir = resolve_model_dir(ec.model)
+        source = resolve_model(ec.model)
+        model_dir, self.model_name = source.path, source.name
         mc = ModelConfig.from_dir(model_dir, ec.hf_overrides)
         ec = ec.replace(model=model_dir).check(mc)
         self.ec, self.mc = ec, mc
