@@ -128,6 +128,9 @@ def _cmd_generate(args) -> int:
         raise UsageError("argument --prompt: the prompt is empty")
     params = _sampling_params(args)
     llm = LLM(**dataclasses.asdict(engine_config_from_args(args).check()))
+    # A flag not given takes the model's generation_config.json value; without one, generate
+    # stays greedy (the server's and LLM's fallback is the OpenAI API's temperature 1).
+    params = params.with_defaults({"temperature": 0.0, **llm.engine.generation.sampling})
     prompt = _prompt(llm, args)
 
     def show(out):
@@ -183,9 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--temperature", type=float, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--stop", action="append", default=None)

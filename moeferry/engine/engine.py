@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from moeferry.config import EngineConfig, ModelConfig
 from moeferry.engine.runner import ModelRunner
 from moeferry.engine.sampler import TokenLogprobs
-from moeferry.sampling import InvalidRequest, SamplingParams
+from moeferry.sampling import GenerationDefaults, InvalidRequest, SamplingParams
 from moeferry.scheduler.request import Request, Status
 from moeferry.scheduler.scheduler import Scheduler
 from moeferry.tokenizer.tokenizer import IncrementalDetokenizer, load_tokenizer
@@ -51,6 +51,7 @@ class Engine:
         model_dir, self.model_name = source.path, source.name
         mc = ModelConfig.from_dir(model_dir, ec.hf_overrides)
         ec = ec.replace(model=model_dir).check(mc)
+        self.generation = GenerationDefaults.from_dir(model_dir)
         self.ec, self.mc = ec, mc
         t0 = time.monotonic()
         self.runner = ModelRunner(ec, mc)
@@ -60,7 +61,7 @@ class Engine:
         self.tokenizer = load_tokenizer(model_dir)
         self.scheduler = Scheduler(self.runner.kv.pool, ec.page_size, ec.max_running_requests, ec.max_prefill_tokens,
                                    self.runner.max_model_len)
-        self.eos_ids = set(mc.eos_token_ids)
+        self.eos_ids = set(mc.eos_token_ids) | {i for i in self.generation.eos_token_ids if i < mc.vocab_size}
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(int(self.tokenizer.eos_token_id))
         self._detok: dict[int, IncrementalDetokenizer] = {}
@@ -74,7 +75,9 @@ class Engine:
         return list(self.tokenizer.encode(prompt))
 
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
-        """Check a request and queue it; InvalidRequest (naming the field) if it cannot run."""
+        """Check a request and queue it; InvalidRequest (naming the field) if it cannot run.
+        Sampling values `params` leaves unset take the model's generation_config.json ones."""
+        params = params.with_defaults(self.generation.sampling)
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self._check_token_ids("prompt", ids)
         self._check_token_ids("stop_token_ids", params.stop_token_ids)

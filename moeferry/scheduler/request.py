@@ -26,7 +26,9 @@ class Request:
     its pending tokens in chunks; after that it decodes one token a step. A preempted request
     drops its pages and sets num_computed to 0: its prompt and the tokens generated so far are
     recomputed when it runs again. Requests compare by identity (eq=False), so membership
-    tests in the scheduler's queues cost O(1) per element, not a comparison of token lists."""
+    tests in the scheduler's queues cost O(1) per element, not a comparison of token lists.
+    `params` has nothing unset (the engine filled the model's defaults; a request made
+    elsewhere gets the neutral ones)."""
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -46,6 +48,7 @@ class Request:
     def __post_init__(self):
         if not self.prompt_ids:
             raise InvalidRequest("the prompt is empty", "prompt")
+        self.params = self.params.with_defaults()
         if self.seed is None:  # the key of the request's random stream (its sampler slot's seed)
             self.seed = self.params.seed if self.params.seed is not None else secrets.randbits(63)
 
