@@ -107,6 +107,7 @@ class EngineConfig:
     model: str | None = None
     load_format: str = "auto"  # LOAD_FORMATS
     hf_overrides: dict[str, Any] = field(default_factory=dict)
+    chat_template: str | None = None  # a Jinja file, instead of the tokenizer's template
     dtype: str = "auto"  # DTYPES
     device: str = "auto"  # DEVICES
     seed: int = 0
@@ -232,6 +233,8 @@ def _check_together(ec: EngineConfig) -> None:
     if ec.num_tokens is not None and ec.num_tokens < ec.page_size:
         raise ConfigError(f"--num-tokens {ec.num_tokens} is less than one KV page of {ec.page_size} tokens "
                           f"(--page-size): give at least {ec.page_size}")
+    if ec.chat_template is not None and not os.path.isfile(ec.chat_template):
+        raise ConfigError(f"--chat-template {ec.chat_template}: no such file")
     if ec.moe_cache_slots is not None and ec.moe_cache_gb is not None:
         raise ConfigError("--moe-cache-slots and --moe-cache-gb both size the expert cache: give one of them")
     for name, (chooser, readers) in READ_BY.items():

@@ -96,6 +96,7 @@ BEFORE_LOADING = [
     (["--hf-overrides", "[1]"], "argument --hf-overrides: not a JSON object"),
     (["--hf-overrides", "{"], "argument --hf-overrides: not JSON"),
     (["--device", "cuda"], "--device cuda asked for, but torch sees no CUDA GPU"),
+    (["--chat-template", "/no/such/template.jinja"], "--chat-template /no/such/template.jinja: no such file"),
 ]
 
 

@@ -17,7 +17,7 @@ from moeferry.engine.sampler import TokenLogprobs
 from moeferry.sampling import GenerationDefaults, InvalidRequest, SamplingParams
 from moeferry.scheduler.request import Request, Status
 from moeferry.scheduler.scheduler import Scheduler
-from moeferry.tokenizer.tokenizer import IncrementalDetokenizer, load_tokenizer
+from moeferry.tokenizer.tokenizer import IncrementalDetokenizer, load_tokenizer, use_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +53,14 @@ class Engine:
         ec = ec.replace(model=model_dir).check(mc)
         self.generation = GenerationDefaults.from_dir(model_dir)
         self.ec, self.mc = ec, mc
+        self.tokenizer = load_tokenizer(model_dir)
+        if ec.chat_template is not None:  # before the weights: a template that fails costs no loading
+            use_chat_template(self.tokenizer, ec.chat_template)
         t0 = time.monotonic()
         self.runner = ModelRunner(ec, mc)
         logger.info("model %s (%s, %d layers, %d experts, top-%d) loaded in %.1fs: strategy %s, dtype %s, device %s",
                     model_dir, mc.model_type, mc.num_layers, mc.num_experts, mc.top_k, time.monotonic() - t0,
                     ec.moe_strategy, str(self.runner.dtype).replace("torch.", ""), self.runner.device)
-        self.tokenizer = load_tokenizer(model_dir)
         self.scheduler = Scheduler(self.runner.kv.pool, ec.page_size, ec.max_running_requests, ec.max_prefill_tokens,
                                    self.runner.max_model_len)
         self.eos_ids = set(mc.eos_token_ids) | {i for i in self.generation.eos_token_ids if i < mc.vocab_size}
