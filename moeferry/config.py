@@ -128,7 +128,7 @@ class EngineConfig:
     num_tokens: int | None = None  # KV capacity in tokens; None: from the planner
     max_running_requests: int = 8
     max_prefill_tokens: int = 2048
-    max_model_len: int | None = None
+    max_model_len: int | None = None  # None: the model's, as far as the KV cache holds (engine/planner.py)
     disable_cuda_graph: bool = False
 
     def replace(self, **changes: Any) -> "EngineConfig":
@@ -177,15 +177,6 @@ class EngineConfig:
     @property
     def use_cuda_graph(self) -> bool:
         return self.torch_device.type == "cuda" and not self.disable_cuda_graph
-
-
-DEFAULT_MAX_MODEL_LEN = 8192
-
-
-def resolve_max_model_len(ec: EngineConfig, mc: "ModelConfig") -> int:
-    """The context length served: --max-model-len, else the model's capped at 8,192 tokens
-    (the rotary tables, page tables and KV plan are sized by it); never past the model's."""
-    return min(ec.max_model_len or DEFAULT_MAX_MODEL_LEN, mc.max_position_embeddings)
 
 
 _HINTS: dict[str, Any] = {}

@@ -53,7 +53,7 @@ def test_llm_keywords_are_checked_before_anything_loads(options, says, monkeypat
 
 def test_the_context_is_capped_at_the_models_and_said_so(model_cache, caplog):
     with caplog.at_level("WARNING"):
-        llm = LLM(device="cpu", dtype="float32", max_model_len=100_000, num_tokens=256)
+        llm = LLM(device="cpu", dtype="float32", max_model_len=100_000, num_tokens=4096)
     assert llm.engine.ec.max_model_len == 4096 and llm.engine.runner.max_model_len == 4096
     assert "--max-model-len 100000 exceeds the model's max_position_embeddings 4096" in caplog.text
 
