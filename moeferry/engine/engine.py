@@ -36,6 +36,19 @@ class StepOutput:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
+def log_finished(req: Request) -> None:
+    """One INFO line for a request that ended (however it ended): its id, token counts, finish
+    reason, time to first token (from when the engine accepted it) and decode speed (the tokens
+    after the first over the time since the first; "-" when there is no such span)."""
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    now, first, n = time.monotonic(), req.first_token_time, len(req.output_ids)
+    ttft = "-" if first is None else f"{(first - req.arrival) * 1e3:.1f} ms"
+    speed = f"{(n - 1) / (now - first):.1f} tok/s" if first is not None and n > 1 and now > first else "-"
+    logger.info("request %d finished: %d prompt tokens, %d output tokens, finish_reason %s, TTFT %s, decode %s",
+                req.rid, len(req.prompt_ids), n, req.finish_reason, ttft, speed)
+
+
 class Engine:
     """Invariants: every request `add_request` accepted ends finished (EOS, stop string or
     token, max_tokens), aborted, or failed, and its KV pages go back to the pool when it does.
@@ -107,6 +120,7 @@ class Engine:
         self._detok.pop(req.rid, None)
         counter = {"abort": "requests_aborted", "error": "requests_failed"}.get(reason, "requests_finished")
         self.counters[counter] += 1
+        log_finished(req)
 
     def _fail(self, req: Request, what: str) -> StepOutput:
         """End `req` alone after its own step work raised (the caller logged the traceback)."""
