@@ -95,41 +95,75 @@ READ_BY = {
 }
 
 
+def option(default, group: str, text: str):
+    """An EngineConfig field with its CLI help `text` and argument `group` beside it (the CLI
+    builds its flags from them); a callable `default` is a default factory."""
+    metadata = {"help": text, "group": group}
+    if callable(default):
+        return field(default_factory=default, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """Every engine option; CLI flags and `LLM(**kwargs)` map one to one onto these fields.
+    """Every engine option; CLI flags and `LLM(**kwargs)` map one to one onto these fields,
+    each declared with its help text and argument group (`option`).
 
     Invariant: built once and never mutated; derived values are properties. `check()` is
     the one validation of the options (the Engine runs it before building anything; with the
     ModelConfig, it also fits them to the model).
     """
 
-    model: str | None = None
-    load_format: str = "auto"  # LOAD_FORMATS
-    hf_overrides: dict[str, Any] = field(default_factory=dict)
-    chat_template: str | None = None  # a Jinja file, instead of the tokenizer's template
-    dtype: str = "auto"  # DTYPES
-    device: str = "auto"  # DEVICES
-    seed: int = 0
-    # MoE
-    moe_strategy: str = "gpu"
-    moe_cache_slots: int | None = None
-    moe_cache_gb: float | None = None
-    moe_cache_policy: str = "layer_lru"  # cache_policies() (moe/slot_cache.py, docs/offload.md)
-    moe_lrfu_decay: float = 0.5
-    moe_collect_stats: bool = False
-    moe_prefill_demand_tokens: int | str = 0  # a token count, or "auto"
-    # memory budget
-    memory_ratio: float = 0.9
-    vram_reserve_mb: int = 1024
-    kv_reserve_tokens: int | None = None
-    # KV cache and batching
-    page_size: int = 16
-    num_tokens: int | None = None  # KV capacity in tokens; None: from the planner
-    max_running_requests: int = 8
-    max_prefill_tokens: int = 2048
-    max_model_len: int | None = None  # None: the model's, as far as the KV cache holds (engine/planner.py)
-    disable_cuda_graph: bool = False
+    model: str | None = option(None, "model", "a checkpoint directory, a Hugging Face model id found in the local "
+                               "Hugging Face cache (HF_HUB_CACHE or HF_HOME; nothing is downloaded), or the built-in "
+                               "model's name (default: the built-in tiny model, made on first use)")
+    load_format: str = option("auto", "model", "auto or safetensors: the checkpoint's *.safetensors; dummy: random "
+                                               "weights of config.json's shape (benchmarks, no weights needed)")
+    hf_overrides: dict[str, Any] = option(dict, "model", "a JSON object merged into config.json, e.g. "
+                                                         "'{\"num_hidden_layers\": 4}'")
+    chat_template: str | None = option(None, "model", "a Jinja chat template file used instead of the tokenizer's by "
+                                                      "the chat endpoint, generate --chat and LLM.chat (default: the "
+                                                      "tokenizer's)")
+    dtype: str = option("auto", "runtime", "the weights' and activations' dtype; auto: bfloat16 on a GPU, float32 "
+                                           "on the CPU")
+    device: str = option("auto", "runtime", "auto: cuda when torch sees a GPU, else cpu")
+    seed: int = option(0, "model", "seed of the dummy weights (--load-format dummy) and of torch")
+    moe_strategy: str = option("gpu", "MoE", "where the routed experts live: gpu keeps them on the GPU; offload in "
+                                             "pinned host memory behind a GPU slot cache; uva reads them from pinned "
+                                             "host memory in place (docs/offload.md)")
+    moe_cache_slots: int | None = option(None, "MoE", "offload: experts the GPU slot cache holds (default: as many "
+                                                      "as the memory plan leaves room for, at most every expert)")
+    moe_cache_gb: float | None = option(None, "MoE", "offload: the slot cache's size in GiB, instead of "
+                                                     "--moe-cache-slots (default: what the memory plan leaves)")
+    moe_cache_policy: str = option("layer_lru", "MoE", "offload: which cached expert a miss replaces "
+                                                       "(docs/offload.md, Policies)")
+    moe_lrfu_decay: float = option(0.5, "MoE", "--moe-cache-policy lrfu: how much a past use still counts, in "
+                                               "(0, 1]")
+    moe_collect_stats: bool = option(False, "MoE", "offload or uva: count the expert cache's hits, misses and routes "
+                                                   "(in /v1/stats and /metrics); a little time per step")
+    moe_prefill_demand_tokens: int | str = option(0, "MoE", "offload: a prefill chunk of at most this many tokens "
+                                                            "loads only the experts it routes to, a longer one streams "
+                                                            "every expert; 0: always stream; auto: decided per chunk "
+                                                            "from the routing and the cache")
+    memory_ratio: float = option(0.9, "memory", "share of the GPU memory free after the weights that the plan may "
+                                                "use (expert slots, KV cache, buffers)")
+    vram_reserve_mb: int = option(1024, "memory", "MiB of GPU memory the plan leaves free, for CUDA graphs and "
+                                                  "allocator slack")
+    kv_reserve_tokens: int | None = option(None, "memory", "KV cache tokens reserved before the expert cache is sized "
+                                                           "(default: --max-running-requests contexts of "
+                                                           "--max-model-len; of at most 8192 tokens when not given)")
+    page_size: int = option(16, "memory", "tokens per KV cache page")
+    num_tokens: int | None = option(None, "memory", "the KV cache's size in tokens (default: from the memory plan; "
+                                                    "16384 on the CPU)")
+    max_running_requests: int = option(8, "scheduling", "requests decoded together in one step (and the largest "
+                                                        "CUDA graph's batch)")
+    max_prefill_tokens: int = option(2048, "scheduling", "prompt tokens prefilled in one step; a longer prompt is "
+                                                         "prefilled in chunks")
+    max_model_len: int | None = option(None, "scheduling", "the most tokens (prompt + output) one request may hold "
+                                                           "(default: the model's max_position_embeddings, lowered "
+                                                           "with a warning to what the KV cache holds)")
+    disable_cuda_graph: bool = option(False, "runtime", "decode eagerly instead of replaying captured CUDA graphs "
+                                                        "(to debug or compare)")
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
