@@ -53,9 +53,10 @@ class SamplingParams:
 
     temperature 0 (or below SAMPLING_EPS) is greedy; top_k 0 or -1 means off; top_p 1.0 means
     off. temperature, top_p, top_k, min_p and repetition_penalty may be left unset (None): the
-    engine gives them the model's generation_config.json values, else MODEL_DEFAULTED's, so a
-    value the caller set, even to the neutral one, always wins over the model's (`with_defaults`); `seed` makes a sampled request reproducible; `stop` strings end the text before them;
-    `stop_token_ids` end it after them, `ignore_eos` or not; `ignore_eos` keeps going past
+    engine gives them the model's generation_config.json values, else MODEL_DEFAULTED's
+    (`with_defaults`), so a value the caller set, even the neutral one, always wins over the
+    model's. `seed` makes a sampled request reproducible; `stop` strings end the text before
+    them; `stop_token_ids` end it after them, `ignore_eos` or not; `ignore_eos` keeps going past
     the end-of-sequence token until max_tokens. Penalties, min_p and logit_bias at their
     neutral values do nothing. `logprobs` None: no log-probs; k >= 0: each token's log-prob
     and the k most likely tokens' (engine/sampler.py says of which distribution). `n`: the

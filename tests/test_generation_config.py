@@ -110,16 +110,18 @@ def test_the_server_takes_the_models_defaults_for_fields_a_request_leaves_out(bu
 
     model = with_generation_config(builtin, tmp_path, {"temperature": 0.0})
     with running_server(model=model, max_model_len=64, max_running_requests=4) as server:
-        post = lambda body: httpx.post(server.url + "/v1/completions", headers=server.headers(), timeout=60,  # noqa: E731
-                                       json={"prompt": PROMPT, "max_tokens": 8, "ignore_eos": True, **body}).json()
-        greedy = post({"temperature": 0})["choices"][0]["text"]
-        assert post({"seed": 11})["choices"][0]["text"] == greedy
-        assert post({"seed": 11, "temperature": None})["choices"][0]["text"] == greedy
-        assert post({"seed": 11, "temperature": 1.0})["choices"][0]["text"] != greedy
-        chat = httpx.post(server.url + "/v1/chat/completions", headers=server.headers(), timeout=60,
-                          json={"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8, "seed": 11,
-                                "ignore_eos": True}).json()
-        chat_greedy = httpx.post(server.url + "/v1/chat/completions", headers=server.headers(), timeout=60,
-                                 json={"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8,
-                                       "temperature": 0, "ignore_eos": True}).json()
-        assert chat["choices"][0]["message"]["content"] == chat_greedy["choices"][0]["message"]["content"]
+        def text(endpoint: str, **body) -> str:
+            body = {"max_tokens": 8, "ignore_eos": True, **body}
+            if endpoint == "chat":
+                body["messages"] = [{"role": "user", "content": PROMPT}]
+            else:
+                body["prompt"] = PROMPT
+            path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+            choice = httpx.post(server.url + path, headers=server.headers(), timeout=60, json=body).json()["choices"][0]
+            return choice["message"]["content"] if endpoint == "chat" else choice["text"]
+
+        for endpoint in ("chat", "completions"):
+            greedy = text(endpoint, temperature=0)
+            assert text(endpoint, seed=11) == greedy
+            assert text(endpoint, seed=11, temperature=None) == greedy
+            assert text(endpoint, seed=11, temperature=1.0) != greedy
