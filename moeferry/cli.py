@@ -1,4 +1,4 @@
-"""Command line: `moeferry serve|generate|bench`. Engine flags are built from EngineConfig's
+"""Command line: `moeferry serve|generate|bench|routing simulate`. Engine flags are built from EngineConfig's
 fields (one flag per field, its help text and argument group declared beside the field,
 choices from config.CHOICES), so the CLI and `LLM(**kwargs)` never drift apart, and both are
 checked by EngineConfig.check. Every flag's help shows its default.
@@ -192,6 +192,8 @@ _BENCHMARKS = {
     "serve": "through the HTTP API: decode tokens/s at 1, 4 and 16 streaming clients and TTFT, with and without "
              "CUDA graphs",
     "parity": "bf16 on the GPU against transformers in float32: the largest logit error and greedy tokens agreeing",
+    "routing": "expert-cache policies on the built-in model's trained routing at 25/50/75% caches, each simulated "
+               "from a recorded trace and measured on the offload engine: decode hit rates and tok/s",
 }
 
 
@@ -211,6 +213,48 @@ def _cmd_bench(args) -> int:
     return 0
 
 
+def _cmd_routing_simulate(args) -> int:
+    """A recorded trace replayed through the slot cache at each size and policy (routing/simulate.py)."""
+    from moeferry.routing.simulate import SimulationError, cache_sizes, h2d_bandwidth, report
+    from moeferry.routing.trace import RoutingTrace, TraceError
+
+    if not (args.cache_gb or args.cache_slots or args.cache_fraction):
+        raise UsageError("give at least one cache size: --cache-gb, --cache-slots or --cache-fraction")
+    try:
+        trace = RoutingTrace.read(args.trace)
+        sizes = cache_sizes(trace.header, args.cache_gb, args.cache_slots, args.cache_fraction)
+        print(report(trace, sizes, args.policy, h2d=h2d_bandwidth(args.h2d_gbps), step_ms=args.step_ms,
+                     lrfu_decay=args.lrfu_decay, prefill_demand_tokens=args.prefill_demand_tokens))
+    except (TraceError, SimulationError) as exc:
+        raise UsageError(str(exc)) from None
+    return 0
+
+
+def add_routing_commands(sub) -> None:
+    from moeferry.config import cache_policies
+
+    routing = sub.add_parser("routing", help="routing traces (--moe-record-routing): size the expert cache")
+    sim = routing.add_subparsers(dest="routing_command", required=True).add_parser(
+        "simulate", help="replay a trace through the slot cache's admission: hit rates, copies, predicted tok/s",
+        description="Replays a trace through the slot cache's own admission at each cache size and policy. "
+                    "Predicted decode tok/s = decode tokens / (compute time + missed decode bytes / H2D bandwidth), "
+                    "copies not overlapped; the copy floor is the second term per decode step.")
+    sim.add_argument("trace", help="a file written by --moe-record-routing")
+    sim.add_argument("--cache-gb", type=bounded(float, 0.0), nargs="+", default=[], help="GiB, as --moe-cache-gb")
+    sim.add_argument("--cache-slots", type=bounded(int, 1), nargs="+", default=[], help="expert slots")
+    sim.add_argument("--cache-fraction", type=bounded(float, 0.0, 1.0), nargs="+", default=[],
+                     help="share of every MoE layer's experts")
+    sim.add_argument("--policy", nargs="+", choices=cache_policies(), default=list(cache_policies()))
+    sim.add_argument("--lrfu-decay", type=bounded(float, 1e-6, 1.0), default=0.5, help="as --moe-lrfu-decay")
+    sim.add_argument("--prefill-demand-tokens", type=bounded(int, 0), default=None,
+                     help="admit prefill steps of at most N tokens (default: those the recording engine admitted)")
+    sim.add_argument("--h2d-gbps", type=bounded(float, 1e-3), default=None,
+                     help="host-to-device GB/s (default: measured on this GPU, else 55, an H200's pinned H2D)")
+    sim.add_argument("--step-ms", type=bounded(float, 0.0), default=None,
+                     help="compute ms per decode step (default: the trace's own times if recorded under gpu)")
+    sim.set_defaults(func=_cmd_routing_simulate)
+
+
 _DESCRIPTION = """Serve Mixture-of-Experts language models larger than the GPU's memory (experts in
 pinned host memory, a GPU slot cache), over the OpenAI API or offline. `moeferry COMMAND
 --help` lists a command's flags with their defaults."""
@@ -221,10 +265,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", type=str.upper,
                         choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                         help="the least severe log lines shown (INFO: start-up plan, one line per request)")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,serve,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,serve,bench,routing}")
     _add_generate(sub)
     _add_serve(sub)
     _add_bench(sub)
+    add_routing_commands(sub)
     return parser
 
 

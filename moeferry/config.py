@@ -116,7 +116,7 @@ class EngineConfig:
 
     model: str | None = option(None, "model", "a checkpoint directory, a Hugging Face model id found in the local "
                                "Hugging Face cache (HF_HUB_CACHE or HF_HOME; nothing is downloaded), or the built-in "
-                               "model's name (default: the built-in tiny model, made on first use)")
+                               "model's name (default: moeferry-tiny-moe, the built-in model trained on Austen; moeferry-tiny-random: a random one)")
     load_format: str = option("auto", "model", "auto or safetensors: the checkpoint's *.safetensors; dummy: random "
                                                "weights of config.json's shape (benchmarks, no weights needed)")
     hf_overrides: dict[str, Any] = option(dict, "model", "a JSON object merged into config.json, e.g. "
@@ -145,6 +145,9 @@ class EngineConfig:
                                                             "loads only the experts it routes to, a longer one streams "
                                                             "every expert; 0: always stream; auto: decided per chunk "
                                                             "from the routing and the cache")
+    moe_record_routing: str | None = option(None, "MoE", "a file: every step's routed experts per MoE layer, "
+                                                         "recorded under any strategy, for `moeferry routing "
+                                                         "simulate` (docs/offload.md; at most 1 GiB)")
     memory_ratio: float = option(0.9, "memory", "share of the GPU memory free after the weights that the plan may "
                                                 "use (expert slots, KV cache, buffers)")
     vram_reserve_mb: int = option(1024, "memory", "MiB of GPU memory the plan leaves free, for CUDA graphs and "
@@ -267,6 +270,10 @@ def _check_together(ec: EngineConfig) -> None:
             raise ConfigError(f"{flag(name)} is read only by {flag(chooser)} {' or '.join(readers)}; under "
                               f"{flag(chooser)} {getattr(ec, chooser)} it would be ignored: drop it, or choose "
                               f"{' or '.join(readers)}")
+    trace = ec.moe_record_routing
+    if trace is not None and (not trace or os.path.isdir(trace)
+                              or not os.path.isdir(os.path.dirname(os.path.abspath(trace)))):
+        raise ConfigError(f"--moe-record-routing {trace!r}: give a file path in an existing directory")
     from moeferry.moe.prefill_policy import validate_demand_prefill
 
     validate_demand_prefill(ec)

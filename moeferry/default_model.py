@@ -1,9 +1,12 @@
-"""The built-in default model: a tiny Qwen3-MoE checkpoint with its own tokenizer, made
-deterministically on first use into a cache directory, so `moeferry serve` and `moeferry
-generate` run on a fresh machine with no download.
+"""The built-in models, so `moeferry serve` and `moeferry generate` run on a fresh machine with
+no download.
 
-Its weights are random (seeded): it exercises every part of the engine, it does not write
-sensible text.
+``moeferry-tiny-moe`` (the default): a 7 M-parameter Qwen3-MoE (6 layers, 32 experts, top-4)
+trained on Jane Austen's novels; it writes English. Its checkpoint ships in
+moeferry/builtin_model/ (model card: that folder's README.md; recipe: moeferry/training/).
+
+``moeferry-tiny-random``: a smaller Qwen3-MoE with seeded random weights, made on first use
+into a cache directory, for tests that want routing and logits with no structure.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import tempfile
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "moeferry-tiny-moe"
+RANDOM_MODEL_NAME = "moeferry-tiny-random"
+BUILTIN_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "builtin_model")
 _VERSION = 1
 
 _CORPUS = """\
@@ -37,8 +42,12 @@ _SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def default_model_dir() -> str:
+    return BUILTIN_MODEL_DIR
+
+
+def random_model_dir() -> str:
     root = os.environ.get("MOEFERRY_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "moeferry")
-    return os.path.join(root, f"{DEFAULT_MODEL_NAME}-v{_VERSION}")
+    return os.path.join(root, f"moeferry-tiny-moe-v{_VERSION}")  # the random model's historical folder
 
 
 def _build_tokenizer(out_dir: str):
@@ -78,18 +87,25 @@ def _build_checkpoint(out_dir: str, tokenizer) -> None:
 
 
 def ensure_default_model() -> str:
-    """Path of the default checkpoint, made on first use (atomically: a half-written one is never seen)."""
-    path = default_model_dir()
+    """Path of the default (trained) checkpoint, shipped with the package."""
+    if not os.path.isfile(os.path.join(BUILTIN_MODEL_DIR, "model.safetensors")):
+        raise FileNotFoundError(f"the built-in model is missing from {BUILTIN_MODEL_DIR}: reinstall moeferry")
+    return BUILTIN_MODEL_DIR
+
+
+def ensure_random_model() -> str:
+    """Path of the random checkpoint, made on first use (atomically: a half-written one is never seen)."""
+    path = random_model_dir()
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
-    logger.info("making the built-in default model in %s (first use)", path)
+    logger.info("making the built-in random model in %s (first use)", path)
     tmp = tempfile.mkdtemp(dir=parent, prefix=".building-")
     tokenizer = _build_tokenizer(tmp)
     _build_checkpoint(tmp, tokenizer)
     with open(os.path.join(tmp, "moeferry_default.json"), "w") as f:
-        json.dump({"name": DEFAULT_MODEL_NAME, "version": _VERSION}, f)
+        json.dump({"name": RANDOM_MODEL_NAME, "version": _VERSION}, f)
     try:
         os.rename(tmp, path)
     except OSError:  # another process finished first
@@ -97,4 +113,22 @@ def ensure_default_model() -> str:
 
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def builtin_model_dir(name: str | None) -> str | None:
+    """The folder of a built-in model's name (None and "" mean the default), else None."""
+    if name in (None, "", DEFAULT_MODEL_NAME):
+        return ensure_default_model()
+    if name == RANDOM_MODEL_NAME:
+        return ensure_random_model()
+    return None
+
+
+def builtin_model_name(model_dir: str) -> str | None:
+    """The built-in name of a checkpoint folder, or None for any other folder."""
+    real = os.path.realpath(model_dir)
+    for name, path in ((DEFAULT_MODEL_NAME, default_model_dir()), (RANDOM_MODEL_NAME, random_model_dir())):
+        if real == os.path.realpath(path):
+            return name
+    return None
 

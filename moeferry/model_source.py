@@ -23,17 +23,17 @@ class ModelSource:
 
 
 def resolve_model(model: str | None) -> ModelSource:
-    """The checkpoint `model` names: None, "" or the built-in name make the built-in model (on
-    first use); a directory is taken as it is; anything else is looked up as a model id in the
-    local Hugging Face cache. ConfigError (one line) when it is none of these."""
+    """The checkpoint `model` names: None, "" or a built-in name give a built-in model (the
+    random one made on first use); a directory is taken as it is; anything else is looked up as
+    a model id in the local Hugging Face cache. ConfigError (one line) when it is none of these."""
     from moeferry import default_model
 
-    if model in (None, "", default_model.DEFAULT_MODEL_NAME):
-        return ModelSource(default_model.ensure_default_model(), default_model.DEFAULT_MODEL_NAME)
+    builtin = default_model.builtin_model_dir(model)
+    if builtin is not None:
+        return ModelSource(builtin, model or default_model.DEFAULT_MODEL_NAME)
     if os.path.isdir(model):
-        real = os.path.realpath(model)
-        builtin = real == os.path.realpath(default_model.default_model_dir())
-        return ModelSource(model, default_model.DEFAULT_MODEL_NAME if builtin else os.path.basename(real))
+        name = default_model.builtin_model_name(model)
+        return ModelSource(model, name or os.path.basename(os.path.realpath(model)))
     return ModelSource(cached_snapshot(model), model)
 
 

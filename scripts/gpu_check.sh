@@ -3,7 +3,8 @@
 # benchmarks of SPEC section 6. Logs go to $OUT (or ./gpu-out); a short table is printed last.
 #   [MOEFERRY_COMMIT=<commit>] bash scripts/gpu_check.sh [STAGES] [pytest -k expression]
 # STAGES: comma-separated of tests, kernels (copy, admission, fused MoE, attention, linear benches),
-# decode (full decode benchmark), decode-quick, sampling, ttft, uva, serve; default tests,kernels,decode-quick.
+# decode (full decode benchmark), decode-quick, sampling, ttft, uva, serve, routing (cache policies on
+# the built-in model's routing, the simulator against the engine); default tests,kernels,decode-quick.
 # Results: $OUT/results.md holds this call's benchmark sections alone; $OUT/RESULTS.md is
 # benchmarks/RESULTS.md with those sections regenerated (every stage but decode-quick, a smoke
 # run), to copy over benchmarks/RESULTS.md. MOEFERRY_COMMIT names the commit in the tables
@@ -29,7 +30,7 @@ python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.
 # process, mostly Triton compiling on one core); GPU_TEST_JOBS=N (default 4) runs N pytest
 # processes side by side over the files, dealt round-robin, logs pytest-gpu-J.log.
 if has tests; then
-  read -r -a test_files <<< "${GPU_TESTS:-$(ls tests/kernels/test_*.py tests/moe/test_*.py tests/engine/test_*.py tests/models/test_*.py | tr '\n' ' ')}"
+  read -r -a test_files <<< "${GPU_TESTS:-$(ls tests/kernels/test_*.py tests/moe/test_*.py tests/engine/test_*.py tests/models/test_*.py tests/routing/test_*.py | tr '\n' ' ')}"
   jobs=${GPU_TEST_JOBS:-4}
   for ((j = 0; j < jobs; j++)); do
     share=(); for ((i = j; i < ${#test_files[@]}; i += jobs)); do share+=("${test_files[i]}"); done
@@ -54,6 +55,7 @@ has decode-quick && run bench-decode python3 -m benchmarks.bench_decode --layers
 has decode && run bench-decode python3 -m benchmarks.bench_decode --results "$RESULTS" "$CURRENT"
 has sampling && run bench-sampling python3 -m benchmarks.bench_sampling --results "$RESULTS" "$CURRENT"
 has ttft && run bench-ttft python3 -m benchmarks.bench_ttft --results "$RESULTS" "$CURRENT"
+has routing && run bench-routing python3 -m benchmarks.bench_routing --results "$RESULTS" "$CURRENT"
 has uva && run bench-uva python3 -m benchmarks.bench_uva --results "$RESULTS" "$CURRENT"
 if has serve; then  # the server's packages travel as wheels (scripts/device_wheels.txt)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

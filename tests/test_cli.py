@@ -36,7 +36,7 @@ def test_a_bad_flag_value_is_a_clear_error(tmp_path):
     out = subprocess.run([sys.executable, "-m", "moeferry.cli", "generate", "--prompt", "Hi", "--moe-strategy", "offload",
                           "--moe-cache-slots", "3"], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 2
-    assert "fewer than one layer's 16" in out.stderr
+    assert "fewer than one layer's 32" in out.stderr
 
 
 def test_bench_runs_a_benchmark_from_the_checkout(tmp_path):

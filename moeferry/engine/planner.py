@@ -83,6 +83,11 @@ class MemoryPlan:
         return "memory plan:\n" + "\n".join(f"  {name:<{width}}  {value:>11}" for name, value in rows)
 
 
+def slots_for_gb(gb: float, expert_bytes: int) -> int:
+    """The experts --moe-cache-gb holds: whole experts in gb GiB (2**30 bytes)."""
+    return int(gb * _GIB // expert_bytes)
+
+
 def expert_slots(ec, needs: ExpertNeeds, room_bytes: int | None) -> int:
     """Slots of the expert cache: from the flags, else as many as `room_bytes` holds (None: no
     device budget, every expert), capped at every expert. Refuses fewer than one layer's."""
@@ -91,7 +96,7 @@ def expert_slots(ec, needs: ExpertNeeds, room_bytes: int | None) -> int:
     if ec.moe_cache_slots is not None:
         slots = ec.moe_cache_slots
     elif ec.moe_cache_gb is not None:
-        slots = int(ec.moe_cache_gb * _GIB // needs.expert_bytes)
+        slots = slots_for_gb(ec.moe_cache_gb, needs.expert_bytes)
     elif room_bytes is None:
         slots = needs.total_experts
     else:

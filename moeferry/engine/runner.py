@@ -5,6 +5,7 @@ returns the sampled tokens (or the logits, for callers that want them)."""
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 
 import torch
 
@@ -18,6 +19,8 @@ from moeferry.kvcache.paged import PagedKVCache
 from moeferry.layers.attention import Attention
 from moeferry.models.decoder import MoECausalLM
 from moeferry.moe.strategies import create_strategy
+from moeferry.routing.recorder import RoutingRecorder
+from moeferry.routing.trace import TraceHeader, TraceWriter
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +52,30 @@ class ModelRunner:
         self.scratch_page = self.kv.scratch_page
         self.sampler = Sampler(ec.max_running_requests, mc.vocab_size, self.device)
         self.max_pages_per_req = -(-self.max_model_len // ec.page_size)
+        self.recorder = self._open_recorder()  # before the graphs: they capture its writes
         self.graphs = DecodeGraphs(self) if ec.use_cuda_graph else None
+
+    def _open_recorder(self) -> RoutingRecorder | None:
+        """Under --moe-record-routing, a recorder every MoE block writes to (routing/recorder.py)."""
+        ec, mc, slots = self.ec, self.mc, self.plan.expert_slots
+        if ec.moe_record_routing is None:
+            return None
+        device = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type
+        header = TraceHeader(len(self.strategy.moe_layer_of), mc.num_experts, mc.top_k, self.strategy.expert_bytes,
+                             model=mc.path, dtype=str(self.dtype).removeprefix("torch."), strategy=ec.moe_strategy,
+                             device=device, cuda_graph=ec.use_cuda_graph, cache_slots=slots or None,
+                             cache_policy=ec.moe_cache_policy if slots else None)
+        rows = max(ec.max_prefill_tokens, ec.max_running_requests)
+        recorder = RoutingRecorder(TraceWriter(ec.moe_record_routing, header), rows, ec.max_running_requests,
+                                   self.device)
+        self.strategy.recorder = recorder
+        return recorder
+
+    def _recorded(self, is_decode: bool, num_tokens: int):
+        """Around one forward: its routes into the trace when recording (after the forward)."""
+        if self.recorder is None:
+            return nullcontext()
+        return self.recorder.step(is_decode, num_tokens, self.strategy.admits_prefill)
 
     def recapture_graphs(self) -> None:
         """Capture the decode graphs again, after something they bake in changed (the slot
@@ -117,23 +143,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_prefill(self, chunks) -> torch.Tensor:
-        return self.forward(self.prefill_batch(chunks))
+        with self._recorded(False, sum(n for _, n in chunks)):
+            return self.forward(self.prefill_batch(chunks))
 
     @torch.inference_mode()
     def run_decode(self, reqs) -> torch.Tensor:
         """The logits of one decode step of `reqs`, nothing sampled."""
-        if self.graphs is not None and self.graphs.can_run(len(reqs)):
-            return self.graphs.run(reqs)[0]
-        return self.forward(self.decode_batch(reqs))
+        with self._recorded(True, len(reqs)):
+            if self.graphs is not None and self.graphs.can_run(len(reqs)):
+                return self.graphs.run(reqs)[0]
+            return self.forward(self.decode_batch(reqs))
 
     @torch.inference_mode()
     def decode(self, reqs) -> SampledTokens:
         """One decode step of `reqs` (bound to sampler slots) and a token for each, sampled on
         the device (inside the step's CUDA graph where there is one)."""
-        if self.graphs is not None and self.graphs.can_run(len(reqs)):
-            _, samples = self.graphs.run(reqs, self.sampler.slots(reqs))
-            return self.sampler.read(samples, reqs)
-        return self.sampler.sample(self.forward(self.decode_batch(reqs)), reqs)
+        with self._recorded(True, len(reqs)):
+            if self.graphs is not None and self.graphs.can_run(len(reqs)):
+                _, samples = self.graphs.run(reqs, self.sampler.slots(reqs))
+                return self.sampler.read(samples, reqs)
+            return self.sampler.sample(self.forward(self.decode_batch(reqs)), reqs)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, reqs) -> SampledTokens:

@@ -51,6 +51,7 @@ class MoEBlock(nn.Module):
         [T, K, H] instead, for a caller whose next op sums them anyway (the decoder's residual
         add, RMSNorm.add_and_norm): the MoE then needs no summing launch of its own."""
         weights, ids = softmax_topk(self.gate(x), self.top_k, self.renormalize)
+        self.strategy.record_routes(self.layer_id, ids)
         out = self.strategy.forward(self.layer_id, x, weights, ids, is_decode,
                                     sum_routes=sum_routes or self.shared_expert is not None)
         if self.shared_expert is not None:

@@ -127,11 +127,21 @@ class OffloadStrategy(MoEStrategy):
             torch.zeros((slots, *sample.w13.shape[1:]), dtype=self.dtype, device=self.device),
             torch.zeros((slots, *sample.w2.shape[1:]), dtype=self.dtype, device=self.device),
         )
-        filled = self.cache.fill([[self.banks[l].w13, self.banks[l].w2] for l in sorted(self.banks)],
-                                 [self.pool.w13, self.pool.w2])
+        filled = self._warm_start()
         logger.info("expert cache: %d slots of %d experts (%.1f%%), %.2f GiB on %s; policy %s; demand prefill: %s; "
                     "warm start with %d experts", slots, total, 100.0 * slots / total,
                     slots * self.expert_bytes / 2**30, self.device, eviction_policy, self.prefill_policy.threshold, filled)
+
+    def _warm_start(self) -> int:
+        return self.cache.fill([[self.banks[l].w13, self.banks[l].w2] for l in sorted(self.banks)],
+                               [self.pool.w13, self.pool.w2])
+
+    def restart_cache(self) -> None:
+        """Empty the cache, zero its statistics and warm it again as `build_cache` does, in
+        place (captured graphs stay valid): a run measured from here starts from the state a
+        routing simulation (routing/simulate.py) starts from, whatever graph capture admitted."""
+        self.cache.reset()
+        self._warm_start()
 
     # ---- per forward -------------------------------------------------------------------------
     def begin_forward(self, is_decode: bool, num_tokens: int) -> None:
@@ -178,6 +188,9 @@ class OffloadStrategy(MoEStrategy):
         if self.decision.demand:
             return self._through_cache(layer_id, hidden, topk_weights, topk_ids, "prefill", sum_routes)
         return self._streamed(layer_id, hidden, topk_weights, topk_ids, sum_routes)
+
+    def admits_prefill(self) -> bool:
+        return bool(self.decision.demand)
 
     def stats(self) -> dict:
         out = {"strategy": self.name, "slots": self.cache.num_slots,

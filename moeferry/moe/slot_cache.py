@@ -101,7 +101,8 @@ class SlotCache:
         copied in one block per layer and bank. A filled slot keeps ``last_used`` -1 (and
         LRFU score 0) until an admission uses it: until then it ranks as a victim like a free
         slot, so experts the warm start guessed wrong go before any expert in use. Not
-        counted in the statistics. Returns the experts filled."""
+        counted in the statistics. With empty bank lists only the maps are filled (a
+        simulation's warm start, routing/simulate.py). Returns the experts filled."""
         s, num_experts = self.state, self.num_experts
         if bool((s.owner_of >= 0).any()):
             raise RuntimeError("fill() needs an empty cache: call reset() first")

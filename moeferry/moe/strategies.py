@@ -80,6 +80,7 @@ class MoEStrategy:
     """
 
     name = "base"
+    recorder = None  # a routing.RoutingRecorder under --moe-record-routing, set before any forward
 
     def __init__(self, engine_config, model_config):
         self.engine_config = engine_config
@@ -127,6 +128,16 @@ class MoEStrategy:
 
     def begin_forward(self, is_decode: bool, num_tokens: int) -> None:
         """Called at the start of every model forward, before the first layer."""
+
+    def record_routes(self, layer_id: int, topk_ids: torch.Tensor) -> None:
+        """Hand a layer's routes, before `forward` sees them, to the routing recorder if there
+        is one: device work only, so it runs inside a decode graph (routing/recorder.py)."""
+        if self.recorder is not None:
+            self.recorder.record(self.moe_layer_of[layer_id], topk_ids)
+
+    def admits_prefill(self) -> bool:
+        """Whether the last prefill forward admitted its routes through a slot cache."""
+        return False
 
     def forward(self, layer_id: int, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 is_decode: bool, sum_routes: bool = True) -> torch.Tensor:

@@ -76,9 +76,9 @@ def test_offload_step_replays_as_a_cuda_graph_from_a_cold_cache():
 
 
 @pytest.mark.parametrize("options", [
-    dict(moe_strategy="offload", moe_cache_slots=16),
+    dict(moe_strategy="offload", moe_cache_slots=32),
     dict(moe_strategy="offload", moe_prefill_demand_tokens=64),
-    dict(moe_strategy="offload", moe_cache_slots=16, disable_cuda_graph=True),
+    dict(moe_strategy="offload", moe_cache_slots=32, disable_cuda_graph=True),
     dict(moe_strategy="uva"),
 ], ids=["offload-one-layer", "offload-demand", "offload-eager", "uva"])
 def test_strategies_generate_what_gpu_generates(options):
@@ -102,7 +102,7 @@ def test_greedy_outputs_identical_at_every_demand_threshold(demand):
     prompts = [list(range(1, 300)), [9, 8, 7], list(range(10, 50))]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     ref = [o.token_ids for o in LLM(path, max_running_requests=4).generate(prompts, params)]
-    llm = LLM(path, max_running_requests=4, moe_strategy="offload", moe_cache_slots=24,
+    llm = LLM(path, max_running_requests=4, moe_strategy="offload", moe_cache_slots=48,
               moe_prefill_demand_tokens=demand, moe_collect_stats=True)
     assert [o.token_ids for o in llm.generate(prompts, params)] == ref
     chunks = llm.engine.runner.strategy.stats()["prefill_chunks"]

@@ -1,0 +1,7 @@
+"""Routing traces and the expert cache simulator, to size `--moe-cache-gb` before buying memory.
+
+- trace.py: the file format (its docstring), `TraceWriter` (bounded) and `RoutingTrace` (reader).
+- recorder.py: `RoutingRecorder`, `--moe-record-routing FILE`: every forward's routes, graphs included.
+- simulate.py: `simulate(trace, num_slots, policy)`, the slot cache's own admission replayed on
+  the CPU, and the table `moeferry routing simulate` prints.
+"""
