@@ -18,7 +18,9 @@ TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor
 
 @pytest.fixture(scope="module")
 def options(model_cache):
-    return dict(device="cpu", dtype="float32", max_model_len=64, max_running_requests=4)
+    from moeferry.default_model import RANDOM_MODEL_NAME
+
+    return dict(model=RANDOM_MODEL_NAME, device="cpu", dtype="float32", max_model_len=64, max_running_requests=4)
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +69,13 @@ def test_a_chat_template_file_replaces_the_tokenizers_everywhere(options, llm, t
     answer = own.chat(HELLO, GREEDY)[0]
     assert answer.prompt_token_ids == expected and answer.text != llm.chat(HELLO, GREEDY)[0].text
 
-    assert main(["generate", "--device", "cpu", "--dtype", "float32", "--max-model-len", "64", "--chat-template",
-                 template, "--chat", "--prompt", "Hello", "--max-tokens", "6", "--ignore-eos"]) == 0
+    assert main(["generate", "--model", options["model"], "--device", "cpu", "--dtype", "float32", "--max-model-len",
+                 "64", "--chat-template", template, "--chat", "--prompt", "Hello", "--max-tokens", "6",
+                 "--ignore-eos"]) == 0
     assert capsys.readouterr().out == answer.text + "\n"
 
-    with running_server(chat_template=template, max_model_len=64, max_running_requests=4) as server:
+    with running_server(model=options["model"], chat_template=template, max_model_len=64,
+                        max_running_requests=4) as server:
         body = httpx.post(server.url + "/v1/chat/completions", headers=server.headers(), timeout=60,
                           json={"messages": HELLO, "max_tokens": 6, "temperature": 0, "ignore_eos": True}).json()
     assert body["usage"]["prompt_tokens"] == len(expected)

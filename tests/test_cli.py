@@ -215,7 +215,7 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_file(default_dir, tmp_path,
         named = config
     elif damage == "num_experts_per_tok past the experts":
         cfg = json.load(open(config))
-        json.dump({**cfg, "num_experts_per_tok": 17}, open(config, "w"))  # of 16 experts
+        json.dump({**cfg, "num_experts_per_tok": cfg["num_experts"] + 1}, open(config, "w"))
         named = config
     else:
         data = open(weights, "rb").read()

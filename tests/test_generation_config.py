@@ -18,9 +18,10 @@ PROMPT = "The quick brown fox"
 
 @pytest.fixture(scope="module")
 def builtin(model_cache):
-    from moeferry.default_model import ensure_default_model
+    """The random built-in model: it has no generation_config.json of its own."""
+    from moeferry.default_model import ensure_random_model
 
-    return ensure_default_model()
+    return ensure_random_model()
 
 
 def with_generation_config(builtin, tmp_path, config: dict) -> str:

@@ -28,7 +28,7 @@ def test_a_default_context_longer_than_the_kv_cache_is_lowered_with_one_warning(
     lines = [r.getMessage() for r in caplog.records if "does not fit the KV cache" in r.getMessage()]
     assert len(lines) == 1 and "context of 262144 tokens" in lines[0] and "serving 4096" in lines[0]
     assert "--max-model-len" in lines[0]
-    assert len(llm.generate([1, 2, 3], SamplingParams(max_tokens=2))[0].token_ids) == 2
+    assert len(llm.generate([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids) == 2
 
 
 def test_a_given_context_that_does_not_fit_the_kv_cache_is_refused_in_one_line(model_cache):
