@@ -1,6 +1,7 @@
 """Command line: `moeferry serve|generate|bench|routing simulate`. Engine flags are built from EngineConfig's
-fields (one flag per field, choices from config.CHOICES), so the CLI and `LLM(**kwargs)` never
-drift apart, and both are checked by EngineConfig.check.
+fields (one flag per field, its help text and argument group declared beside the field,
+choices from config.CHOICES), so the CLI and `LLM(**kwargs)` never drift apart, and both are
+checked by EngineConfig.check. Every flag's help shows its default.
 
 Invariant: a user's mistake (a flag's value, a model directory, a prompt the engine refuses)
 ends the command with one argparse-style line on stderr and exit status 2, never a traceback.
@@ -71,18 +72,36 @@ def _flag_type(field: dataclasses.Field):
     return hint
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default, unless the help says it in words (a None
+    default that means something: "default: the model's") or the flag is required."""
+
+    def _get_help_string(self, action):
+        if "(default: " in (action.help or "") or action.required:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class ListingFormatter(argparse.RawDescriptionHelpFormatter, HelpFormatter):
+    """HelpFormatter for a description laid out beforehand (bench's list of benchmarks)."""
+
+
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine")
+    """One flag per EngineConfig field, with the help text and in the argument group that
+    the field declares (config.option)."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
     for f in dataclasses.fields(EngineConfig):
-        flag = "--" + f.name.replace("_", "-")
-        kind = _flag_type(f)
+        name = f.metadata.get("group", "engine")
+        group = groups.get(name) or groups.setdefault(name, parser.add_argument_group(name))
+        flag, kind, text = "--" + f.name.replace("_", "-"), _flag_type(f), f.metadata.get("help")
         if kind is bool:  # a flag on by default also gets its way off: --no-<flag>
             action = argparse.BooleanOptionalAction if f.default else "store_true"
-            group.add_argument(flag, action=action, default=f.default)
+            group.add_argument(flag, action=action, default=f.default, help=text)
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         choices = CHOICES[f.name]() if f.name in CHOICES else None
-        group.add_argument(flag, type=kind, default=default, choices=choices, metavar=None if choices else f.name.upper())
+        group.add_argument(flag, type=kind, default=default, choices=choices, help=text,
+                           metavar=None if choices else f.name.upper())
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -129,6 +148,9 @@ def _cmd_generate(args) -> int:
         raise UsageError("argument --prompt: the prompt is empty")
     params = _sampling_params(args)
     llm = LLM(**dataclasses.asdict(engine_config_from_args(args).check()))
+    # A flag not given takes the model's generation_config.json value; without one, generate
+    # stays greedy (the server's and LLM's fallback is the OpenAI API's temperature 1).
+    params = params.with_defaults({"temperature": 0.0, **llm.engine.generation.sampling})
     prompt = _prompt(llm, args)
 
     def show(out):
@@ -153,8 +175,27 @@ def _cmd_serve(args) -> int:
     return serve(engine_config_from_args(args).check(), args)
 
 
-_BENCHMARKS = ("admission", "copy", "decode", "sampling", "fused_moe", "attention", "linear", "ttft", "uva", "serve",
-               "parity", "routing")
+# What each benchmarks/bench_<name>.py measures (its docstring says how).
+_BENCHMARKS = {
+    "admission": "the slot cache's admission kernel: microseconds per call at decode widths, all hits and about "
+                 "10% misses, with and without the statistics counters",
+    "copy": "miss copies: the gather kernel's bandwidth from pinned host memory to expert slots, against torch's "
+            "pinned host-to-device copy_",
+    "decode": "decode tokens/s of a dummy Qwen3-30B-A3B-shaped model under gpu, offload (several cache sizes) and "
+              "uva, beside each step's bandwidth floor",
+    "sampling": "sampled against greedy decode steps, and the sampler kernel alone: microseconds per call",
+    "fused_moe": "one MoE layer's grouped GEMM at Qwen3-30B-A3B shapes: time per layer and achieved bandwidth",
+    "attention": "paged decode attention, the Triton kernel against the torch reference: time per call and "
+                 "bandwidth over batch sizes and contexts",
+    "linear": "decode-sized linear layers, the skinny Triton kernel against cuBLAS: time per call beside the floor",
+    "ttft": "time to first token against prompt length under offload, for each --moe-prefill-demand-tokens",
+    "uva": "uva's naive and sorted expert reads: output tokens/s at 1 to 16 requests, beside offload's",
+    "serve": "through the HTTP API: decode tokens/s at 1, 4 and 16 streaming clients and TTFT, with and without "
+             "CUDA graphs",
+    "parity": "bf16 on the GPU against transformers in float32: the largest logit error and greedy tokens agreeing",
+    "routing": "expert-cache policies on the built-in model's trained routing at 25/50/75% caches, each simulated "
+               "from a recorded trace and measured on the offload engine: decode hit rates and tok/s",
+}
 
 
 def _cmd_bench(args) -> int:
@@ -215,40 +256,91 @@ def add_routing_commands(sub) -> None:
     sim.set_defaults(func=_cmd_routing_simulate)
 
 
+_DESCRIPTION = """Serve Mixture-of-Experts language models larger than the GPU's memory (experts in
+pinned host memory, a GPU slot cache), over the OpenAI API or offline. `moeferry COMMAND
+--help` lists a command's flags with their defaults."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moeferry", description=__doc__)
+    parser = argparse.ArgumentParser(prog="moeferry", description=_DESCRIPTION, formatter_class=HelpFormatter)
     parser.add_argument("--log-level", default="INFO", type=str.upper,
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    gen = sub.add_parser("generate", help="generate text offline, streaming it to the terminal")
-    add_engine_flags(gen)
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--sampling-seed", type=int, default=None)
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--stop", action="append", default=None)
-    gen.set_defaults(func=_cmd_generate)
-
-    srv = sub.add_parser("serve", help="serve the OpenAI API")
-    add_engine_flags(srv)
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=bounded(int, 0, 65535), default=8000)
-    srv.add_argument("--api-key", default=None)
-    srv.add_argument("--served-model-name", default=None)
-    srv.add_argument("--log-interval", type=bounded(float, 0.0), default=10.0, help="seconds; 0: no activity lines")
-    srv.set_defaults(func=_cmd_serve)
-
-    bench = sub.add_parser("bench", help="run a benchmark of SPEC section 6")
-    bench.add_argument("which", choices=_BENCHMARKS)
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
-    bench.set_defaults(func=_cmd_bench)
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                        help="the least severe log lines shown (INFO: start-up plan, one line per request)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,serve,bench,routing}")
+    _add_generate(sub)
+    _add_serve(sub)
+    _add_bench(sub)
     add_routing_commands(sub)
     return parser
+
+
+def _add_generate(sub) -> None:
+    gen = sub.add_parser("generate", help="generate text offline, streaming it to the terminal",
+                         description="Generate a continuation of --prompt (or, with --chat, a reply to it) and "
+                                     "stream it to stdout.", formatter_class=HelpFormatter)
+    prompt = gen.add_argument_group("prompt")
+    prompt.add_argument("--prompt", required=True, help="the text to continue (with --chat: the user's message)")
+    prompt.add_argument("--chat", action="store_true",
+                        help="send the prompt as a user message through the chat template (--chat-template, else "
+                             "the tokenizer's)")
+    sampling = gen.add_argument_group("sampling")
+    sampling.add_argument("--max-tokens", type=int, default=64, help="the most tokens to generate")
+    sampling.add_argument("--temperature", type=float, default=None,
+                          help="0 is greedy (default: the model's generation_config.json, else 0)")
+    sampling.add_argument("--top-p", type=float, default=None,
+                          help="sample among the most likely tokens up to this probability mass (default: the "
+                               "model's generation_config.json, else 1: off)")
+    sampling.add_argument("--top-k", type=int, default=None,
+                          help="sample among the k most likely tokens; -1 or 0: off (default: the model's "
+                               "generation_config.json, else off)")
+    sampling.add_argument("--sampling-seed", type=int, default=None,
+                          help="seed of the sampling: the same seed gives the same tokens (default: a random one)")
+    sampling.add_argument("--ignore-eos", action="store_true",
+                          help="keep generating past the end-of-sequence token, up to --max-tokens")
+    sampling.add_argument("--stop", action="append", default=None,
+                          help="end the text before this string; repeat the flag for several (default: none)")
+    add_engine_flags(gen)
+    gen.set_defaults(func=_cmd_generate)
+
+
+def _add_serve(sub) -> None:
+    srv = sub.add_parser("serve", help="serve the OpenAI API over HTTP",
+                         description="Serve the OpenAI API: /v1/chat/completions and /v1/completions (streamed or "
+                                     "not), /v1/models, /health, /v1/stats, /metrics and /openapi.json.",
+                         formatter_class=HelpFormatter)
+    server = srv.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    server.add_argument("--port", type=bounded(int, 0, 65535), default=8000, help="the TCP port to listen on")
+    server.add_argument("--api-key", default=None,
+                        help="require `Authorization: Bearer KEY` on /v1 requests (default: no key)")
+    server.add_argument("--served-model-name", default=None,
+                        help="the model's name in the API (default: the Hugging Face id, the directory's name, or "
+                             "the built-in model's name)")
+    server.add_argument("--log-interval", type=bounded(float, 0.0), default=10.0,
+                        help="seconds between activity lines (requests, tokens/s, KV use); 0: none")
+    add_engine_flags(srv)
+    srv.set_defaults(func=_cmd_serve)
+
+
+def _bench_description(columns: int = 100) -> str:
+    import textwrap
+
+    width = max(map(len, _BENCHMARKS)) + 4
+    intro = textwrap.fill("Run one of the benchmarks in benchmarks/ (from a source checkout; each needs a GPU, and "
+                          "without one says so and exits 0). Each prints its table; --results "
+                          "benchmarks/RESULTS.md replaces its section there.", columns)
+    listing = [textwrap.fill(what, columns, initial_indent=f"  {name:<{width - 2}}", subsequent_indent=" " * width,
+                             break_on_hyphens=False) for name, what in _BENCHMARKS.items()]
+    return intro + "\n\n" + "\n".join(listing)
+
+
+def _add_bench(sub) -> None:
+    bench = sub.add_parser("bench", help="run a GPU benchmark (from a source checkout)",
+                           description=_bench_description(), formatter_class=ListingFormatter)
+    bench.add_argument("which", choices=list(_BENCHMARKS), metavar="NAME", help="the benchmark (listed above)")
+    bench.add_argument("rest", nargs=argparse.REMAINDER, metavar="...",
+                       help="the benchmark's own flags (moeferry bench NAME --help)")
+    bench.set_defaults(func=_cmd_bench)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -95,42 +95,80 @@ READ_BY = {
 }
 
 
+def option(default, group: str, text: str):
+    """An EngineConfig field with its CLI help `text` and argument `group` beside it (the CLI
+    builds its flags from them); a callable `default` is a default factory."""
+    metadata = {"help": text, "group": group}
+    if callable(default):
+        return field(default_factory=default, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """Every engine option; CLI flags and `LLM(**kwargs)` map one to one onto these fields.
+    """Every engine option; CLI flags and `LLM(**kwargs)` map one to one onto these fields,
+    each declared with its help text and argument group (`option`).
 
     Invariant: built once and never mutated; derived values are properties. `check()` is
     the one validation of the options (the Engine runs it before building anything; with the
     ModelConfig, it also fits them to the model).
     """
 
-    model: str | None = None
-    load_format: str = "auto"  # LOAD_FORMATS
-    hf_overrides: dict[str, Any] = field(default_factory=dict)
-    dtype: str = "auto"  # DTYPES
-    device: str = "auto"  # DEVICES
-    seed: int = 0
-    # MoE
-    moe_strategy: str = "gpu"
-    moe_cache_slots: int | None = None
-    moe_cache_gb: float | None = None
-    moe_cache_policy: str = "layer_lru"  # cache_policies() (moe/slot_cache.py, docs/offload.md)
-    moe_lrfu_decay: float = 0.5
-    moe_collect_stats: bool = False
-    moe_prefill_demand_tokens: int | str = 0  # a token count, or "auto"
-    moe_record_routing: str | None = None  # a file: every step's routes, for `moeferry routing simulate` (routing/)
-    # memory budget
-    memory_ratio: float = 0.9
-    vram_reserve_mb: int = 1024
-    kv_reserve_tokens: int | None = None
-    # KV cache and batching
-    page_size: int = 16
-    num_tokens: int | None = None  # KV capacity in tokens; None: from the planner
-    max_running_requests: int = 8
-    max_prefill_tokens: int = 2048
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True  # reuse the KV pages of a known prompt prefix (kvcache/paged.py)
-    disable_cuda_graph: bool = False
+    model: str | None = option(None, "model", "a checkpoint directory, a Hugging Face model id found in the local "
+                               "Hugging Face cache (HF_HUB_CACHE or HF_HOME; nothing is downloaded), or the built-in "
+                               "model's name (default: moeferry-tiny-moe, the built-in model trained on Austen; moeferry-tiny-random: a random one)")
+    load_format: str = option("auto", "model", "auto or safetensors: the checkpoint's *.safetensors; dummy: random "
+                                               "weights of config.json's shape (benchmarks, no weights needed)")
+    hf_overrides: dict[str, Any] = option(dict, "model", "a JSON object merged into config.json, e.g. "
+                                                         "'{\"num_hidden_layers\": 4}'")
+    chat_template: str | None = option(None, "model", "a Jinja chat template file used instead of the tokenizer's by "
+                                                      "the chat endpoint, generate --chat and LLM.chat (default: the "
+                                                      "tokenizer's)")
+    dtype: str = option("auto", "runtime", "the weights' and activations' dtype; auto: bfloat16 on a GPU, float32 "
+                                           "on the CPU")
+    device: str = option("auto", "runtime", "auto: cuda when torch sees a GPU, else cpu")
+    seed: int = option(0, "model", "seed of the dummy weights (--load-format dummy) and of torch")
+    moe_strategy: str = option("gpu", "MoE", "where the routed experts live: gpu keeps them on the GPU; offload in "
+                                             "pinned host memory behind a GPU slot cache; uva reads them from pinned "
+                                             "host memory in place (docs/offload.md)")
+    moe_cache_slots: int | None = option(None, "MoE", "offload: experts the GPU slot cache holds (default: as many "
+                                                      "as the memory plan leaves room for, at most every expert)")
+    moe_cache_gb: float | None = option(None, "MoE", "offload: the slot cache's size in GiB, instead of "
+                                                     "--moe-cache-slots (default: what the memory plan leaves)")
+    moe_cache_policy: str = option("layer_lru", "MoE", "offload: which cached expert a miss replaces "
+                                                       "(docs/offload.md, Policies)")
+    moe_lrfu_decay: float = option(0.5, "MoE", "--moe-cache-policy lrfu: how much a past use still counts, in "
+                                               "(0, 1]")
+    moe_collect_stats: bool = option(False, "MoE", "offload or uva: count the expert cache's hits, misses and routes "
+                                                   "(in /v1/stats and /metrics); a little time per step")
+    moe_prefill_demand_tokens: int | str = option(0, "MoE", "offload: a prefill chunk of at most this many tokens "
+                                                            "loads only the experts it routes to, a longer one streams "
+                                                            "every expert; 0: always stream; auto: decided per chunk "
+                                                            "from the routing and the cache")
+    moe_record_routing: str | None = option(None, "MoE", "a file: every step's routed experts per MoE layer, "
+                                                         "recorded under any strategy, for `moeferry routing "
+                                                         "simulate` (docs/offload.md; at most 1 GiB)")
+    memory_ratio: float = option(0.9, "memory", "share of the GPU memory free after the weights that the plan may "
+                                                "use (expert slots, KV cache, buffers)")
+    vram_reserve_mb: int = option(1024, "memory", "MiB of GPU memory the plan leaves free, for CUDA graphs and "
+                                                  "allocator slack")
+    kv_reserve_tokens: int | None = option(None, "memory", "KV cache tokens reserved before the expert cache is sized "
+                                                           "(default: --max-running-requests contexts of "
+                                                           "--max-model-len; of at most 8192 tokens when not given)")
+    page_size: int = option(16, "memory", "tokens per KV cache page")
+    num_tokens: int | None = option(None, "memory", "the KV cache's size in tokens (default: from the memory plan; "
+                                                    "16384 on the CPU)")
+    max_running_requests: int = option(8, "scheduling", "requests decoded together in one step (and the largest "
+                                                        "CUDA graph's batch)")
+    max_prefill_tokens: int = option(2048, "scheduling", "prompt tokens prefilled in one step; a longer prompt is "
+                                                         "prefilled in chunks")
+    max_model_len: int | None = option(None, "scheduling", "the most tokens (prompt + output) one request may hold "
+                                                           "(default: the model's max_position_embeddings, lowered "
+                                                           "with a warning to what the KV cache holds)")
+    enable_prefix_caching: bool = option(True, "scheduling", "reuse the KV pages of a prompt prefix another "
+                                                             "request computed (docs/architecture.md)")
+    disable_cuda_graph: bool = option(False, "runtime", "decode eagerly instead of replaying captured CUDA graphs "
+                                                        "(to debug or compare)")
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
@@ -180,15 +218,6 @@ class EngineConfig:
         return self.torch_device.type == "cuda" and not self.disable_cuda_graph
 
 
-DEFAULT_MAX_MODEL_LEN = 8192
-
-
-def resolve_max_model_len(ec: EngineConfig, mc: "ModelConfig") -> int:
-    """The context length served: --max-model-len, else the model's capped at 8,192 tokens
-    (the rotary tables, page tables and KV plan are sized by it); never past the model's."""
-    return min(ec.max_model_len or DEFAULT_MAX_MODEL_LEN, mc.max_position_embeddings)
-
-
 _HINTS: dict[str, Any] = {}
 _KIND_NAMES = {numbers.Integral: "an integer", numbers.Real: "a number", bool: "true or false", str: "a string",
                dict: "a JSON object"}
@@ -234,6 +263,8 @@ def _check_together(ec: EngineConfig) -> None:
     if ec.num_tokens is not None and ec.num_tokens < ec.page_size:
         raise ConfigError(f"--num-tokens {ec.num_tokens} is less than one KV page of {ec.page_size} tokens "
                           f"(--page-size): give at least {ec.page_size}")
+    if ec.chat_template is not None and not os.path.isfile(ec.chat_template):
+        raise ConfigError(f"--chat-template {ec.chat_template}: no such file")
     if ec.moe_cache_slots is not None and ec.moe_cache_gb is not None:
         raise ConfigError("--moe-cache-slots and --moe-cache-gb both size the expert cache: give one of them")
     for name, (chooser, readers) in READ_BY.items():

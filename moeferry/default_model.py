@@ -132,7 +132,3 @@ def builtin_model_name(model_dir: str) -> str | None:
             return name
     return None
 
-
-def resolve_model_dir(model: str | None) -> str:
-    builtin = builtin_model_dir(model)
-    return builtin if builtin is not None else model

@@ -1,4 +1,5 @@
-"""Offline API: `LLM(model_dir, **engine_options).generate(prompts, SamplingParams(...))`."""
+"""Offline API: `LLM(model_dir, **engine_options).generate(prompts, SamplingParams(...))`, and
+`.chat(messages)` for conversations through the chat template."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ class RequestOutput:
 
 
 class LLM:
-    """Loads a model once; `generate` runs a list of prompts through continuous batching.
+    """Loads a model once; `generate` runs a list of prompts through continuous batching,
+    `chat` a list of conversations.
 
     Engine options are the CLI flags as keyword arguments (moe_strategy="gpu",
     load_format="dummy", dtype="float32", ...); an unknown one is refused.
@@ -58,3 +60,22 @@ class LLM:
                 if on_output is not None:
                     on_output(out)
         return [RequestOutput(r.prompt_ids, list(r.output_ids), r.text, r.finish_reason, list(r.logprobs)) for r in reqs]
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             on_output=None) -> list[RequestOutput]:
+        """Reply to conversations: `messages` is one conversation (a list of {"role", "content"}
+        dicts) or a list of them. Each goes through the chat template (--chat-template, else the
+        tokenizer's) with the generation prompt, then runs as `generate` runs its prompts: one
+        RequestOutput per conversation. InvalidRequest (param "messages") when a conversation
+        is empty or the template cannot render it."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not conversations or not all(isinstance(c, list) and c for c in conversations):
+            raise InvalidRequest("messages must be a conversation (a non-empty list of {'role', 'content'} "
+                                 "dicts) or a list of them", "messages")
+        from moeferry.tokenizer.tokenizer import apply_chat_template
+
+        try:
+            prompts = [apply_chat_template(self.tokenizer, conversation) for conversation in conversations]
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), "messages") from None
+        return self.generate(prompts, sampling_params, on_output)

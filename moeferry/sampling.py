@@ -8,9 +8,15 @@ server/protocol.py.
 
 from __future__ import annotations
 
+import copy
+import json
 import math
 import numbers
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from moeferry.config import ConfigError
 
 SAMPLING_EPS = 1e-5  # a temperature below it is greedy (vLLM's _SAMPLING_EPS): 1/T would overflow
 TOP_P_FLOOR = 1e-8  # a smaller top_p is raised to it: float32 rounds 1e-46 to 0.0, which keeps no token;
@@ -27,6 +33,10 @@ MAX_LOGIT_BIAS = 300  # logit_bias entries per request (OpenAI)
 MAX_LOGPROBS = 20  # top log-probs per token (OpenAI's top_logprobs limit)
 MAX_N = 16  # samples of one prompt per request
 
+# The fields a checkpoint's generation_config.json may give defaults for, with the value a
+# request that leaves one unset gets when the checkpoint gives none (the OpenAI API's: off).
+MODEL_DEFAULTED = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+
 
 class InvalidRequest(ValueError):
     """A request refused before it joins a batch; `param` names the field at fault (OpenAI's
@@ -42,24 +52,28 @@ class SamplingParams:
     """Sampling options of one request (the OpenAI API's fields, plus vLLM's extensions).
 
     temperature 0 (or below SAMPLING_EPS) is greedy; top_k 0 or -1 means off; top_p 1.0 means
-    off; `seed` makes a sampled request reproducible; `stop` strings end the text before them;
-    `stop_token_ids` end it after them, `ignore_eos` or not; `ignore_eos` keeps going past
+    off. temperature, top_p, top_k, min_p and repetition_penalty may be left unset (None): the
+    engine gives them the model's generation_config.json values, else MODEL_DEFAULTED's
+    (`with_defaults`), so a value the caller set, even the neutral one, always wins over the
+    model's. `seed` makes a sampled request reproducible; `stop` strings end the text before
+    them; `stop_token_ids` end it after them, `ignore_eos` or not; `ignore_eos` keeps going past
     the end-of-sequence token until max_tokens. Penalties, min_p and logit_bias at their
     neutral values do nothing. `logprobs` None: no log-probs; k >= 0: each token's log-prob
     and the k most likely tokens' (engine/sampler.py says of which distribution). `n`: the
     number of samples of the prompt (the server makes one request of each).
 
-    Invariant after construction: every value is in its range (else InvalidRequest naming
-    the field), finite, and normalised (tiny temperature -> 0, tiny top_p -> TOP_P_FLOOR).
+    Invariant after construction: every value is unset (MODEL_DEFAULTED's fields only) or in
+    its range (else InvalidRequest naming the field), finite, and normalised (tiny temperature
+    -> 0, tiny top_p -> TOP_P_FLOOR). A Request holds params with nothing unset.
     """
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     logit_bias: dict[int, float] | None = None
     seed: int | None = None
     max_tokens: int = 16
@@ -76,19 +90,25 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
         self.stop = [s for s in self.stop if s]
-        if self.temperature < SAMPLING_EPS:
+        if self.temperature is not None and self.temperature < SAMPLING_EPS:
             self.temperature = 0.0
-        self.top_p = max(self.top_p, TOP_P_FLOOR)
+        if self.top_p is not None:
+            self.top_p = max(self.top_p, TOP_P_FLOOR)
 
     def validate(self) -> None:
-        """Raise InvalidRequest for the first field out of its range."""
-        _number("temperature", self.temperature, 0.0, TEMPERATURE_MAX)
-        _number("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        _integer("top_k", self.top_k, -1, TOP_K_MAX)
-        _number("min_p", self.min_p, 0.0, 1.0)
+        """Raise InvalidRequest for the first field out of its range (an unset one passes)."""
+        if self.temperature is not None:
+            _number("temperature", self.temperature, 0.0, TEMPERATURE_MAX)
+        if self.top_p is not None:
+            _number("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        if self.top_k is not None:
+            _integer("top_k", self.top_k, -1, TOP_K_MAX)
+        if self.min_p is not None:
+            _number("min_p", self.min_p, 0.0, 1.0)
         _number("presence_penalty", self.presence_penalty, *PENALTY_RANGE)
         _number("frequency_penalty", self.frequency_penalty, *PENALTY_RANGE)
-        _number("repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE)
+        if self.repetition_penalty is not None:
+            _number("repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE)
         if len(self.logit_bias or {}) > MAX_LOGIT_BIAS:
             raise InvalidRequest(f"logit_bias holds {len(self.logit_bias)} entries, at most {MAX_LOGIT_BIAS}",
                                  "logit_bias")
@@ -106,9 +126,61 @@ class SamplingParams:
             _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         _integer("n", self.n, 1, MAX_N)
 
+    def with_defaults(self, defaults: Mapping[str, float] | None = None) -> "SamplingParams":
+        """These params with every unset field given its default: from `defaults` (checked and
+        normalised values, as GenerationDefaults.sampling holds), else MODEL_DEFAULTED's.
+        Returns self when none is unset; the set fields are not checked again."""
+        unset = [name for name in MODEL_DEFAULTED if getattr(self, name) is None]
+        if not unset:
+            return self
+        out = copy.copy(self)
+        for name in unset:
+            setattr(out, name, (defaults or {}).get(name, MODEL_DEFAULTED[name]))
+        return out
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """What a checkpoint's generation_config.json says about serving it: `eos_token_ids` end
+    every request (beside config.json's and the tokenizer's end token), and `sampling` holds
+    the values of MODEL_DEFAULTED's fields a request that leaves them unset gets.
+
+    Invariant: every value in `sampling` passed SamplingParams' checks. Other fields
+    (do_sample, max_new_tokens, ...) are not read: like vLLM, a temperature given is used
+    whatever do_sample says.
+    """
+
+    eos_token_ids: tuple[int, ...] = ()
+    sampling: Mapping[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_dir(cls, path: str) -> "GenerationDefaults":
+        """Read `path`/generation_config.json (none: no defaults); ConfigError naming the file
+        and the field when a value is not one a request could have."""
+        file = os.path.join(path, "generation_config.json")
+        if not os.path.isfile(file):
+            return cls()
+        try:
+            with open(file, encoding="utf-8") as f:
+                raw = json.load(f)
+        except (ValueError, OSError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise ConfigError(f"{file} is not valid JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{file}: not a JSON object")
+        given = [name for name in MODEL_DEFAULTED if raw.get(name) is not None]
+        try:
+            checked = SamplingParams(**{name: raw[name] for name in given})
+        except InvalidRequest as exc:
+            raise ConfigError(f"{file}: {exc}") from None
+        eos = raw.get("eos_token_id")
+        ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise ConfigError(f"{file}: eos_token_id must be a token id or a list of them, got {eos!r}")
+        return cls(tuple(ids), {name: getattr(checked, name) for name in given})
 
 
 def _number(name: str, value, low: float, high: float | None, low_open: bool = False) -> None:

@@ -60,9 +60,57 @@ def test_choices_come_from_the_registries():
     from moeferry.kernels.admission import POLICIES
     from moeferry.moe.strategies import strategy_names
 
-    actions = {a.dest: a for a in build_parser()._subparsers._group_actions[0].choices["serve"]._actions}
+    actions = {a.dest: a for a in subcommands()["serve"]._actions}
     assert tuple(actions["moe_cache_policy"].choices) == tuple(POLICIES)
     assert list(actions["moe_strategy"].choices) == strategy_names()
+
+
+def subcommands() -> dict:
+    return build_parser()._subparsers._group_actions[0].choices
+
+
+def test_every_engine_option_declares_its_help_and_its_group():
+    import dataclasses
+
+    from moeferry.config import EngineConfig
+
+    for f in dataclasses.fields(EngineConfig):
+        assert f.metadata.get("help"), f.name
+        assert f.metadata.get("group") in {"model", "runtime", "MoE", "memory", "scheduling"}, f.name
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "bench"])
+def test_every_flag_has_help_and_shows_its_default(command):
+    from moeferry.cli import HelpFormatter
+
+    parser = subcommands()[command]
+    for action in parser._actions:
+        assert action.help, action.dest
+        if action.option_strings and action.dest != "help" and not action.required:
+            assert "(default: " in HelpFormatter(command)._get_help_string(action), action.dest
+    assert "%(default)s" not in parser.format_help()
+
+
+@pytest.mark.parametrize("command,groups", [("generate", ["prompt", "sampling"]), ("serve", ["server"])])
+def test_engine_flags_come_in_groups_after_the_commands_own(command, groups):
+    titles = [g.title for g in subcommands()[command]._action_groups][2:]  # after positionals and options
+    assert titles == groups + ["model", "runtime", "MoE", "memory", "scheduling"]
+    in_group = {a.dest: g.title for g in subcommands()[command]._action_groups for a in g._group_actions}
+    assert in_group["max_model_len"] == "scheduling" and in_group["moe_cache_gb"] == "MoE"
+
+
+def test_bench_lists_what_each_benchmark_measures_and_each_exists():
+    import glob
+
+    from moeferry.cli import _BENCHMARKS
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    scripts = {os.path.basename(p)[len("bench_"):-3] for p in glob.glob(os.path.join(root, "benchmarks", "bench_*.py"))}
+    assert set(_BENCHMARKS) == scripts
+    text = subcommands()["bench"].format_help()
+    assert "SPEC" not in text
+    for name, what in _BENCHMARKS.items():
+        assert f"  {name} " in text and what.split()[0] in text
 
 
 def run_cli(argv, capsys) -> str:
@@ -106,6 +154,7 @@ BEFORE_LOADING = [
     (["--hf-overrides", "[1]"], "argument --hf-overrides: not a JSON object"),
     (["--hf-overrides", "{"], "argument --hf-overrides: not JSON"),
     (["--device", "cuda"], "--device cuda asked for, but torch sees no CUDA GPU"),
+    (["--chat-template", "/no/such/template.jinja"], "--chat-template /no/such/template.jinja: no such file"),
 ]
 
 
@@ -176,7 +225,7 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_file(default_dir, tmp_path,
         named = config
     elif damage == "num_experts_per_tok past the experts":
         cfg = json.load(open(config))
-        json.dump({**cfg, "num_experts_per_tok": 17}, open(config, "w"))  # of 16 experts
+        json.dump({**cfg, "num_experts_per_tok": cfg["num_experts"] + 1}, open(config, "w"))
         named = config
     else:
         data = open(weights, "rb").read()

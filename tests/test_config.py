@@ -53,14 +53,14 @@ def test_llm_keywords_are_checked_before_anything_loads(options, says, monkeypat
 
 def test_the_context_is_capped_at_the_models_and_said_so(model_cache, caplog):
     with caplog.at_level("WARNING"):
-        llm = LLM(device="cpu", dtype="float32", max_model_len=100_000, num_tokens=256)
-    assert llm.engine.ec.max_model_len == 4096 and llm.engine.runner.max_model_len == 4096
-    assert "--max-model-len 100000 exceeds the model's max_position_embeddings 4096" in caplog.text
+        llm = LLM(device="cpu", dtype="float32", max_model_len=100_000, num_tokens=4096)
+    assert llm.engine.ec.max_model_len == 2048 and llm.engine.runner.max_model_len == 2048
+    assert "--max-model-len 100000 exceeds the model's max_position_embeddings 2048" in caplog.text
 
 
 def test_a_cache_under_one_layer_is_refused_before_loading(model_cache, monkeypatch):
     import moeferry.engine.engine
 
     monkeypatch.setattr(moeferry.engine.engine, "ModelRunner", lambda *a: pytest.fail("the model was loaded"))
-    with pytest.raises(ConfigError, match="fewer than one layer's 16 experts"):
+    with pytest.raises(ConfigError, match="fewer than one layer's 32 experts"):
         LLM(device="cpu", moe_strategy="offload", moe_cache_slots=3)

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from moeferry.config import EngineConfig, ModelConfig
 from moeferry.engine.runner import ModelRunner
 from moeferry.engine.sampler import TokenLogprobs
-from moeferry.sampling import InvalidRequest, SamplingParams
+from moeferry.sampling import GenerationDefaults, InvalidRequest, SamplingParams
 from moeferry.scheduler.request import Request, Status
 from moeferry.scheduler.scheduler import Scheduler
-from moeferry.tokenizer.tokenizer import IncrementalDetokenizer, load_tokenizer
+from moeferry.tokenizer.tokenizer import IncrementalDetokenizer, load_tokenizer, use_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,19 @@ class StepOutput:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
+def log_finished(req: Request) -> None:
+    """One INFO line for a request that ended (however it ended): its id, token counts, finish
+    reason, time to first token (from when the engine accepted it) and decode speed (the tokens
+    after the first over the time since the first; "-" when there is no such span)."""
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    now, first, n = time.monotonic(), req.first_token_time, len(req.output_ids)
+    ttft = "-" if first is None else f"{(first - req.arrival) * 1e3:.1f} ms"
+    speed = f"{(n - 1) / (now - first):.1f} tok/s" if first is not None and n > 1 and now > first else "-"
+    logger.info("request %d finished: %d prompt tokens, %d output tokens, finish_reason %s, TTFT %s, decode %s",
+                req.rid, len(req.prompt_ids), n, req.finish_reason, ttft, speed)
+
+
 class Engine:
     """Invariants: every request `add_request` accepted ends finished (EOS, stop string or
     token, max_tokens), aborted, or failed, and its KV pages go back to the pool when it does.
@@ -44,22 +57,26 @@ class Engine:
     they would have had without it."""
 
     def __init__(self, ec: EngineConfig):
-        from moeferry.default_model import resolve_model_dir
+        from moeferry.model_source import resolve_model
 
         ec.check()  # every option alone, before even the default model is made
-        model_dir = resolve_model_dir(ec.model)
+        source = resolve_model(ec.model)
+        model_dir, self.model_name = source.path, source.name
         mc = ModelConfig.from_dir(model_dir, ec.hf_overrides)
         ec = ec.replace(model=model_dir).check(mc)
+        self.generation = GenerationDefaults.from_dir(model_dir)
         self.ec, self.mc = ec, mc
+        self.tokenizer = load_tokenizer(model_dir)
+        if ec.chat_template is not None:  # before the weights: a template that fails costs no loading
+            use_chat_template(self.tokenizer, ec.chat_template)
         t0 = time.monotonic()
         self.runner = ModelRunner(ec, mc)
         logger.info("model %s (%s, %d layers, %d experts, top-%d) loaded in %.1fs: strategy %s, dtype %s, device %s",
                     model_dir, mc.model_type, mc.num_layers, mc.num_experts, mc.top_k, time.monotonic() - t0,
                     ec.moe_strategy, str(self.runner.dtype).replace("torch.", ""), self.runner.device)
-        self.tokenizer = load_tokenizer(model_dir)
         self.scheduler = Scheduler(self.runner.kv.pool, ec.page_size, ec.max_running_requests, ec.max_prefill_tokens,
                                    self.runner.max_model_len, prefix_caching=ec.enable_prefix_caching)
-        self.eos_ids = set(mc.eos_token_ids)
+        self.eos_ids = set(mc.eos_token_ids) | {i for i in self.generation.eos_token_ids if i < mc.vocab_size}
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(int(self.tokenizer.eos_token_id))
         self._detok: dict[int, IncrementalDetokenizer] = {}
@@ -74,7 +91,9 @@ class Engine:
         return list(self.tokenizer.encode(prompt))
 
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
-        """Check a request and queue it; InvalidRequest (naming the field) if it cannot run."""
+        """Check a request and queue it; InvalidRequest (naming the field) if it cannot run.
+        Sampling values `params` leaves unset take the model's generation_config.json ones."""
+        params = params.with_defaults(self.generation.sampling)
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self._check_token_ids("prompt", ids)
         self._check_token_ids("stop_token_ids", params.stop_token_ids)
@@ -102,6 +121,7 @@ class Engine:
         self._detok.pop(req.rid, None)
         counter = {"abort": "requests_aborted", "error": "requests_failed"}.get(reason, "requests_finished")
         self.counters[counter] += 1
+        log_finished(req)
 
     def _fail(self, req: Request, what: str) -> StepOutput:
         """End `req` alone after its own step work raised (the caller logged the traceback)."""

@@ -7,12 +7,13 @@ Order of claims on the budget (free device memory x --memory-ratio - --vram-rese
 1. the sampler's state and buffers (per running request, a vocabulary's worth of counts,
    prompt marks and log-probs), and the prefill stream buffers of a strategy that streams
    layers (offload on a GPU);
-2. the KV cache the flags ask for (--num-tokens, else --kv-reserve-tokens, else one full
-   context per running request) is reserved;
+2. the KV cache the flags ask for (--num-tokens, else --kv-reserve-tokens, else one context
+   per running request: --max-model-len, else the model's capped at KV_PLAN_CONTEXT) is reserved;
 3. expert slots: --moe-cache-slots, else --moe-cache-gb, else what 1 and 2 leave, capped at
    every expert (a bigger cache has nothing more to hold);
 4. the KV cache gets what is left, up to what it asked for.
 On the CPU there is no device budget: every expert gets a slot and the KV cache a fixed size.
+Then the context served is fitted to the KV cache (`served_context`): one request of it must fit.
 """
 
 from __future__ import annotations
@@ -29,14 +30,20 @@ logger = logging.getLogger(__name__)
 
 _CPU_DEFAULT_KV_TOKENS = 16384
 _GIB = 2**30
+# The context the KV cache is planned for per running request when --max-model-len is not
+# given: a model's own (40,960 or 262,144 tokens) would reserve that much per request ahead of
+# the expert cache; served_context still lets one request use the model's whole context when
+# the cache holds it.
+KV_PLAN_CONTEXT = 8192
 
 
 @dataclass(frozen=True)
 class KVShape:
-    """What the KV cache costs: bytes per token over every layer, and the served context."""
+    """What the KV cache costs: bytes per token over every layer, and the context planned for
+    per running request (`planned_context`)."""
 
     bytes_per_token: int
-    max_model_len: int
+    context_tokens: int
 
 
 @dataclass(frozen=True)
@@ -101,13 +108,36 @@ def expert_slots(ec, needs: ExpertNeeds, room_bytes: int | None) -> int:
     return slots
 
 
+def planned_context(ec, model_len: int) -> int:
+    """The context the KV cache is planned for per running request: --max-model-len, else
+    the model's (`model_len`) capped at KV_PLAN_CONTEXT."""
+    return ec.max_model_len or min(model_len, KV_PLAN_CONTEXT)
+
+
 def wanted_kv_tokens(ec, kv: KVShape) -> int:
     """The KV capacity the flags ask for: --num-tokens, else --kv-reserve-tokens (at most one
-    full context per running request), else one full context per running request."""
+    planned context per running request), else one planned context per running request."""
     if ec.num_tokens is not None:
         return ec.num_tokens
-    full = ec.max_running_requests * kv.max_model_len
+    full = ec.max_running_requests * kv.context_tokens
     return full if ec.kv_reserve_tokens is None else min(ec.kv_reserve_tokens, full)
+
+
+def served_context(ec, model_len: int, plan: MemoryPlan) -> int:
+    """The most tokens (prompt + output) one request may hold: `model_len` (--max-model-len,
+    else the model's max_position_embeddings) when one request of it fits the planned KV
+    cache. Otherwise a given --max-model-len is refused (ConfigError), and the model's is
+    lowered to the KV cache's size with one warning naming the flag that plans for more."""
+    if model_len <= plan.kv_tokens:
+        return model_len
+    if ec.max_model_len is not None:
+        raise ConfigError(f"--max-model-len {model_len}: one request of that length does not fit the KV cache of "
+                          f"{plan.kv_tokens} tokens; lower it, or make the KV cache larger (--num-tokens, "
+                          f"--kv-reserve-tokens, --memory-ratio, a smaller expert cache)")
+    logger.warning("the model's context of %d tokens (max_position_embeddings) does not fit the KV cache of %d "
+                   "tokens: serving %d; give --max-model-len to plan the KV cache for a longer one (or --num-tokens)",
+                   model_len, plan.kv_tokens, plan.kv_tokens)
+    return plan.kv_tokens
 
 
 def _device_budget(ec, device: torch.device) -> tuple[int | None, int | None]:

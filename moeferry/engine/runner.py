@@ -9,11 +9,11 @@ from contextlib import nullcontext
 
 import torch
 
-from moeferry.config import EngineConfig, ModelConfig, resolve_max_model_len
+from moeferry.config import EngineConfig, ModelConfig
 from moeferry.engine.batch import ForwardBatch, PrefillSeq, fill_page_table
 from moeferry.engine.cuda_graph import DecodeGraphs
 from moeferry.engine.loader import load_dummy, load_safetensors
-from moeferry.engine.planner import KVShape, plan_memory
+from moeferry.engine.planner import KVShape, plan_memory, planned_context, served_context
 from moeferry.engine.sampler import SampledTokens, Sampler
 from moeferry.kvcache.paged import PagedKVCache
 from moeferry.layers.attention import Attention
@@ -35,15 +35,17 @@ class ModelRunner:
     def __init__(self, ec: EngineConfig, mc: ModelConfig):
         self.ec, self.mc = ec, mc
         self.device, self.dtype = ec.torch_device, ec.torch_dtype
-        self.max_model_len = resolve_max_model_len(ec, mc)
+        model_len = ec.max_model_len or mc.max_position_embeddings  # (check(mc) capped a given one at the model's)
         torch.manual_seed(ec.seed)
         self.strategy = create_strategy(ec.moe_strategy, ec, mc)
-        self.model = self._build_model()
+        self.model = self._build_model(model_len)
         kv_shape = KVShape(PagedKVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype),
-                           self.max_model_len)
+                           planned_context(ec, model_len))
         sampler_bytes = Sampler.device_bytes(ec.max_running_requests, mc.vocab_size, ec.max_running_requests)
         self.plan = plan_memory(ec, self.strategy.memory_needs(), kv_shape, self.device, sampler_bytes)
         logger.info(self.plan.table())
+        # at most the KV cache's size: the page tables below are this wide per request
+        self.max_model_len = served_context(ec, model_len, self.plan)
         self.strategy.finalize(self.plan)
         self.kv = PagedKVCache(mc.num_layers, self.plan.kv_pages, ec.page_size, mc.num_kv_heads, mc.head_dim,
                                self.dtype, self.device)
@@ -83,9 +85,9 @@ class ModelRunner:
             self.graphs = None
             self.graphs = DecodeGraphs(self)
 
-    def _build_model(self) -> MoECausalLM:
+    def _build_model(self, max_positions: int) -> MoECausalLM:
         with torch.device("cpu"):
-            model = MoECausalLM(self.mc, self.strategy, self.max_model_len)
+            model = MoECausalLM(self.mc, self.strategy, max_positions)
         model.to(device=self.device, dtype=self.dtype)
         model.model.rotary.to(torch.float32)
         if self.ec.load_format == "dummy":

@@ -30,7 +30,8 @@ class Request:
     >= num_computed. `page_keys` are the prefix cache's chain keys of its first full pages
     (tokens only grow, so they stay valid); its first `num_registered` pages were offered to
     the cache. Requests compare by identity (eq=False), so membership tests in the scheduler's
-    queues cost O(1) per element, not a comparison of token lists."""
+    queues cost O(1) per element, not a comparison of token lists. `params` has nothing unset
+    (the engine filled the model's defaults; a request made elsewhere gets the neutral ones)."""
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -52,6 +53,7 @@ class Request:
     def __post_init__(self):
         if not self.prompt_ids:
             raise InvalidRequest("the prompt is empty", "prompt")
+        self.params = self.params.with_defaults()
         if self.seed is None:  # the key of the request's random stream (its sampler slot's seed)
             self.seed = self.params.seed if self.params.seed is not None else secrets.randbits(63)
 

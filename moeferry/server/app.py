@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -35,7 +34,8 @@ _ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/stat
 @dataclass(frozen=True)
 class ServerConfig:
     """The server's own options (the engine's live in EngineConfig); `served_model_name`
-    None means the model directory's basename, or the default model's name."""
+    None means the engine's model name: the built-in name, the Hugging Face id, or the
+    directory's base name (model_source.ModelSource)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -51,11 +51,7 @@ class ServerConfig:
 
 
 def served_model_name(engine, config: ServerConfig) -> str:
-    from moeferry.default_model import builtin_model_name
-
-    if config.served_model_name:
-        return config.served_model_name
-    return builtin_model_name(engine.ec.model) or os.path.basename(os.path.realpath(engine.ec.model))
+    return config.served_model_name or engine.model_name
 
 
 # ---- the app ---------------------------------------------------------------------------------

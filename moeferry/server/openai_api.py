@@ -110,8 +110,8 @@ class OpenAIEndpoints:
     def _chat_ids(self, messages: list[dict]) -> list[int]:
         try:
             return apply_chat_template(self.tokenizer, messages)
-        except Exception as exc:  # noqa: BLE001 - a template may raise anything on odd input
-            raise APIError(400, f"could not apply the chat template: {exc}", param="messages") from None
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages") from None
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:

@@ -158,20 +158,22 @@ _TokenId = Annotated[int, Field(ge=0)]
 class _SamplingFields(BaseModel):
     """The sampling fields shared by both endpoints (top_k, min_p, repetition_penalty,
     ignore_eos, stop_token_ids are vLLM's extensions); `max_tokens` None means "up to the
-    context" (chat) or 16 (completions). Numbers must be finite."""
+    context" (chat) or 16 (completions); temperature, top_p, top_k, min_p and
+    repetition_penalty left out (or null) take the model's generation_config.json values, else
+    the OpenAI API's (sampling.MODEL_DEFAULTED). Numbers must be finite."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float = Field(1.0, ge=0.0, le=TEMPERATURE_MAX)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1, le=TOP_K_MAX)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    temperature: float | None = Field(None, ge=0.0, le=TEMPERATURE_MAX)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, le=TOP_K_MAX)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
     presence_penalty: _Penalty = 0.0
     frequency_penalty: _Penalty = 0.0
-    repetition_penalty: float = Field(1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
+    repetition_penalty: float | None = Field(None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     logit_bias: dict[int, _Bias] | None = Field(None, max_length=MAX_LOGIT_BIAS_ENTRIES)
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = None  # bounded by _bounded_stop (and so documented in server/openapi.py)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+from moeferry.config import ConfigError, first_line
+
 logger = logging.getLogger(__name__)
 
 
@@ -25,14 +27,35 @@ def load_tokenizer(model_dir: str):
 
 
 def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
+    """The token ids of `messages` through the tokenizer's chat template, with the generation
+    prompt; ValueError (one line) when there is no template or it does not render them."""
     if tokenizer is None:
         raise ValueError("this model has no tokenizer: chat needs one")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template")
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    try:
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as exc:  # noqa: BLE001 - a Jinja template raises anything (raise_exception, a type error)
+        raise ValueError(f"the chat template does not render: {first_line(exc)}") from None
     if isinstance(out, dict) or hasattr(out, "keys"):
         out = out["input_ids"]
     return list(out)
+
+
+def use_chat_template(tokenizer, path: str) -> None:
+    """Make the Jinja file at `path` the tokenizer's chat template (--chat-template), once it
+    renders a one-message conversation; ConfigError (one line) otherwise."""
+    if tokenizer is None:
+        raise ConfigError(f"--chat-template {path}: this model has no tokenizer to apply it with")
+    try:
+        with open(path, encoding="utf-8") as f:
+            tokenizer.chat_template = f.read()
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+        raise ConfigError(f"--chat-template {path}: cannot read it: {first_line(exc)}") from None
+    try:
+        apply_chat_template(tokenizer, [{"role": "user", "content": "Hello"}])
+    except ValueError as exc:
+        raise ConfigError(f"--chat-template {path}: {exc}") from None
 
 
 class IncrementalDetokenizer:

@@ -23,6 +23,7 @@ from moeferry.routing.simulate import (DEFAULT_H2D_GBPS, SimulationError, cache_
                                        h2d_bandwidth, simulate)
 from moeferry.routing.trace import RoutingTrace, TraceHeader, TraceStep, TraceWriter
 from moeferry.testing.fixtures import family_configs, make_checkpoint
+from tests.test_cli import run_cli
 
 PROMPTS = [[5, 17, 33, 2, 9, 71, 40], [88, 3], [12, 60, 61, 62, 7, 1, 90, 45, 23, 30, 31, 8, 19]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -189,18 +190,6 @@ def test_routing_simulate_prints_a_row_per_size_and_policy(tmp_path, capsys):
     assert all(float(r[-1].rstrip(" |")) > 0 for r in rows)
 
 
-def _one_line_error(argv, capsys) -> str:
-    try:
-        status = main(argv)
-    except SystemExit as exit_:  # argparse's own refusals
-        status = exit_.code
-    err = capsys.readouterr().err
-    assert status == 2 and "Traceback" not in err, err
-    lines = [line for line in err.splitlines() if " error: " in line]
-    assert len(lines) == 1, err
-    return lines[0]
-
-
 @pytest.mark.parametrize("args,says", [
     (["missing", "--cache-slots", "16"], "moeferry routing: error: cannot read routing trace"),
     (["garbage", "--cache-slots", "16"], "moeferry routing: error: {dir}/garbage is not a routing trace"),
@@ -213,7 +202,7 @@ def _one_line_error(argv, capsys) -> str:
 def test_routing_simulate_mistakes_are_one_line(tmp_path, capsys, args, says):
     TraceWriter(str(tmp_path / "trace"), HEADER).close()
     (tmp_path / "garbage").write_bytes(b"\x00" * 64)
-    line = _one_line_error(["routing", "simulate", str(tmp_path / args[0]), *args[1:]], capsys)
+    line = run_cli(["routing", "simulate", str(tmp_path / args[0]), *args[1:]], capsys)
     assert says.format(dir=tmp_path) in line, line
 
 
