@@ -41,6 +41,7 @@ class Request:
     num_computed: int = 0
     page_keys: list[bytes] = field(default_factory=list)
     num_registered: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
     status: Status = Status.WAITING
     finish_reason: str | None = None
     text: str = ""

@@ -111,6 +111,8 @@ class Scheduler:
         self.pool.share(req.pages)
         req.num_registered = len(req.pages)
         req.num_computed = len(req.pages) * self.page_size
+        if not req.num_preemptions:  # a recomputation after preemption is not the prompt's reuse
+            req.num_cached_tokens = req.num_computed
         return req.num_computed
 
     def _preempt(self, req: Request) -> None:

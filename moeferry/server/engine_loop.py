@@ -42,6 +42,7 @@ class Delta:
     completion_tokens: int
     error: APIError | None = None
     logprobs: list = field(default_factory=list)  # TokenLogprobs per token, when the request asked
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass(eq=False)
@@ -236,7 +237,7 @@ class EngineLoop:
         handle.last_token_time = now
         error = APIError(500, out.error) if out.error is not None else None
         return Delta(out.new_text, list(out.new_token_ids), req.finish_reason if out.finished else None,
-                     len(req.prompt_ids), len(req.output_ids), error, list(out.logprobs))
+                     len(req.prompt_ids), len(req.output_ids), error, list(out.logprobs), req.num_cached_tokens)
 
     def _end_all(self, reason: str, error: APIError) -> None:
         batch = []
@@ -246,7 +247,8 @@ class EngineLoop:
                 self.engine.abort(req)
             except Exception:  # noqa: BLE001 - the engine may be in a broken state after a failed step
                 logger.exception("could not free request %d", req.rid)
-            batch.append((handle, Delta("", [], reason, len(req.prompt_ids), len(req.output_ids), error)))
+            batch.append((handle, Delta("", [], reason, len(req.prompt_ids), len(req.output_ids), error,
+                                        cached_tokens=req.num_cached_tokens)))
         self.live.clear()
         self._deliver(batch)
 

@@ -215,7 +215,7 @@ _SEED_STRIDE = 0x9E3779B97F4A7C15  # the golden ratio in 64 bits: choices' seeds
 def _usage(lasts) -> dict:
     """The usage of a request's choices: the prompt once, every choice's completion tokens."""
     lasts = list(lasts)
-    return usage(lasts[0].prompt_tokens, sum(last.completion_tokens for last in lasts))
+    return usage(lasts[0].prompt_tokens, sum(last.completion_tokens for last in lasts), lasts[0].cached_tokens)
 
 
 async def _merged(loop: EngineLoop, handles: list[RequestHandle]):

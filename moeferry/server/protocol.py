@@ -334,9 +334,12 @@ class CompletionRequest(_SamplingFields):
 
 
 # ---- responses -----------------------------------------------------------------------------
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; `prompt_tokens_details.cached_tokens` counts the prompt tokens
+    whose KV the prefix cache held."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 @dataclass

@@ -29,6 +29,7 @@ def test_chat_completion(client):
     assert choice.finish_reason == "length" and choice.message.content
     assert out.usage.completion_tokens == 12 and out.usage.prompt_tokens > 10
     assert out.usage.total_tokens == out.usage.prompt_tokens + 12
+    assert 0 <= out.usage.prompt_tokens_details.cached_tokens < out.usage.prompt_tokens  # the client reads it
 
 
 def test_chat_stream_equals_non_streamed(client):
