@@ -13,7 +13,7 @@ from moeferry.config import EngineConfig, ModelConfig
 from moeferry.engine.batch import ForwardBatch, PrefillSeq, fill_page_table
 from moeferry.engine.cuda_graph import DecodeGraphs
 from moeferry.engine.loader import load_dummy, load_safetensors
-from moeferry.engine.planner import KVShape, plan_memory, planned_context, served_context
+from moeferry.engine.planner import KVShape, plan_memory, planned_context, served_context, wanted_kv_tokens
 from moeferry.engine.sampler import SampledTokens, Sampler
 from moeferry.kvcache.paged import PagedKVCache
 from moeferry.layers.attention import Attention
@@ -38,9 +38,11 @@ class ModelRunner:
         model_len = ec.max_model_len or mc.max_position_embeddings  # (check(mc) capped a given one at the model's)
         torch.manual_seed(ec.seed)
         self.strategy = create_strategy(ec.moe_strategy, ec, mc)
-        self.model = self._build_model(model_len)
         kv_shape = KVShape(PagedKVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype),
                            planned_context(ec, model_len))
+        # rotary tables for no more positions than the KV cache can ever hold (served_context
+        # below never exceeds it): a 262,144-token model does not build tables it cannot serve
+        self.model = self._build_model(min(model_len, wanted_kv_tokens(ec, kv_shape)))
         sampler_bytes = Sampler.device_bytes(ec.max_running_requests, mc.vocab_size, ec.max_running_requests)
         self.plan = plan_memory(ec, self.strategy.memory_needs(), kv_shape, self.device, sampler_bytes)
         logger.info(self.plan.table())

@@ -25,6 +25,7 @@ def test_a_default_context_longer_than_the_kv_cache_is_lowered_with_one_warning(
     runner = llm.engine.runner
     assert runner.max_model_len == 4096 and llm.engine.scheduler.context_limit == 4096
     assert runner.max_pages_per_req == 4096 // 16  # not 262,144 tokens' worth per request
+    assert runner.model.model.rotary.cos.shape[0] == 4096  # nor rotary tables for positions never served
     lines = [r.getMessage() for r in caplog.records if "does not fit the KV cache" in r.getMessage()]
     assert len(lines) == 1 and "context of 262144 tokens" in lines[0] and "serving 4096" in lines[0]
     assert "--max-model-len" in lines[0]
