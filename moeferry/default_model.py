@@ -41,25 +41,25 @@ _CHAT_TEMPLATE = (
 _SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def default_model_dir() -> str:
-    return BUILTIN_MODEL_DIR
-
-
 def random_model_dir() -> str:
     root = os.environ.get("MOEFERRY_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "moeferry")
     return os.path.join(root, f"moeferry-tiny-moe-v{_VERSION}")  # the random model's historical folder
 
 
-def _build_tokenizer(out_dir: str):
+def build_tokenizer(texts, out_dir: str, vocab_size: int):
+    """The built-in models' tokenizer: byte-level BPE of `vocab_size` tokens trained on the
+    strings `texts` (bytes are the fallback, so any text encodes), with the special tokens and
+    ChatML template both built-in models share; saved in `out_dir` (tokenizer.json and
+    tokenizer_config.json). The trained model's comes from its corpus (moeferry/training/)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=_SPECIAL, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=_SPECIAL, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    bos_token=None, unk_token=None)
     fast.chat_template = _CHAT_TEMPLATE
@@ -102,7 +102,7 @@ def ensure_random_model() -> str:
     os.makedirs(parent, exist_ok=True)
     logger.info("making the built-in random model in %s (first use)", path)
     tmp = tempfile.mkdtemp(dir=parent, prefix=".building-")
-    tokenizer = _build_tokenizer(tmp)
+    tokenizer = build_tokenizer(_CORPUS.splitlines(), tmp, vocab_size=512)
     _build_checkpoint(tmp, tokenizer)
     with open(os.path.join(tmp, "moeferry_default.json"), "w") as f:
         json.dump({"name": RANDOM_MODEL_NAME, "version": _VERSION}, f)
@@ -127,7 +127,7 @@ def builtin_model_dir(name: str | None) -> str | None:
 def builtin_model_name(model_dir: str) -> str | None:
     """The built-in name of a checkpoint folder, or None for any other folder."""
     real = os.path.realpath(model_dir)
-    for name, path in ((DEFAULT_MODEL_NAME, default_model_dir()), (RANDOM_MODEL_NAME, random_model_dir())):
+    for name, path in ((DEFAULT_MODEL_NAME, BUILTIN_MODEL_DIR), (RANDOM_MODEL_NAME, random_model_dir())):
         if real == os.path.realpath(path):
             return name
     return None

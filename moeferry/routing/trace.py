@@ -41,12 +41,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moeferry.moe.stats import PHASES  # the admission's phases; a record stores the index, decode 0, prefill 1
+
 logger = logging.getLogger(__name__)
 
 MAGIC = b"MFROUTE\n"
 VERSION = 1
 DEFAULT_MAX_BYTES = 1 << 30  # the cap of --moe-record-routing: recording stops, with a warning, at 1 GiB
-PHASES = ("decode", "prefill")
 DEMAND = 1  # flags bit 0
 _STEP = struct.Struct("<BBHIIf")
 _LENGTH = struct.Struct("<I")

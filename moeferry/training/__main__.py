@@ -23,10 +23,10 @@ def _corpus(args):
 
 
 def _tokenizer(args):
-    from moeferry.training.tokenizer import train_tokenizer
+    from moeferry.default_model import build_tokenizer
 
     with open(os.path.join(args.corpus, "train.txt")) as f:
-        train_tokenizer(f.read().splitlines(), args.out)
+        build_tokenizer(f.read().splitlines(), args.out, Architecture().vocab_size)
 
 
 def _train(args):

@@ -15,16 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+from moeferry.kernels.norm_rope.reference import rms_norm, rotate_half
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """Rotate-half RoPE of x [..., T, D] with cos, sin [T, D] of x's dtype."""
+    return x * cos + rotate_half(x) * sin
 
 
 class Block(nn.Module):

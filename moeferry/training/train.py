@@ -21,9 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from moeferry.training.tokenizer import CHAT_TEMPLATE  # noqa: F401  (the format chat samples follow)
-
-ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"  # the built-in tokenizer's (ChatML)
 
 
 @dataclasses.dataclass(frozen=True)

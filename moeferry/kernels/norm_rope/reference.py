@@ -40,7 +40,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return rms_norm(total, weight, eps, out=out), total
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
@@ -53,8 +53,8 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos:
     q/k themselves."""
     c = cos[positions].unsqueeze(1).to(q.dtype)
     s = sin[positions].unsqueeze(1).to(q.dtype)
-    q_rot = q * c + _rotate_half(q) * s
-    k_rot = k * c + _rotate_half(k) * s
+    q_rot = q * c + rotate_half(q) * s
+    k_rot = k * c + rotate_half(k) * s
     if q_out is not None:
         q_rot = q_out.copy_(q_rot)
     if k_out is not None:
