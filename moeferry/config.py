@@ -81,17 +81,21 @@ RANGES = {
     "moe_cache_slots": Bound(1),
     "moe_cache_gb": Bound(0, low_open=True),
     "moe_lrfu_decay": Bound(0, 1, low_open=True),
+    "moe_host_threads": Bound(0),
+    "moe_host_share": Bound(0, 1),
 }
 
 # The options only some strategies (or policies) read: set away from its default under any
 # other, an option would be silently ignored, so it is refused, naming who reads it.
 # (--moe-prefill-demand-tokens: moe/prefill_policy.validate_demand_prefill says it the same way.)
 READ_BY = {
-    "moe_cache_slots": ("moe_strategy", ("offload",)),
-    "moe_cache_gb": ("moe_strategy", ("offload",)),
-    "moe_cache_policy": ("moe_strategy", ("offload",)),
+    "moe_cache_slots": ("moe_strategy", ("offload", "hybrid")),
+    "moe_cache_gb": ("moe_strategy", ("offload", "hybrid")),
+    "moe_cache_policy": ("moe_strategy", ("offload", "hybrid")),
     "moe_lrfu_decay": ("moe_cache_policy", ("lrfu",)),
-    "moe_collect_stats": ("moe_strategy", ("offload", "uva")),
+    "moe_collect_stats": ("moe_strategy", ("offload", "uva", "hybrid", "cpu")),
+    "moe_host_threads": ("moe_strategy", ("hybrid", "cpu")),
+    "moe_host_share": ("moe_strategy", ("hybrid",)),
 }
 
 
@@ -130,18 +134,24 @@ class EngineConfig:
     seed: int = option(0, "model", "seed of the dummy weights (--load-format dummy) and of torch")
     moe_strategy: str = option("gpu", "MoE", "where the routed experts live: gpu keeps them on the GPU; offload in "
                                              "pinned host memory behind a GPU slot cache; uva reads them from pinned "
-                                             "host memory in place (docs/offload.md)")
-    moe_cache_slots: int | None = option(None, "MoE", "offload: experts the GPU slot cache holds (default: as many "
+                                             "host memory in place; cpu computes them on the host; hybrid is offload "
+                                             "with the host computing a share of the misses (docs/offload.md)")
+    moe_cache_slots: int | None = option(None, "MoE", "offload or hybrid: experts the GPU slot cache holds (default: as many "
                                                       "as the memory plan leaves room for, at most every expert)")
-    moe_cache_gb: float | None = option(None, "MoE", "offload: the slot cache's size in GiB, instead of "
+    moe_cache_gb: float | None = option(None, "MoE", "offload or hybrid: the slot cache's size in GiB, instead of "
                                                      "--moe-cache-slots (default: what the memory plan leaves)")
-    moe_cache_policy: str = option("layer_lru", "MoE", "offload: which cached expert a miss replaces "
+    moe_cache_policy: str = option("layer_lru", "MoE", "offload or hybrid: which cached expert a miss replaces "
                                                        "(docs/offload.md, Policies)")
     moe_lrfu_decay: float = option(0.5, "MoE", "--moe-cache-policy lrfu: how much a past use still counts, in "
                                                "(0, 1]")
-    moe_collect_stats: bool = option(False, "MoE", "offload or uva: count the expert cache's hits, misses and routes "
+    moe_collect_stats: bool = option(False, "MoE", "offload, uva, hybrid or cpu: count the expert cache's hits, misses and routes "
                                                    "(in /v1/stats and /metrics); a little time per step")
-    moe_prefill_demand_tokens: int | str = option(0, "MoE", "offload: a prefill chunk of at most this many tokens "
+    moe_host_threads: int = option(0, "MoE", "cpu or hybrid: threads of the host expert kernel (0: torch's "
+                                             "intra-op thread count, one per physical core)")
+    moe_host_share: float | None = option(None, "MoE", "hybrid: the share of each step's missed experts computed on "
+                                                       "the host (default: from the two channels' speeds, measured "
+                                                       "at start-up)")
+    moe_prefill_demand_tokens: int | str = option(0, "MoE", "offload, hybrid or cpu: a prefill chunk of at most this many tokens "
                                                             "loads only the experts it routes to, a longer one streams "
                                                             "every expert; 0: always stream; auto: decided per chunk "
                                                             "from the routing and the cache")

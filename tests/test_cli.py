@@ -141,11 +141,11 @@ BEFORE_LOADING = [
     (["--memory-ratio", "1.5"], "--memory-ratio must be in (0, 1]"),
     (["--memory-ratio", "nan"], "--memory-ratio must be in (0, 1]"),
     (["--num-tokens", "8"], "--num-tokens 8 is less than one KV page of 16 tokens (--page-size)"),
-    (["--moe-cache-gb", "12"], "--moe-cache-gb is read only by --moe-strategy offload; under --moe-strategy gpu"),
+    (["--moe-cache-gb", "12"], "--moe-cache-gb is read only by --moe-strategy offload or hybrid; under --moe-strategy gpu"),
     (["--moe-strategy", "uva", "--moe-cache-policy", "lru"], "--moe-cache-policy is read only by --moe-strategy "
-                                                               "offload; under --moe-strategy uva"),
+                                                               "offload or hybrid; under --moe-strategy uva"),
     (["--moe-cache-slots", "64"], "--moe-cache-slots is read only by --moe-strategy offload"),
-    (["--moe-collect-stats"], "--moe-collect-stats is read only by --moe-strategy offload or uva"),
+    (["--moe-collect-stats"], "--moe-collect-stats is read only by --moe-strategy offload or uva or hybrid or cpu"),
     (["--moe-strategy", "offload", "--moe-lrfu-decay", "0.3"], "--moe-lrfu-decay is read only by "
                                                                  "--moe-cache-policy lrfu"),
     (["--moe-strategy", "offload", "--moe-cache-slots", "64", "--moe-cache-gb", "1"], "give one of them"),

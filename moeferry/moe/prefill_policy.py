@@ -38,16 +38,20 @@ def parse_demand_tokens(value) -> int | str:
     return value
 
 
+DEMAND_STRATEGIES = ("offload", "hybrid", "cpu")
+
+
 def validate_demand_prefill(ec) -> None:
-    """Demand prefill admits through the slot cache, which only the offload strategy on a GPU
-    has; refuse the flag elsewhere rather than ignore it silently."""
+    """Demand prefill takes a chunk's experts the way a decode step does (the slot cache, or
+    the host for `cpu`), which only these strategies on a GPU have; refuse the flag elsewhere
+    rather than ignore it silently."""
     value = parse_demand_tokens(ec.moe_prefill_demand_tokens)
     if value in (0, "0"):
         return
-    if ec.moe_strategy != "offload" or ec.torch_device.type != "cuda":
+    if ec.moe_strategy not in DEMAND_STRATEGIES or ec.torch_device.type != "cuda":
         raise ConfigError(
-            f"--moe-prefill-demand-tokens {value} needs GPU decode with --moe-strategy offload "
-            f"(got strategy {ec.moe_strategy!r} on {ec.torch_device.type})")
+            f"--moe-prefill-demand-tokens {value} needs GPU decode with --moe-strategy "
+            f"{' or '.join(DEMAND_STRATEGIES)} (got strategy {ec.moe_strategy!r} on {ec.torch_device.type})")
 
 
 @dataclass
@@ -75,6 +79,10 @@ class PrefillPolicy:
         if self.auto:
             return PrefillDecision(None)
         return self._record(PrefillDecision(0 < num_tokens <= self.threshold))
+
+    def decide(self, demand: bool) -> PrefillDecision:
+        """Record a choice the strategy made itself (`cpu` under auto)."""
+        return self._record(PrefillDecision(demand))
 
     def _record(self, decision: PrefillDecision) -> PrefillDecision:
         self.decisions["demand" if decision.demand else "stream"] += 1

@@ -25,6 +25,8 @@ _REGISTRY: dict[str, str] = {
     "gpu": "moeferry.moe.strategies:GpuStrategy",
     "offload": "moeferry.moe.offload:OffloadStrategy",
     "uva": "moeferry.moe.uva:UvaStrategy",
+    "cpu": "moeferry.moe.hybrid:CpuStrategy",
+    "hybrid": "moeferry.moe.hybrid:HybridStrategy",
 }
 
 

@@ -1,0 +1,220 @@
+"""The host channel (#20): decode tokens/s of `cpu`, `offload`, `hybrid` and `gpu` at 0 / 25 /
+50 / 75 / 100% of the experts on the GPU, with both channels' floors, and the host expert
+kernel's GB/s at 4 / 8 / 16 threads and decode batches 1-16 against torch's bf16 matmul.
+
+Routing is made uniform (large noise added to the router logits inside the decode graph,
+benchmarks/bench_sampling.uniform_routing), so the hit rate follows the cache share; each row
+prints its measured split of the step's distinct experts: hit (resident), copied over PCIe,
+computed on the host. Floors: PCIe = copied bytes / measured H2D; host = host-computed bytes /
+the host kernel's measured bytes/s; two-channel = all missed bytes / (H2D + host), the best any
+split of the misses can do. llama.cpp's batch-1 figures (`--n-cpu-moe`, the CPU computes the
+experts not on the GPU) were measured on the same host and shape (issue #20).
+
+GPU only: without CUDA it says so and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.bench_sampling import uniform_routing
+from benchmarks.common import (add_results_flag, command_line, free_engine_memory, gpu_main, h2d_bandwidth,
+                               markdown_table, report, timed_decode)
+from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
+
+LLAMA_CPP_BATCH1 = {0.0: 74.3, 0.25: 93.9, 0.5: 134.6, 0.75: 237.7, 1.0: 596.6}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--shares", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--parts", nargs="+", choices=["decode", "kernel", "big"], default=["decode", "kernel"])
+    p.add_argument("--big-layers", type=int, default=48, help="the `big` part: hybrid at 25%% on this many layers")
+    p.add_argument("--threads", type=int, nargs="+", default=[4, 8, 16], help="host kernel table")
+    add_results_flag(p)
+    return p.parse_args(argv)
+
+
+def make_engine(config_dir, args, strategy, layers=None, slots=None, **options):
+    from moeferry.config import EngineConfig
+    from moeferry.engine.engine import Engine
+
+    max_len = args.prompt_len + args.warmup + args.steps + 16
+    ec = EngineConfig(model=config_dir, load_format="dummy",
+                      hf_overrides={"num_hidden_layers": layers or args.layers}, moe_strategy=strategy,
+                      moe_cache_slots=slots, max_running_requests=max(args.batch), max_model_len=max_len,
+                      num_tokens=(max_len + 16) * max(args.batch),
+                      moe_collect_stats=strategy in ("offload", "hybrid", "cpu"), **options)
+    return Engine(ec)
+
+
+def step_counters(engine) -> dict:
+    """Cumulative decode counts: distinct experts the slot cache saw, its misses (copied), and
+    experts computed on the host."""
+    s = engine.runner.strategy.stats()
+    decode = s.get("decode", {}).get("total", {"distinct": 0, "misses": 0})
+    return {"device": decode["distinct"], "copied": decode["misses"], "host": s.get("host_experts", 0)}
+
+
+def decode_row(engine, args, label, share, batch, expert_bytes, h2d, host_bw) -> list:
+    run = timed_decode(engine, batch, args.prompt_len, args.warmup, args.steps, step_counters)
+    hit = run["device"] - run["copied"]
+    total = hit + run["copied"] + run["host"]
+    pcie_ms = run["copied"] * expert_bytes / h2d * 1e3
+    host_ms = run["host"] * expert_bytes / host_bw * 1e3 if host_bw else 0.0
+    missed = run["copied"] + run["host"]
+    two_ms = missed * expert_bytes / (h2d + host_bw) * 1e3
+    llama = LLAMA_CPP_BATCH1.get(share) if batch == 1 else None
+    row = [f"{share:.0%}", batch, label, f"{run['tok_s']:.1f}", f"{run['step_s'] * 1e3:.2f}",
+           f"{hit / total:.2f}" if total else "-", f"{hit:.0f} / {run['copied']:.0f} / {run['host']:.0f}",
+           f"{pcie_ms:.2f}", f"{host_ms:.2f}", f"{two_ms:.2f}",
+           f"{llama:.1f}" if llama else "-", f"{run['tok_s'] / llama:.2f}x" if llama else "-"]
+    print(row, flush=True)
+    return row
+
+
+def share_slots(engine, share) -> int:
+    mc = engine.mc
+    return max(mc.num_experts, int(round(share * len(mc.moe_layer_ids) * mc.num_experts)))
+
+
+def decode_rows(config_dir, args, h2d) -> tuple[list[list], float]:
+    rows, host_bw = [], 0.0
+    plan = [("cpu", [s for s in args.shares if s == 0.0]),
+            ("offload", [s for s in args.shares if 0.0 < s < 1.0]),
+            ("hybrid", [s for s in args.shares if 0.0 < s <= 1.0]),
+            ("gpu", [s for s in args.shares if s == 1.0])]
+    for strategy, shares in plan:
+        if not shares:
+            continue
+        engine = make_engine(config_dir, args, strategy)
+        uniform_routing(engine)
+        s = engine.runner.strategy
+        speeds = getattr(s, "speeds", None)
+        host_bw = speeds.host_bytes_per_s if speeds else host_bw
+        for share in shares:
+            if strategy in ("offload", "hybrid"):
+                s.build_cache(share_slots(engine, share))
+            engine.runner.recapture_graphs()  # the graphs bake in the router hooks and the pool
+            for batch in args.batch:
+                if strategy in ("offload", "hybrid"):
+                    s.restart_cache()
+                rows.append(decode_row(engine, args, strategy, share, batch, s.expert_bytes, h2d, host_bw))
+        del engine, s
+        free_engine_memory()
+    return rows, host_bw
+
+
+def big_rows(config_dir, args, h2d) -> list[list]:
+    engine = make_engine(config_dir, args, "hybrid", layers=args.big_layers)
+    uniform_routing(engine)
+    s = engine.runner.strategy
+    s.build_cache(share_slots(engine, 0.25))
+    engine.runner.recapture_graphs()
+    host_gib = sum(b.w13.nbytes + b.w2.nbytes for b in s.banks.values()) / 2**30
+    rows = []
+    for batch in args.batch:
+        s.restart_cache()
+        row = decode_row(engine, args, f"hybrid, {args.big_layers} layers", 0.25, batch, s.expert_bytes, h2d,
+                         s.speeds.host_bytes_per_s)
+        rows.append(row[:10] + [f"{host_gib:.1f}"])
+    del engine, s
+    free_engine_memory()
+    return rows
+
+
+def kernel_rows(args) -> list[list]:
+    """GB/s of expert weights: the host kernel against torch bf16 F.linear per expert, one
+    layer's 128 Qwen3-30B-A3B experts (1.2 GB, beyond the L3) under uniform top-8 routing."""
+    from moeferry.kernels.fused_moe import host
+
+    cfg = QWEN3_30B_DIR_CONFIG
+    hidden, inter, experts, top_k = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts"], 8
+    gen = torch.Generator().manual_seed(0)
+    w13 = torch.empty(experts, 2 * inter, hidden, dtype=torch.bfloat16).normal_(0, 0.02, generator=gen)
+    w2 = torch.empty(experts, hidden, inter, dtype=torch.bfloat16).normal_(0, 0.02, generator=gen)
+    expert_bytes = (w13[0].numel() + w2[0].numel()) * 2
+    rows = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for batch in (1, 2, 4, 8, 16):
+            calls = [torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(batch)]).int()
+                     for _ in range(12)]
+            x = torch.randn(batch, hidden, generator=gen).bfloat16()
+            weights = torch.full((batch, top_k), 1.0 / top_k)
+            distinct = sum(len(torch.unique(ids)) for ids in calls[2:])
+
+            def ours():
+                for ids in calls[2:]:
+                    host.expert_routes(x, w13, w2, weights, ids, threads=threads)
+
+            def torch_linear():
+                for ids in calls[2:]:
+                    for e in torch.unique(ids).tolist():
+                        rows_e = (ids == e).any(dim=1)
+                        gate, up = F.linear(x[rows_e], w13[e]).chunk(2, dim=-1)
+                        F.linear(F.silu(gate) * up, w2[e])
+
+            figures = []
+            for fn in (ours, torch_linear):
+                fn()
+                start = time.perf_counter()
+                fn()
+                figures.append(distinct * expert_bytes / (time.perf_counter() - start) / 1e9)
+            rows.append([threads, batch, f"{distinct / 10:.1f}", f"{figures[0]:.1f}", f"{figures[1]:.1f}",
+                         f"{figures[0] / figures[1]:.2f}x"])
+            print(rows[-1], flush=True)
+    torch.set_num_threads(os.cpu_count() or 1)
+    return rows
+
+
+DECODE_HEADER = ["experts on GPU", "requests", "strategy", "tok/s", "ms/step", "hit rate",
+                 "experts/step hit / copied / host", "PCIe floor ms", "host floor ms", "two-channel floor ms",
+                 "llama.cpp tok/s", "vs llama.cpp"]
+
+
+@gpu_main("bench_hybrid", parse_args)
+def main(argv, args) -> int:
+    config_dir = write_config_dir(os.path.join(tempfile.mkdtemp(), "qwen3-30b-a3b"), QWEN3_30B_DIR_CONFIG)
+    h2d = h2d_bandwidth()
+    command = command_line("benchmarks.bench_hybrid", argv)
+    if "kernel" in args.parts:
+        body = markdown_table(["threads", "requests", "distinct experts/call", "host kernel GB/s", "torch bf16 GB/s",
+                               "ratio"], kernel_rows(args))
+        report("hybrid/host-kernel", "Host expert kernel GB/s", command, body,
+               f"One layer's {QWEN3_30B_DIR_CONFIG['num_experts']} Qwen3-30B-A3B experts (bf16, 9.44 MB each), "
+               "uniform top-8 routing, 10 timed calls after 2 untimed; GB/s of distinct expert weights read. torch: "
+               "F.linear per routed expert over its tokens, torch's own threads set to the same count.",
+               args.results)
+    host_bw = 0.0
+    if "decode" in args.parts:
+        rows, host_bw = decode_rows(config_dir, args, h2d)
+        report("hybrid/decode", "Decode with the host channel, uniform routing", command,
+               markdown_table(DECODE_HEADER, rows),
+               f"{args.layers} layers, 128 experts, top-8, bf16, dummy weights, uniform routing (router logits + "
+               f"N(0, 100) noise in the graph); prompt {args.prompt_len}, {args.warmup} warm-up + {args.steps} timed "
+               f"steps, cache restarted warm before each row. Measured H2D {h2d / 1e9:.1f} GB/s, host kernel "
+               f"{host_bw / 1e9:.1f} GB/s (the strategy's start-up measurement, one token per expert).",
+               args.results)
+    if "big" in args.parts:
+        rows = big_rows(config_dir, args, h2d)
+        report("hybrid/big", "Hybrid on the full-depth model", command,
+               markdown_table(DECODE_HEADER[:10] + ["pinned host GiB"], rows),
+               "The full 48-layer Qwen3-30B-A3B shape at 25% of the experts on the GPU: the host store holds "
+               "every expert once (the pinned GiB column), the only copy the host channel and PCIe both read.",
+               args.results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,190 @@
+"""The fused MoE op on the host CPU: routed experts computed from (pinned) host banks.
+
+The arithmetic lives in host_experts.cpp (its header is the contract): bf16 weights and
+tokens, float32 dots, the activation and each weighted route output rounded to bf16, as the
+Triton kernel rounds them. It is compiled on first use with the system C++ compiler into a
+cache folder keyed by the source and the compiler flags (`library()`), and called through
+ctypes with raw pointers, so the same function also runs as a CUDA host function inside a
+stream or a captured graph (moe/host_experts.py) with no Python and no GIL.
+
+`expert_routes` is the primitive: per-route outputs, routes with a negative id skipped (left
+zero) so that another channel may compute them. `fused_moe` is the op's contract
+(kernels/fused_moe/__init__.py) over it; a dtype other than bf16, or a machine without a
+compiler, takes the reference.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from moeferry.kernels.fused_moe import check_options, reference
+
+__all__ = ["VECTOR_ISAS", "HostKernelUnavailable", "MoEHostCall", "available", "default_threads", "expert_routes",
+           "fused_moe", "has_avx512_bf16", "library", "make_call", "run"]
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("host_experts.cpp")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+
+
+class HostKernelUnavailable(RuntimeError):
+    """The host expert kernel could not be built (no C++ compiler, or it failed)."""
+
+
+class MoEHostCall(ctypes.Structure):
+    """host_experts.cpp's MoEHostCall, field for field. Holds raw pointers: the tensors they
+    point into must outlive every run of the call (moe/host_experts.py keeps them)."""
+
+    _fields_ = [("x", ctypes.c_void_p), ("ids", ctypes.c_void_p), ("weights", ctypes.c_void_p),
+                ("out", ctypes.c_void_p), ("w13", ctypes.c_void_p), ("w2", ctypes.c_void_p),
+                ("act", ctypes.c_void_p), ("T", ctypes.c_int64), ("K", ctypes.c_int64),
+                ("H", ctypes.c_int64), ("I", ctypes.c_int64), ("E", ctypes.c_int64),
+                ("threads", ctypes.c_int32), ("use_avx512", ctypes.c_int32)]
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("MOEFERRY_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "moeferry")
+    return Path(root) / "host_kernels"
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise HostKernelUnavailable("the host expert kernel needs a C++ compiler (g++): none on PATH")
+    return cxx
+
+
+@functools.lru_cache(maxsize=None)
+def library() -> ctypes.CDLL:
+    """The compiled kernel, built once per (source, compiler, flags, CPU model) and cached on
+    disk; a build happens at most once per machine and source version."""
+    cxx = _compiler()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    cpu = Path("/proc/cpuinfo").read_text(errors="replace") if Path("/proc/cpuinfo").exists() else ""
+    cpu_model = next((line for line in cpu.splitlines() if line.startswith("model name")), "")
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, version, *FLAGS, cpu_model]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"moeferry_host_experts_{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            done = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True)
+            if done.returncode != 0:
+                raise HostKernelUnavailable(f"building the host expert kernel failed: {done.stderr.strip()[-400:]}")
+            os.replace(built, target)  # atomic: a concurrent build never loads half a file
+        logger.info("built the host expert kernel: %s", target)
+    lib = ctypes.CDLL(str(target))
+    lib.moe_host_run.argtypes = [ctypes.c_void_p]
+    lib.moe_host_run.restype = None
+    lib.moe_host_has_avx512_bf16.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    """Whether the kernel builds and loads here."""
+    try:
+        library()
+    except HostKernelUnavailable:
+        return False
+    return True
+
+
+def default_threads() -> int:
+    """torch's intra-op thread count: one per physical core unless the user set it."""
+    return torch.get_num_threads()
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+VECTOR_ISAS = ("auto", "avx512_bf16", "portable")
+
+
+def has_avx512_bf16() -> bool:
+    return bool(library().moe_host_has_avx512_bf16())
+
+
+def _use_avx512(vector_isa: str) -> int:
+    if vector_isa not in VECTOR_ISAS:
+        raise ValueError(f"vector_isa {vector_isa!r} not in {VECTOR_ISAS}")
+    if vector_isa == "avx512_bf16" and not has_avx512_bf16():
+        raise HostKernelUnavailable("this CPU has no AVX512-BF16")
+    return int(vector_isa != "portable" and has_avx512_bf16())
+
+
+def make_call(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
+              w13: torch.Tensor, w2: torch.Tensor, act: torch.Tensor, threads: int,
+              vector_isa: str = "auto") -> MoEHostCall:
+    """The call over these CPU tensors (see host_experts.cpp): hidden [T, H] bf16, ids [T, K]
+    int32, weights [T, K] float32, out [T, K, H] bf16, w13 [E, 2I, H], w2 [E, H, I] bf16, act
+    scratch [>= T * K, I] bf16; all contiguous. Checks shapes, dtypes and placement once.
+    `vector_isa`: auto (AVX512-BF16 where the CPU has it), or one named path (tests)."""
+    num_tokens, hidden_size = hidden.shape
+    num_experts, inter = w2.shape[0], w2.shape[2]
+    top_k = ids.shape[1]
+    expected = {"hidden": (hidden, torch.bfloat16, (num_tokens, hidden_size)),
+                "ids": (ids, torch.int32, (num_tokens, top_k)),
+                "weights": (weights, torch.float32, (num_tokens, top_k)),
+                "out": (out, torch.bfloat16, (num_tokens, top_k, hidden_size)),
+                "w13": (w13, torch.bfloat16, (num_experts, 2 * inter, hidden_size)),
+                "w2": (w2, torch.bfloat16, (num_experts, hidden_size, inter))}
+    for name, (t, dtype, shape) in expected.items():
+        if t.device.type != "cpu" or t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(f"host expert call: {name} must be a contiguous CPU {dtype} {list(shape)}, got "
+                             f"{t.device.type} {t.dtype} {list(t.shape)}")
+    if act.dtype != torch.bfloat16 or act.numel() < num_tokens * top_k * inter or not act.is_contiguous():
+        raise ValueError(f"host expert call: act scratch must hold {num_tokens * top_k} x {inter} bf16")
+    if threads < 1:
+        raise ValueError(f"host expert call: threads must be >= 1, got {threads}")
+    return MoEHostCall(_ptr(hidden), _ptr(ids), _ptr(weights), _ptr(out), _ptr(w13), _ptr(w2), _ptr(act),
+                       num_tokens, top_k, hidden_size, inter, num_experts, threads, _use_avx512(vector_isa))
+
+
+def run(call: MoEHostCall) -> None:
+    """Run a call now, on this thread (the GIL is released while it runs)."""
+    library().moe_host_run(ctypes.byref(call))
+
+
+def expert_routes(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, threads: int | None = None, vector_isa: str = "auto") -> torch.Tensor:
+    """The weighted per-route outputs [T, K, H] bf16 of the routes whose id is >= 0; routes
+    with a negative id are zero (another channel computes them)."""
+    num_tokens, top_k = topk_ids.shape
+    hidden = hidden.contiguous()
+    ids = topk_ids.to(torch.int32).contiguous()
+    weights = topk_weights.float().contiguous()
+    out = torch.empty(num_tokens, top_k, hidden.shape[1], dtype=torch.bfloat16)
+    act = torch.empty(num_tokens * top_k, w2.shape[2], dtype=torch.bfloat16)
+    run(make_call(hidden, ids, weights, out, w13, w2, act, threads or default_threads(), vector_isa))
+    return out
+
+
+def fused_moe(hidden, w13, w2, topk_weights, topk_ids, *, num_routed_experts=None, block_assignment="auto",
+              out=None, sum_routes=True) -> torch.Tensor:
+    """The op's contract on the host: bf16 through the compiled kernel, other dtypes (and a
+    machine that cannot build it) through the reference. sum_routes=False gives the bf16
+    route outputs [T, K, H], as the Triton kernel does."""
+    check_options(block_assignment, out, sum_routes)
+    if hidden.dtype != torch.bfloat16 or w13.dtype != torch.bfloat16 or not available():
+        return reference.fused_moe(hidden, w13, w2, topk_weights, topk_ids, num_routed_experts=num_routed_experts,
+                                   block_assignment=block_assignment, out=out, sum_routes=sum_routes)
+    routes = expert_routes(hidden, w13, w2, topk_weights, topk_ids)
+    if not sum_routes:
+        return routes
+    total = reference.sum_route_partials(routes)
+    if out is None:
+        return total.to(hidden.dtype)
+    out.copy_(total)
+    return out

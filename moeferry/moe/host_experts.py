@@ -1,0 +1,232 @@
+"""The host channel: routed experts computed by the CPU from the pinned host banks, beside the
+PCIe link (the `cpu` and `hybrid` strategies, moe/hybrid.py).
+
+On a GPU, one layer's host work is a branch of the step's stream graph:
+
+    main stream   ... router -> [fork] ------------- admit, copy misses, fused_moe -> [join] -> combine
+    side stream             x, ids, weights -> pinned  -> host kernel (CUDA host function) -> route outputs -> device
+
+The host kernel (kernels/fused_moe/host_experts.cpp) runs as a CUDA host function on the side
+stream, so it needs no Python and no GIL and a captured decode graph replays it like any other
+node: the step stays one CUDA graph. Both branches run at once; the join waits for the slower.
+On a CPU-only machine the kernel simply runs in place.
+
+`split_routes` decides, on the device and inside the graph, which routes of a step go to the
+host: the misses of the slot cache, a share of them set by the two channels' measured speeds.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from moeferry.kernels.fused_moe import host as host_kernel
+from moeferry.kernels.fused_moe import reference
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ChannelSpeeds:
+    """Measured once at start-up: bytes of expert weights per second over PCIe (pinned host to
+    device copy) and through the host kernel (one token per expert, the decode case)."""
+
+    pcie_bytes_per_s: float
+    host_bytes_per_s: float
+    share: float | None = None  # --moe-host-share, over the measured split
+
+    @property
+    def host_share(self) -> float:
+        """The share of a step's missed experts the host computes so that both channels finish
+        together: host / (host + PCIe), both moving the same bytes per expert."""
+        if self.share is not None:
+            return self.share
+        total = self.pcie_bytes_per_s + self.host_bytes_per_s
+        return self.host_bytes_per_s / total if total > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {"pcie_gb_per_s": round(self.pcie_bytes_per_s / 1e9, 2),
+                "host_gb_per_s": round(self.host_bytes_per_s / 1e9, 2), "host_share": round(self.host_share, 3)}
+
+
+class _CudaHostFunctions:
+    """cuLaunchHostFunc from the driver library: enqueues a C function on a stream (captured
+    into a graph as a host node while the stream captures)."""
+
+    def __init__(self):
+        self.driver = ctypes.CDLL("libcuda.so.1")
+        self.driver.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        self.driver.cuLaunchHostFunc.restype = ctypes.c_int
+        self.run_fn = ctypes.cast(host_kernel.library().moe_host_run, ctypes.c_void_p).value
+
+    def launch(self, stream: torch.cuda.Stream, call: host_kernel.MoEHostCall) -> None:
+        rc = self.driver.cuLaunchHostFunc(stream.cuda_stream, self.run_fn, ctypes.addressof(call))
+        if rc != 0:
+            raise RuntimeError(f"cuLaunchHostFunc failed with CUDA error {rc}")
+
+
+class HostExpertChannel:
+    """Computes routes of a MoE layer on the host CPU.
+
+    Invariants: the staging buffers (pinned on a GPU) and the per-(layer, tokens) call records
+    are allocated once and never reallocated or freed while the strategy lives, because a
+    captured graph's host nodes hold their addresses; one layer's host work is joined back
+    into the main stream (`finish`) before the next layer's begins, so the buffers are never
+    shared by two calls in flight. Routes not given to the host come back as zeros.
+    """
+
+    def __init__(self, banks: dict, max_tokens: int, top_k: int, device: torch.device, threads: int):
+        sample = next(iter(banks.values()))
+        self.compiled = sample.w13.dtype == torch.bfloat16
+        if not self.compiled and device.type == "cuda":
+            raise ValueError(f"the host expert kernel computes bfloat16 experts, not {sample.w13.dtype}: "
+                             "use --dtype bfloat16 with --moe-strategy cpu or hybrid")
+        self.banks = banks
+        self.max_tokens, self.top_k = max_tokens, top_k
+        self.hidden, self.inter = sample.w2.shape[1], sample.w2.shape[2]
+        self.device, self.threads = device, threads
+        on_gpu = device.type == "cuda"
+        self.x = torch.empty(max_tokens, self.hidden, dtype=torch.bfloat16, pin_memory=on_gpu)
+        self.ids = torch.empty(max_tokens, top_k, dtype=torch.int32, pin_memory=on_gpu)
+        self.weights = torch.empty(max_tokens, top_k, dtype=torch.float32, pin_memory=on_gpu)
+        self.out = torch.empty(max_tokens, top_k, self.hidden, dtype=torch.bfloat16, pin_memory=on_gpu)
+        self.act = torch.empty(max_tokens * top_k, self.inter, dtype=torch.bfloat16)
+        self.calls: dict[tuple[int, int], host_kernel.MoEHostCall] = {}
+        if on_gpu:
+            self.out_device = torch.empty_like(self.out, device=device)
+            self.side = torch.cuda.Stream(device)
+            self.functions = _CudaHostFunctions()
+
+    def _call(self, layer_id: int, num_tokens: int) -> host_kernel.MoEHostCall:
+        key = (layer_id, num_tokens)
+        if key not in self.calls:
+            bank = self.banks[layer_id]
+            self.calls[key] = host_kernel.make_call(
+                self.x[:num_tokens], self.ids[:num_tokens], self.weights[:num_tokens], self.out[:num_tokens],
+                bank.w13, bank.w2, self.act, self.threads)
+        return self.calls[key]
+
+    def begin(self, layer_id: int, hidden: torch.Tensor, topk_weights: torch.Tensor, host_ids: torch.Tensor) -> None:
+        """Start computing the routes whose `host_ids` entry is an expert id (>= 0; -1 elsewhere)
+        for hidden [T, H]; on a GPU this returns at once, the work running on the side stream."""
+        num_tokens = hidden.shape[0]
+        if num_tokens > self.max_tokens:
+            raise ValueError(f"host channel: {num_tokens} tokens in one call, buffers for {self.max_tokens}")
+        if self.device.type != "cuda":
+            self._pending = self._run_here(layer_id, hidden, topk_weights, host_ids)
+            return
+        call = self._call(layer_id, num_tokens)
+        self.side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.side):
+            self.x[:num_tokens].copy_(hidden, non_blocking=True)
+            self.ids[:num_tokens].copy_(host_ids, non_blocking=True)
+            self.weights[:num_tokens].copy_(topk_weights, non_blocking=True)
+            self.functions.launch(self.side, call)
+            self.out_device[:num_tokens].copy_(self.out[:num_tokens], non_blocking=True)
+
+    def _run_here(self, layer_id, hidden, topk_weights, host_ids) -> torch.Tensor:
+        """A CPU-only machine: the kernel in place (bf16), else the reference over the host's
+        routes (a float32 model in tests), zeros at the others as the kernel leaves them."""
+        num_tokens = hidden.shape[0]
+        if self.compiled:
+            self.x[:num_tokens].copy_(hidden)
+            self.ids[:num_tokens].copy_(host_ids)
+            self.weights[:num_tokens].copy_(topk_weights)
+            host_kernel.run(self._call(layer_id, num_tokens))
+            return self.out[:num_tokens]
+        bank, on_host = self.banks[layer_id], host_ids >= 0
+        routes = reference.fused_moe(hidden, bank.w13, bank.w2, torch.where(on_host, topk_weights, 0.0),
+                                     host_ids.clamp(min=0), sum_routes=False)
+        return torch.where(on_host.unsqueeze(-1), routes, 0.0)
+
+    def finish(self, num_tokens: int) -> torch.Tensor:
+        """The host routes' weighted outputs [T, K, H] on the compute device (bf16 from the
+        kernel; zeros at the other routes), joined into the current stream. Read it before the
+        next `begin`."""
+        if self.device.type != "cuda":
+            return self._pending
+        torch.cuda.current_stream(self.device).wait_stream(self.side)
+        return self.out_device[:num_tokens]
+
+
+def split_routes(topk_ids: torch.Tensor, slot_of_layer: torch.Tensor, host_share: float,
+                 rotation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Which routes the host computes: of the distinct experts the step routes to that are
+    not resident (`slot_of_layer[e] < 0`), the first round(host_share * misses) in expert
+    order starting at `rotation` (a device counter advanced here, so no expert is always the
+    host's); every route to such an expert goes to the host. Device ops only, no host sync.
+
+    Returns (host_ids, device_ids, host_experts): topk_ids with -1 where the other channel
+    computes the route, and the number of distinct host experts (int64 [1])."""
+    ids = topk_ids.long()
+    num_experts = slot_of_layer.shape[0]
+    missing_route = (slot_of_layer[ids] < 0).to(torch.int32).reshape(-1)
+    missed = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
+    missed.index_add_(0, ids.reshape(-1), missing_route)
+    missed = (missed > 0).to(torch.int32)
+    order = (torch.arange(num_experts, device=ids.device) + rotation) % num_experts  # position -> expert
+    rank_in_order = torch.cumsum(missed[order], 0)
+    rank = torch.empty_like(rank_in_order).scatter_(0, order, rank_in_order)  # expert -> its rank among misses
+    host_count = torch.floor(missed.sum() * host_share + 0.5).to(rank.dtype)
+    host_expert = (missed > 0) & (rank <= host_count)
+    rotation.add_(1).remainder_(num_experts)
+    host_route = host_expert[ids]
+    minus_one = torch.full_like(topk_ids, -1)
+    return (torch.where(host_route, topk_ids, minus_one), torch.where(host_route, minus_one, topk_ids),
+            host_expert.sum(dtype=torch.int64).reshape(1))
+
+
+def measure_speeds(banks: dict, channel: HostExpertChannel, top_k: int, device: torch.device,
+                   repeats: int = 5) -> ChannelSpeeds:
+    """Both channels' expert bytes per second, timed on this machine with the model's own
+    banks: the copy channel by copying `top_k` experts of one layer to the compute device
+    (PCIe on a GPU, a memory copy on a CPU-only machine); the host by computing one token
+    routed to `top_k` distinct experts of each layer in turn (every run reads experts no
+    earlier run read, while the layers last). A bank the kernel does not compute (not bf16)
+    measures 0 for the host."""
+    layers = sorted(banks)
+    bank = banks[layers[0]]
+    count = min(top_k, bank.num_experts)
+    return ChannelSpeeds(_copy_speed(bank, count, device, repeats),
+                         _host_speed(banks, channel, top_k, repeats) if channel.compiled else 0.0)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _copy_speed(bank, count: int, device: torch.device, repeats: int) -> float:
+    w13 = torch.empty((count, *bank.w13.shape[1:]), dtype=bank.w13.dtype, device=device)
+    w2 = torch.empty((count, *bank.w2.shape[1:]), dtype=bank.w2.dtype, device=device)
+    w13.copy_(bank.w13[:count], non_blocking=True)
+    _synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        w13.copy_(bank.w13[:count], non_blocking=True)
+        w2.copy_(bank.w2[:count], non_blocking=True)
+    _synchronize(device)
+    return repeats * count * bank.bytes_per_expert / (time.perf_counter() - start)
+
+
+def _host_speed(banks: dict, channel: HostExpertChannel, top_k: int, repeats: int) -> float:
+    layers = sorted(banks)
+    sample = banks[layers[0]]
+    hidden = torch.randn(1, sample.w2.shape[1]).to(torch.bfloat16)
+    weights = torch.full((1, top_k), 1.0 / top_k)
+    out = torch.empty(1, top_k, hidden.shape[1], dtype=torch.bfloat16)
+    elapsed, experts = 0.0, 0
+    for run in range(repeats + 1):
+        layer = layers[run % len(layers)]
+        ids = ((torch.arange(top_k) + run * top_k) % sample.num_experts).to(torch.int32).reshape(1, top_k)
+        call = host_kernel.make_call(hidden, ids, weights, out, banks[layer].w13, banks[layer].w2, channel.act,
+                                     channel.threads)
+        start = time.perf_counter()
+        host_kernel.run(call)
+        if run:  # the first run starts the threads
+            elapsed += time.perf_counter() - start
+            experts += len(set(ids.view(-1).tolist()))
+    return experts * sample.bytes_per_expert / elapsed

@@ -1,0 +1,163 @@
+"""The host strategies: the CPU computes routed experts beside the PCIe link.
+
+`cpu`: every routed expert of a decode step (and of a prefill chunk taken on demand) is
+computed on the host from the pinned host banks; attention and the rest run on the GPU. Long
+prefill chunks stream layers through the double buffer, as `offload` does.
+
+`hybrid`: `offload`'s slot cache, plus the host as a second channel. Per layer and step, the
+resident routed experts run on the GPU; of the misses, a share set by the two channels'
+measured speeds (`ChannelSpeeds.host_share`) is computed on the host while the rest is
+copied and admitted as `offload` does, both at once (moe/host_experts.py draws the timeline).
+The cache policy still decides what stays: host-computed experts are not admitted.
+
+Both give `gpu`'s output within bf16 rounding: each route is computed by one channel, with
+the same rounding points (activation and weighted route output in bf16), and the per-route
+outputs are combined by selection, never by addition.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from moeferry.kernels.fused_moe import fused_moe
+from moeferry.kernels.fused_moe.reference import sum_route_partials
+from moeferry.moe.host_experts import HostExpertChannel, measure_speeds, split_routes
+from moeferry.moe.offload import LayerStream, OffloadStrategy
+from moeferry.moe.prefill_policy import AUTO
+from moeferry.moe.strategies import ExpertNeeds
+
+logger = logging.getLogger(__name__)
+
+# `cpu` under --moe-prefill-demand-tokens auto: chunks of at most this many tokens are computed on
+# the host. The host kernel reads each routed expert once per chunk, but its arithmetic grows
+# with the tokens per expert while streaming a layer costs the same for any chunk.
+AUTO_HOST_PREFILL_TOKENS = 32
+
+
+def _summed(per_route: torch.Tensor, dtype: torch.dtype, sum_routes: bool) -> torch.Tensor:
+    """[T, K, H] route outputs, or their fixed-order float32 sum cast once (fused_moe's sum)."""
+    return sum_route_partials(per_route).to(dtype) if sum_routes else per_route
+
+
+class HostChannelMixin:
+    """What both host strategies add to `offload`: the channel, its measured speeds, and the
+    per-layer count of experts the host computed in decode (a device counter, graph-safe)."""
+
+    channel: HostExpertChannel
+    speeds = None
+
+    def _build_channel(self) -> None:
+        ec, mc = self.engine_config, self.model_config
+        demand = self.prefill_policy.threshold
+        if demand == AUTO:
+            widest_chunk = AUTO_HOST_PREFILL_TOKENS if self.name == "cpu" else ec.max_prefill_tokens
+        else:
+            widest_chunk = demand
+        threads = ec.moe_host_threads or torch.get_num_threads()
+        self.channel = HostExpertChannel(self.banks, max(ec.max_running_requests, widest_chunk, 1), mc.top_k,
+                                         self.device, threads)
+        self.speeds = measure_speeds(self.banks, self.channel, mc.top_k, self.device)
+        if ec.moe_host_share is not None:
+            self.speeds = dataclasses.replace(self.speeds, share=ec.moe_host_share)
+        self.host_experts = torch.zeros(len(self.moe_layer_of), dtype=torch.int64, device=self.device)
+        logger.info("host channel: %d threads; expert bytes/s: PCIe %.1f GB/s, host kernel %.1f GB/s; host share of "
+                    "misses %.2f", threads, self.speeds.pcie_bytes_per_s / 1e9, self.speeds.host_bytes_per_s / 1e9,
+                    self.speeds.host_share)
+
+    def _host_routes(self, layer_id, hidden, topk_weights, host_ids) -> torch.Tensor:
+        self.channel.begin(layer_id, hidden, topk_weights, host_ids)
+        return self.channel.finish(hidden.shape[0])
+
+    def _channel_stats(self) -> dict:
+        host = self.host_experts.tolist()
+        return {"speeds": self.speeds.as_dict() if self.speeds else None, "threads": self.channel.threads,
+                "host_experts": sum(host), "host_experts_per_layer": host,
+                "host_bytes": sum(host) * self.expert_bytes}
+
+
+class CpuStrategy(HostChannelMixin, OffloadStrategy):
+    """Every routed expert computed on the host (decode and demand prefill chunks); long prefill
+    chunks streamed through the layer buffers. Invariants: no slot cache and no device copy
+    of any expert outside the stream buffers; the host banks are the only full copy."""
+
+    name = "cpu"
+
+    def memory_needs(self) -> ExpertNeeds:
+        return dataclasses.replace(super().memory_needs(), wants_slots=False)
+
+    def finalize(self, plan) -> None:
+        if self.device.type == "cuda":
+            sample = next(iter(self.banks.values()))
+            self.stream = LayerStream(self.model_config.num_experts, sample.w13.shape[1:], sample.w2.shape[1:],
+                                      self.dtype, self.device)
+        self._build_channel()
+
+    def restart_cache(self) -> None:
+        self.host_experts.zero_()
+
+    def _on_host(self, layer_id, hidden, topk_weights, topk_ids, is_decode, sum_routes):
+        if is_decode:
+            distinct = torch.zeros(self.model_config.num_experts, dtype=torch.int32, device=topk_ids.device)
+            distinct.index_fill_(0, topk_ids.reshape(-1).long(), 1)
+            self.host_experts[self.moe_layer_of[layer_id]] += distinct.sum()
+        routes = self._host_routes(layer_id, hidden, topk_weights, topk_ids.to(torch.int32))
+        return _summed(routes, hidden.dtype, sum_routes)
+
+    def forward(self, layer_id, hidden, topk_weights, topk_ids, is_decode, sum_routes=True):
+        if is_decode:
+            return self._on_host(layer_id, hidden, topk_weights, topk_ids, True, sum_routes)
+        if self.decision.demand is None:  # auto: short chunks on the host, where streaming would cost more
+            self.decision = self.prefill_policy.decide(hidden.shape[0] <= AUTO_HOST_PREFILL_TOKENS)
+            if not self.decision.demand:
+                self._start_stream()
+        if self.decision.demand:
+            return self._on_host(layer_id, hidden, topk_weights, topk_ids, False, sum_routes)
+        return self._streamed(layer_id, hidden, topk_weights, topk_ids, sum_routes)
+
+    def admits_prefill(self) -> bool:
+        return False
+
+    def stats(self) -> dict:
+        return {"strategy": self.name, "experts": self.total_experts, "expert_bytes": self.expert_bytes,
+                "prefill_streamed_bytes": self.streamed_bytes, "prefill_chunks": dict(self.prefill_policy.decisions),
+                **self._channel_stats()}
+
+
+class HybridStrategy(HostChannelMixin, OffloadStrategy):
+    """`offload` plus the host channel for a share of each step's misses (module docstring).
+    Invariants: those of `offload`'s slot cache; a route is computed by exactly one channel;
+    the routes the host computes are never admitted, so they cost the cache nothing."""
+
+    name = "hybrid"
+
+    def finalize(self, plan) -> None:
+        super().finalize(plan)
+        self._build_channel()
+        self.rotation = torch.zeros(1, dtype=torch.int64, device=self.device)
+
+    def restart_cache(self) -> None:
+        super().restart_cache()
+        self.host_experts.zero_()
+
+    def _through_cache(self, layer_id, hidden, topk_weights, topk_ids, phase, sum_routes):
+        moe_layer = self.moe_layer_of[layer_id]
+        host_ids, device_ids, host_count = split_routes(topk_ids, self.cache.slot_of[moe_layer],
+                                                        self.speeds.host_share, self.rotation)
+        if phase == "decode":
+            self.host_experts[moe_layer] += host_count[0]
+        self.channel.begin(layer_id, hidden, topk_weights, host_ids.to(torch.int32))
+        bank = self.banks[layer_id]
+        slot_ids = self.cache.load_experts(moe_layer, device_ids, [bank.w13, bank.w2],
+                                           [self.pool.w13, self.pool.w2], phase=phase)
+        on_host = host_ids >= 0
+        device_routes = fused_moe(hidden, self.pool.w13, self.pool.w2,
+                                  torch.where(on_host, torch.zeros_like(topk_weights), topk_weights),
+                                  slot_ids.clamp(min=0), num_routed_experts=bank.num_experts, sum_routes=False)
+        host_routes = self.channel.finish(hidden.shape[0])
+        routes = torch.where(on_host.unsqueeze(-1), host_routes.to(device_routes.dtype), device_routes)
+        return _summed(routes, hidden.dtype, sum_routes)
+
+    def stats(self) -> dict:
+        return {**super().stats(), **self._channel_stats()}

@@ -1,0 +1,98 @@
+"""The host strategies on the CPU: `cpu` and `hybrid` generate what `gpu` generates, for each
+family, in float32 (the reference computes the host's routes) and bfloat16 (the compiled host
+kernel); the device-side split gives the host exactly its share of a step's misses; flags and
+statistics."""
+import pytest
+import torch
+
+from moeferry import LLM, SamplingParams
+from moeferry.config import ConfigError
+from moeferry.moe.host_experts import ChannelSpeeds, split_routes
+from moeferry.testing.fixtures import family_configs, make_checkpoint
+
+FAMILIES = family_configs()
+PROMPTS = [[5, 17, 33, 2, 9, 71, 40], [88, 3], [12, 60, 61, 62, 7, 1, 90, 45, 23, 30, 31, 8, 19]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=FAMILIES, ids=[n for n, _ in FAMILIES])
+def ckpt(request, tmp_path_factory):
+    name, config = request.param
+    path = str(tmp_path_factory.mktemp(name))
+    make_checkpoint(config, path)
+    experts = getattr(config, "num_experts", None) or config.num_local_experts
+    return path, experts
+
+
+def tokens(llm):
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_and_hybrid_generate_what_gpu_generates(ckpt, dtype):
+    path, experts = ckpt
+    want = tokens(LLM(path, dtype=dtype, device="cpu"))
+    cpu = LLM(path, dtype=dtype, device="cpu", moe_strategy="cpu")
+    assert tokens(cpu) == want
+    assert cpu.engine.runner.strategy.stats()["host_experts"] > 0
+    hybrid = LLM(path, dtype=dtype, device="cpu", moe_strategy="hybrid", moe_cache_slots=experts,
+                 moe_host_share=0.5, moe_collect_stats=True)
+    assert tokens(hybrid) == want
+    stats = hybrid.engine.runner.strategy.stats()
+    assert stats["host_experts"] > 0 and stats["decode"]["total"]["misses"] > 0  # both channels carried experts
+
+
+def test_the_host_computes_its_share_of_the_misses_and_nothing_resident():
+    gen = torch.Generator().manual_seed(0)
+    num_experts, rotation = 32, torch.zeros(1, dtype=torch.int64)
+    for step in range(20):
+        slot_of = torch.where(torch.rand(num_experts, generator=gen) < 0.4, 3, -1).int()
+        ids = torch.stack([torch.randperm(num_experts, generator=gen)[:4] for _ in range(5)])
+        share = [0.0, 0.3, 0.5, 1.0][step % 4]
+        host_ids, device_ids, host_count = split_routes(ids, slot_of, share, rotation)
+        assert torch.equal(torch.where(host_ids >= 0, host_ids, device_ids), ids)  # every route, one channel
+        assert bool(((host_ids < 0) | (device_ids < 0)).all())
+        host_experts = set(host_ids[host_ids >= 0].tolist())
+        missed = {e for e in ids.view(-1).tolist() if slot_of[e] < 0}
+        assert host_experts <= missed  # a resident expert always runs on the device
+        assert len(host_experts) == int(host_count) == int(len(missed) * share + 0.5)
+        assert int(rotation) == (step + 1) % num_experts
+
+
+def test_rotation_spreads_the_host_share_over_the_missed_experts():
+    num_experts = 16
+    ids, slot_of = torch.arange(8).view(2, 4), torch.full((num_experts,), -1, dtype=torch.int32)
+    rotation, seen = torch.zeros(1, dtype=torch.int64), set()
+    for _ in range(num_experts):
+        host_ids, _, _ = split_routes(ids, slot_of, 0.25, rotation)
+        seen |= set(host_ids[host_ids >= 0].tolist())
+    assert seen == set(range(8))
+
+
+def test_the_share_balances_the_two_channels():
+    assert ChannelSpeeds(55e9, 65e9).host_share == pytest.approx(65 / 120)
+    assert ChannelSpeeds(55e9, 65e9, share=0.1).host_share == 0.1
+    assert ChannelSpeeds(0.0, 0.0).host_share == 0.0
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(moe_strategy="offload", moe_host_threads=4), "--moe-host-threads is read only by --moe-strategy hybrid or cpu"),
+    (dict(moe_strategy="cpu", moe_host_share=0.5), "--moe-host-share is read only by --moe-strategy hybrid"),
+    (dict(moe_strategy="cpu", moe_cache_slots=8), "--moe-cache-slots is read only by --moe-strategy offload or hybrid"),
+    (dict(moe_strategy="hybrid", moe_host_share=1.5), "--moe-host-share"),
+])
+def test_host_flags_are_refused_where_nothing_reads_them(options, message, monkeypatch):
+    import moeferry.default_model
+
+    monkeypatch.setattr(moeferry.default_model, "ensure_default_model", lambda: pytest.fail("a model was made"))
+    with pytest.raises(ConfigError, match=message):
+        LLM(device="cpu", **options)
+
+
+def test_cpu_prefill_streams_long_chunks_and_computes_short_ones_on_the_host(ckpt):
+    path, _ = ckpt
+    llm = LLM(path, dtype="float32", device="cpu", moe_strategy="cpu")
+    strategy = llm.engine.runner.strategy
+    want = tokens(LLM(path, dtype="float32", device="cpu"))
+    assert tokens(llm) == want
+    assert strategy.stats()["prefill_chunks"]["stream"] > 0  # the default: every chunk streamed

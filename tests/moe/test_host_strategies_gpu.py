@@ -1,0 +1,65 @@
+"""GPU: `cpu` and `hybrid` generate what `gpu` generates on the built-in model, through CUDA
+graphs whose host nodes run the host kernel, eager too; the host channel's outputs inside a
+captured graph equal the same call run eagerly."""
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("options", [
+    dict(moe_strategy="cpu"),
+    dict(moe_strategy="cpu", disable_cuda_graph=True),
+    dict(moe_strategy="cpu", moe_prefill_demand_tokens=64),
+    dict(moe_strategy="hybrid", moe_cache_slots=48, moe_host_share=0.5, moe_collect_stats=True),
+    dict(moe_strategy="hybrid", moe_cache_slots=48, moe_prefill_demand_tokens="auto"),
+    dict(moe_strategy="hybrid", moe_cache_slots=48, moe_host_share=1.0, disable_cuda_graph=True),
+], ids=["cpu", "cpu-eager", "cpu-demand", "hybrid-half", "hybrid-auto", "hybrid-all-misses-eager"])
+def test_host_strategies_generate_what_gpu_generates(options):
+    from moeferry import LLM, SamplingParams
+    from moeferry.default_model import ensure_default_model
+
+    path = ensure_default_model()
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7], list(range(10, 50))]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    ref = [o.token_ids for o in LLM(path, max_running_requests=4).generate(prompts, params)]
+    llm = LLM(path, max_running_requests=4, **options)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == ref
+    stats = llm.engine.runner.strategy.stats()
+    assert stats["host_experts"] > 0
+    if options["moe_strategy"] == "hybrid" and options.get("moe_collect_stats"):
+        assert stats["decode"]["total"]["misses"] > 0
+
+
+def test_the_host_channel_replays_in_a_graph_as_it_runs_eagerly():
+    from moeferry.engine.cuda_graph import capture
+    from moeferry.moe.host_experts import HostExpertChannel
+    from moeferry.moe.strategies import ExpertBanks
+
+    gen = torch.Generator().manual_seed(0)
+    hidden_size, inter, experts, top_k, tokens = 1024, 256, 32, 4, 8
+    banks = {layer: ExpertBanks((torch.randn(experts, 2 * inter, hidden_size, generator=gen) * 0.03).bfloat16().pin_memory(),
+                                (torch.randn(experts, hidden_size, inter, generator=gen) * 0.06).bfloat16().pin_memory())
+             for layer in range(3)}
+    channel = HostExpertChannel(banks, tokens, top_k, torch.device("cuda"), threads=8)
+    hidden = torch.randn(tokens, hidden_size, generator=gen).bfloat16().cuda()
+    weights = torch.rand(tokens, top_k, generator=gen).cuda()
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).int().cuda()
+    host_ids = torch.where(torch.rand(tokens, top_k, generator=gen).cuda() < 0.5, ids, -1)
+
+    def step():
+        outs = []
+        for layer in range(3):
+            channel.begin(layer, hidden, weights, host_ids)
+            outs.append(channel.finish(tokens).clone())
+        return outs
+
+    eager = step()
+    graph, outs = capture(step)
+    for out in outs:
+        out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    for layer in range(3):
+        assert torch.equal(outs[layer], eager[layer])
+        assert bool((outs[layer][host_ids < 0] == 0).all()) and bool((outs[layer][host_ids >= 0] != 0).any())
