@@ -146,8 +146,8 @@ class EngineConfig:
                                                "(0, 1]")
     moe_collect_stats: bool = option(False, "MoE", "offload, uva, hybrid or cpu: count the expert cache's hits, misses and routes "
                                                    "(in /v1/stats and /metrics); a little time per step")
-    moe_host_threads: int = option(0, "MoE", "cpu or hybrid: threads of the host expert kernel (0: torch's "
-                                             "intra-op thread count, one per physical core)")
+    moe_host_threads: int = option(0, "MoE", "cpu or hybrid: threads of the host expert kernel (0: one per "
+                                             "physical core, less the one that drives the GPU)")
     moe_host_share: float | None = option(None, "MoE", "hybrid: the share of each step's missed experts computed on "
                                                        "the host (default: from the two channels' speeds, measured "
                                                        "at start-up)")

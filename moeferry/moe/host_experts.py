@@ -32,24 +32,40 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ChannelSpeeds:
     """Measured once at start-up: bytes of expert weights per second over PCIe (pinned host to
-    device copy) and through the host kernel (one token per expert, the decode case)."""
+    device copy) and through the host kernel (one token per expert, the decode case), and the
+    host kernel's fixed cost per call (`host_call_s`: waking its threads, its barriers),
+    which a layer pays whenever the host takes any of its experts."""
 
     pcie_bytes_per_s: float
     host_bytes_per_s: float
-    share: float | None = None  # --moe-host-share, over the measured split
+    host_call_s: float = 0.0
+    expert_bytes: int = 0
+    share: float | None = None  # --moe-host-share: the share, with no fixed cost
 
     @property
     def host_share(self) -> float:
-        """The share of a step's missed experts the host computes so that both channels finish
-        together: host / (host + PCIe), both moving the same bytes per expert."""
+        """The share of a layer's missed experts the host takes so that both channels finish
+        together, before the fixed cost: host / (host + PCIe) bytes per second."""
         if self.share is not None:
             return self.share
         total = self.pcie_bytes_per_s + self.host_bytes_per_s
         return self.host_bytes_per_s / total if total > 0 else 0.0
 
+    @property
+    def host_offset(self) -> float:
+        """Experts the fixed cost is worth: with n misses the host takes round(n * share -
+        offset) of them (at least 0), the count that balances n_host * t_host + call cost
+        against (n - n_host) * t_copy."""
+        if self.share is not None or not (self.pcie_bytes_per_s > 0 and self.host_bytes_per_s > 0):
+            return 0.0
+        per_expert = self.expert_bytes / self.pcie_bytes_per_s + self.expert_bytes / self.host_bytes_per_s
+        return self.host_call_s / per_expert if per_expert > 0 else 0.0
+
     def as_dict(self) -> dict:
         return {"pcie_gb_per_s": round(self.pcie_bytes_per_s / 1e9, 2),
-                "host_gb_per_s": round(self.host_bytes_per_s / 1e9, 2), "host_share": round(self.host_share, 3)}
+                "host_gb_per_s": round(self.host_bytes_per_s / 1e9, 2),
+                "host_call_us": round(self.host_call_s * 1e6, 1), "host_share": round(self.host_share, 3),
+                "host_offset_experts": round(self.host_offset, 2)}
 
 
 class _CudaHostFunctions:
@@ -153,11 +169,12 @@ class HostExpertChannel:
 
 
 def split_routes(topk_ids: torch.Tensor, slot_of_layer: torch.Tensor, host_share: float,
-                 rotation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 rotation: torch.Tensor, host_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Which routes the host computes: of the distinct experts the step routes to that are
-    not resident (`slot_of_layer[e] < 0`), the first round(host_share * misses) in expert
-    order starting at `rotation` (a device counter advanced here, so no expert is always the
-    host's); every route to such an expert goes to the host. Device ops only, no host sync.
+    not resident (`slot_of_layer[e] < 0`), the first round(host_share * misses - host_offset)
+    (at least 0) in expert order starting at `rotation` (a device counter advanced here, so
+    no expert is always the host's); every route to such an expert goes to the host. Device
+    ops only, no host sync.
 
     Returns (host_ids, device_ids, host_experts): topk_ids with -1 where the other channel
     computes the route, and the number of distinct host experts (int64 [1])."""
@@ -170,7 +187,7 @@ def split_routes(topk_ids: torch.Tensor, slot_of_layer: torch.Tensor, host_share
     order = (torch.arange(num_experts, device=ids.device) + rotation) % num_experts  # position -> expert
     rank_in_order = torch.cumsum(missed[order], 0)
     rank = torch.empty_like(rank_in_order).scatter_(0, order, rank_in_order)  # expert -> its rank among misses
-    host_count = torch.floor(missed.sum() * host_share + 0.5).to(rank.dtype)
+    host_count = torch.floor(missed.sum() * host_share - host_offset + 0.5).clamp(min=0).to(rank.dtype)
     host_expert = (missed > 0) & (rank <= host_count)
     rotation.add_(1).remainder_(num_experts)
     host_route = host_expert[ids]
@@ -180,18 +197,23 @@ def split_routes(topk_ids: torch.Tensor, slot_of_layer: torch.Tensor, host_share
 
 
 def measure_speeds(banks: dict, channel: HostExpertChannel, top_k: int, device: torch.device,
-                   repeats: int = 5) -> ChannelSpeeds:
-    """Both channels' expert bytes per second, timed on this machine with the model's own
-    banks: the copy channel by copying `top_k` experts of one layer to the compute device
-    (PCIe on a GPU, a memory copy on a CPU-only machine); the host by computing one token
-    routed to `top_k` distinct experts of each layer in turn (every run reads experts no
-    earlier run read, while the layers last). A bank the kernel does not compute (not bf16)
-    measures 0 for the host."""
+                   repeats: int = 7) -> ChannelSpeeds:
+    """Both channels, timed on this machine with the model's own banks: the copy channel by
+    copying `top_k` experts of one layer to the compute device (PCIe on a GPU, a memory copy
+    on a CPU-only machine); the host kernel by one token routed to 1 and to `top_k` distinct
+    experts (median times; the slope is its bytes per second, the rest its cost per call).
+    A bank the kernel does not compute (not bf16) measures 0 for the host."""
     layers = sorted(banks)
     bank = banks[layers[0]]
     count = min(top_k, bank.num_experts)
-    return ChannelSpeeds(_copy_speed(bank, count, device, repeats),
-                         _host_speed(banks, channel, top_k, repeats) if channel.compiled else 0.0)
+    pcie = _copy_speed(bank, count, device, repeats)
+    if not channel.compiled:
+        return ChannelSpeeds(pcie, 0.0, 0.0, bank.bytes_per_expert)
+    one = _host_call_time(banks, channel, 1, repeats)
+    many = _host_call_time(banks, channel, count, repeats)
+    per_expert = (many - one) / (count - 1) if count > 1 and many > one else many / count
+    return ChannelSpeeds(pcie, bank.bytes_per_expert / per_expert, max(0.0, many - count * per_expert),
+                         bank.bytes_per_expert)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -212,21 +234,22 @@ def _copy_speed(bank, count: int, device: torch.device, repeats: int) -> float:
     return repeats * count * bank.bytes_per_expert / (time.perf_counter() - start)
 
 
-def _host_speed(banks: dict, channel: HostExpertChannel, top_k: int, repeats: int) -> float:
+def _host_call_time(banks: dict, channel: HostExpertChannel, experts: int, repeats: int) -> float:
+    """Median seconds of one host kernel call: one token routed to `experts` distinct experts,
+    each run on experts (and layers) the runs before did not read, while they last."""
     layers = sorted(banks)
     sample = banks[layers[0]]
     hidden = torch.randn(1, sample.w2.shape[1]).to(torch.bfloat16)
-    weights = torch.full((1, top_k), 1.0 / top_k)
-    out = torch.empty(1, top_k, hidden.shape[1], dtype=torch.bfloat16)
-    elapsed, experts = 0.0, 0
+    weights = torch.full((1, experts), 1.0 / experts)
+    out = torch.empty(1, experts, hidden.shape[1], dtype=torch.bfloat16)
+    times = []
     for run in range(repeats + 1):
         layer = layers[run % len(layers)]
-        ids = ((torch.arange(top_k) + run * top_k) % sample.num_experts).to(torch.int32).reshape(1, top_k)
+        ids = ((torch.arange(experts) + run * experts) % sample.num_experts).to(torch.int32).reshape(1, experts)
         call = host_kernel.make_call(hidden, ids, weights, out, banks[layer].w13, banks[layer].w2, channel.act,
                                      channel.threads)
         start = time.perf_counter()
         host_kernel.run(call)
-        if run:  # the first run starts the threads
-            elapsed += time.perf_counter() - start
-            experts += len(set(ids.view(-1).tolist()))
-    return experts * sample.bytes_per_expert / elapsed
+        times.append(time.perf_counter() - start)
+    times = sorted(times[1:])  # the first run starts the threads
+    return times[len(times) // 2]

@@ -22,6 +22,7 @@ import logging
 import torch
 
 from moeferry.kernels.fused_moe import fused_moe
+from moeferry.kernels.fused_moe import host as host_kernel
 from moeferry.kernels.fused_moe.reference import sum_route_partials
 from moeferry.moe.host_experts import HostExpertChannel, measure_speeds, split_routes
 from moeferry.moe.offload import LayerStream, OffloadStrategy
@@ -55,16 +56,17 @@ class HostChannelMixin:
             widest_chunk = AUTO_HOST_PREFILL_TOKENS if self.name == "cpu" else ec.max_prefill_tokens
         else:
             widest_chunk = demand
-        threads = ec.moe_host_threads or torch.get_num_threads()
+        threads = ec.moe_host_threads or host_kernel.default_threads()
         self.channel = HostExpertChannel(self.banks, max(ec.max_running_requests, widest_chunk, 1), mc.top_k,
                                          self.device, threads)
         self.speeds = measure_speeds(self.banks, self.channel, mc.top_k, self.device)
         if ec.moe_host_share is not None:
             self.speeds = dataclasses.replace(self.speeds, share=ec.moe_host_share)
         self.host_experts = torch.zeros(len(self.moe_layer_of), dtype=torch.int64, device=self.device)
-        logger.info("host channel: %d threads; expert bytes/s: PCIe %.1f GB/s, host kernel %.1f GB/s; host share of "
-                    "misses %.2f", threads, self.speeds.pcie_bytes_per_s / 1e9, self.speeds.host_bytes_per_s / 1e9,
-                    self.speeds.host_share)
+        logger.info("host channel: %d threads; expert bytes/s: PCIe %.1f GB/s, host kernel %.1f GB/s + %.0f us a "
+                    "call; the host takes round(%.2f x misses - %.2f) of a layer's missed experts", threads,
+                    self.speeds.pcie_bytes_per_s / 1e9, self.speeds.host_bytes_per_s / 1e9,
+                    self.speeds.host_call_s * 1e6, self.speeds.host_share, self.speeds.host_offset)
 
     def _host_routes(self, layer_id, hidden, topk_weights, host_ids) -> torch.Tensor:
         self.channel.begin(layer_id, hidden, topk_weights, host_ids)
@@ -73,6 +75,7 @@ class HostChannelMixin:
     def _channel_stats(self) -> dict:
         host = self.host_experts.tolist()
         return {"speeds": self.speeds.as_dict() if self.speeds else None, "threads": self.channel.threads,
+                "host_kernel": host_kernel.timing() if self.channel.compiled else None,
                 "host_experts": sum(host), "host_experts_per_layer": host,
                 "host_bytes": sum(host) * self.expert_bytes}
 
@@ -144,7 +147,7 @@ class HybridStrategy(HostChannelMixin, OffloadStrategy):
     def _through_cache(self, layer_id, hidden, topk_weights, topk_ids, phase, sum_routes):
         moe_layer = self.moe_layer_of[layer_id]
         host_ids, device_ids, host_count = split_routes(topk_ids, self.cache.slot_of[moe_layer],
-                                                        self.speeds.host_share, self.rotation)
+                                                        self.speeds.host_share, self.rotation, self.speeds.host_offset)
         if phase == "decode":
             self.host_experts[moe_layer] += host_count[0]
         self.channel.begin(layer_id, hidden, topk_weights, host_ids.to(torch.int32))
@@ -160,4 +163,15 @@ class HybridStrategy(HostChannelMixin, OffloadStrategy):
         return _summed(routes, hidden.dtype, sum_routes)
 
     def stats(self) -> dict:
-        return {**super().stats(), **self._channel_stats()}
+        """`offload`'s statistics plus the host channel's, and `decode_split`: the decode
+        steps' distinct routed experts by channel (hit: resident; copied: over PCIe; host),
+        totals and per step, with the bytes each channel moved."""
+        out = {**super().stats(), **self._channel_stats()}
+        if "decode" in out:
+            cache = out["decode"]["total"]
+            steps = max(out["decode"]["per_layer"]["calls"], default=0)
+            split = {"hit": cache["distinct"] - cache["misses"], "copied": cache["misses"], "host": out["host_experts"]}
+            split.update(pcie_bytes=split["copied"] * self.expert_bytes, host_bytes=out["host_bytes"], steps=steps)
+            split["per_step"] = {k: split[k] / steps if steps else 0.0 for k in ("hit", "copied", "host")}
+            out["decode_split"] = split
+        return out

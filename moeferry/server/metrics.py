@@ -57,6 +57,12 @@ class _EngineStatsCollector:
         hit = expert_cache_hit_rate(s.get("moe"))
         if hit is not None:
             yield _gauge("moeferry_expert_cache_hit_ratio", "Decode expert-cache hit rate.", hit)
+        moe = s.get("moe") or {}
+        if "host_experts" in moe:  # the host channel of the cpu and hybrid strategies
+            yield _counter("moeferry_host_experts", "Routed experts computed on the host in decode (per layer "
+                           "and step).", moe["host_experts"])
+            yield _counter("moeferry_host_expert_bytes", "Expert bytes the host kernel read in decode.",
+                           moe["host_bytes"])
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -73,6 +73,19 @@ def test_the_share_balances_the_two_channels():
     assert ChannelSpeeds(55e9, 65e9).host_share == pytest.approx(65 / 120)
     assert ChannelSpeeds(55e9, 65e9, share=0.1).host_share == 0.1
     assert ChannelSpeeds(0.0, 0.0).host_share == 0.0
+    # with a fixed cost per call, n misses split so that both channels end together
+    speeds = ChannelSpeeds(50e9, 100e9, host_call_s=200e-6, expert_bytes=10**7)
+    t_copy, t_host = 1e7 / 50e9, 1e7 / 100e9
+    for misses in (1, 2, 6, 20):
+        host = max(0, int(misses * speeds.host_share - speeds.host_offset + 0.5))
+        best = min(range(misses + 1), key=lambda h: max(h * t_host + (200e-6 if h else 0), (misses - h) * t_copy))
+        assert abs(host - best) <= 1
+
+
+def test_the_fixed_cost_keeps_small_miss_counts_on_pcie():
+    ids, slot_of = torch.tensor([[0, 1]]), torch.full((8,), -1, dtype=torch.int32)
+    host_ids, device_ids, count = split_routes(ids, slot_of, 0.5, torch.zeros(1, dtype=torch.int64), host_offset=1.5)
+    assert int(count) == 0 and bool((host_ids < 0).all()) and torch.equal(device_ids, ids)
 
 
 @pytest.mark.parametrize("options, message", [

@@ -29,7 +29,7 @@ import torch
 from moeferry.kernels.fused_moe import check_options, reference
 
 __all__ = ["VECTOR_ISAS", "HostKernelUnavailable", "MoEHostCall", "available", "default_threads", "expert_routes",
-           "fused_moe", "has_avx512_bf16", "library", "make_call", "run"]
+           "fused_moe", "has_avx512_bf16", "library", "make_call", "run", "timing"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,16 @@ def library() -> ctypes.CDLL:
     lib.moe_host_run.argtypes = [ctypes.c_void_p]
     lib.moe_host_run.restype = None
     lib.moe_host_has_avx512_bf16.restype = ctypes.c_int
+    lib.moe_host_timing.argtypes = [ctypes.POINTER(ctypes.c_int64)]
+    lib.moe_host_timing.restype = None
     return lib
+
+
+def timing() -> dict:
+    """Every call so far in this process: count, total and longest wall time in seconds."""
+    values = (ctypes.c_int64 * 3)()
+    library().moe_host_timing(values)
+    return {"calls": values[0], "seconds": values[1] / 1e9, "longest_s": values[2] / 1e9}
 
 
 def available() -> bool:
@@ -101,8 +110,11 @@ def available() -> bool:
 
 
 def default_threads() -> int:
-    """torch's intra-op thread count: one per physical core unless the user set it."""
-    return torch.get_num_threads()
+    """torch's intra-op thread count (one per physical core unless the user set it), less one
+    above two cores: the thread that launches and waits for the GPU's work keeps a core, so a
+    descheduled worker never holds up a kernel's barrier."""
+    threads = torch.get_num_threads()
+    return threads - 1 if threads > 2 else threads
 
 
 def _ptr(t: torch.Tensor) -> int:
