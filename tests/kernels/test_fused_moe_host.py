@@ -43,12 +43,14 @@ def make_case(num_tokens, top_k, hidden_size, inter, num_experts, seed):
 
 
 def assert_close_in_bf16(got, want):
-    """Equal up to the float32 summation order: where a sum lands near a bf16 rounding
-    boundary the two may round apart, by one bf16 step of the value."""
+    """Equal up to the float32 summation order, which may round an output, or an activation
+    element that feeds it, the other way: an output then moves by one bf16 step of its own
+    value, or by an activation's step times a down weight, a small share of the outputs'
+    scale. Most elements stay bit-equal."""
     got, want = got.float(), want.float()
-    step = want.abs().clamp(min=1e-3) * 2.0 ** -7
-    assert bool(((got - want).abs() <= step).all()), float((got - want).abs().max())
-    assert float((got != want).float().mean()) < 0.05  # the rest is bit-equal
+    bound = want.abs() * 2.0 ** -7 + want.pow(2).mean().sqrt() * 2.0 ** -5
+    assert bool(((got - want).abs() <= bound).all()), float((got - want).abs().max())
+    assert float((got != want).float().mean()) < 0.05
 
 
 @pytest.mark.parametrize("vector_isa", vector_isas())

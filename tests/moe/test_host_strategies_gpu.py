@@ -6,6 +6,20 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
+TIE = 0.2  # log-probability gap under which bf16 rounding on another channel may pick the runner-up
+
+
+def assert_same_until_a_near_tie(want, got):
+    """Greedy tokens equal, or equal up to a position where the reference's lead over its
+    runner-up was under TIE: the tiny model has many near ties (range(10, 50)'s first token
+    leads by 0.06, one bf16 step of its logit), which rounding decides, and the host and the
+    GPU round in different orders. A divergence at a clear choice is an error."""
+    for i, (a, b) in enumerate(zip(want.token_ids, got.token_ids)):
+        if a != b:
+            top = want.logprobs[i].top
+            assert top[0][1] - top[1][1] < TIE, f"diverged at token {i} where the reference led by {top[0][1] - top[1][1]:.3f}"
+            return
+
 
 @pytest.mark.parametrize("options", [
     dict(moe_strategy="cpu"),
@@ -21,10 +35,11 @@ def test_host_strategies_generate_what_gpu_generates(options):
 
     path = ensure_default_model()
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7], list(range(10, 50))]
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    ref = [o.token_ids for o in LLM(path, max_running_requests=4).generate(prompts, params)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    ref = LLM(path, max_running_requests=4).generate(prompts, params)
     llm = LLM(path, max_running_requests=4, **options)
-    assert [o.token_ids for o in llm.generate(prompts, params)] == ref
+    for want, got in zip(ref, llm.generate(prompts, params)):
+        assert_same_until_a_near_tie(want, got)
     stats = llm.engine.runner.strategy.stats()
     assert stats["host_experts"] > 0
     if options["moe_strategy"] == "hybrid" and options.get("moe_collect_stats"):
