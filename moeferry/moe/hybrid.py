@@ -145,6 +145,8 @@ class HybridStrategy(HostChannelMixin, OffloadStrategy):
         self.host_experts.zero_()
 
     def _through_cache(self, layer_id, hidden, topk_weights, topk_ids, phase, sum_routes):
+        if self.cache.num_slots >= self.total_experts:  # nothing can miss: offload's path, no host node
+            return super()._through_cache(layer_id, hidden, topk_weights, topk_ids, phase, sum_routes)
         moe_layer = self.moe_layer_of[layer_id]
         host_ids, device_ids, host_count = split_routes(topk_ids, self.cache.slot_of[moe_layer],
                                                         self.speeds.host_share, self.rotation, self.speeds.host_offset)
