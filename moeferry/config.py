@@ -428,6 +428,8 @@ class ModelConfig:
             return False
         if layer_id in (getattr(self.hf, "mlp_only_layers", None) or []):
             return False
+        if layer_id < (getattr(self.hf, "first_k_dense_replace", None) or 0):
+            return False
         step = getattr(self.hf, "decoder_sparse_step", 1) or 1
         return (layer_id + 1) % step == 0
 
@@ -438,6 +440,16 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return bool(self.moe_layer_ids)
+
+    @property
+    def kv_cache_layout(self) -> tuple[int, int, bool]:
+        """What one layer caches per token: (heads, head width, whether values are cached apart).
+        Grouped-query attention caches K and V of its kv heads; multi-head latent attention
+        (a `kv_lora_rank` in the config) one row of latent + rope key and no values."""
+        rank = getattr(self.hf, "kv_lora_rank", None)
+        if rank:
+            return 1, rank + self.hf.qk_rope_head_dim, False
+        return self.num_kv_heads, self.head_dim, True
 
     def sliding_window_of(self, layer_id: int) -> int | None:
         """The attention window of a layer in tokens, or None for full attention."""
