@@ -385,6 +385,19 @@ class ModelConfig:
             if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= self.num_experts:
                 raise ConfigError(f"{source}: num_experts_per_tok must be in [1, {self.num_experts}] (the number of "
                                   f"experts), got {top_k!r}")
+            self._check_groups(source)
+
+    def _check_groups(self, source: str) -> None:
+        """DeepSeek's group-limited routers: n_group divides the experts, topk_group picks
+        among the groups."""
+        groups = getattr(self.hf, "n_group", None)
+        if not groups or groups <= 1:
+            return
+        if self.num_experts % groups:
+            raise ConfigError(f"{source}: n_group {groups} does not divide the {self.num_experts} routed experts")
+        top_groups = getattr(self.hf, "topk_group", None)
+        if isinstance(top_groups, bool) or not isinstance(top_groups, int) or not 1 <= top_groups <= groups:
+            raise ConfigError(f"{source}: topk_group must be in [1, {groups}] (n_group), got {top_groups!r}")
 
     model_type = _hf_field("model_type")
     hidden_size = _hf_field("hidden_size")
