@@ -347,16 +347,17 @@ class ModelConfig:
         except (ValueError, OSError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise ConfigError(f"{cfg_file} is not valid JSON: {exc}") from None
         model_type = raw.get("model_type") if isinstance(raw, dict) else None
-        from moeferry.models.registry import family_names
+        from moeferry.models.registry import CONFIG_ALIASES, family_names
 
         if model_type not in family_names():
             raise ConfigError(
                 f"{cfg_file}: model_type {model_type!r} is not supported; supported: {', '.join(family_names())}"
             )
-        from transformers import AutoConfig
+        from transformers import CONFIG_MAPPING, AutoConfig
 
+        reader = CONFIG_MAPPING[CONFIG_ALIASES[model_type]] if model_type in CONFIG_ALIASES else AutoConfig
         try:
-            hf = AutoConfig.from_pretrained(path, local_files_only=True)
+            hf = reader.from_pretrained(path, local_files_only=True)
         except Exception as exc:  # noqa: BLE001 - transformers rejects a bad field with any exception type
             raise ConfigError(f"{cfg_file}: transformers cannot read it: {first_line(exc)}") from None
         for key, value in (overrides or {}).items():

@@ -5,7 +5,8 @@ grouped router (layers/moe.py:GroupedTopKRouter).
 V3 routes by sigmoid scores plus `e_score_correction_bias`, its groups scored by their best two
 experts (`noaux_tc`); V2 by softmax, greedy or `group_limited_greedy` (a group scored by its best
 expert). Both scale the weights by `routed_scaling_factor`. V2's rope pairs are always
-interleaved; V3's unless `rope_interleave` is false.
+interleaved; V3's unless `rope_interleave` is false. Kimi-K2 is V3 under another model_type
+(its config is read with DeepSeek-V3's class: models/registry.py CONFIG_ALIASES).
 """
 
 from moeferry.layers.mla import MLAttention
@@ -33,14 +34,17 @@ def _spec(model_type: str, router, interleaved) -> FamilySpec:
     )
 
 
+def _v3_spec(model_type: str) -> FamilySpec:
+    return _spec(model_type, lambda mc: _router(mc, "sigmoid", True),
+                 lambda hf: bool(getattr(hf, "rope_interleave", True)))
+
+
 SPECS = {
     "deepseek_v2": _spec(
         "deepseek_v2",
         lambda mc: _router(mc, "softmax", getattr(mc.hf, "topk_method", "greedy") == "group_limited_greedy"),
         lambda hf: True),
-    "deepseek_v3": _spec(
-        "deepseek_v3",
-        lambda mc: _router(mc, "sigmoid", True),
-        lambda hf: bool(getattr(hf, "rope_interleave", True))),
+    "deepseek_v3": _v3_spec("deepseek_v3"),
+    "kimi_k2": _v3_spec("kimi_k2"),
 }
 SPEC = SPECS["deepseek_v3"]

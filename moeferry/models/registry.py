@@ -14,7 +14,12 @@ _FAMILY_MODULES = {
     "qwen2_moe": "moeferry.models.qwen2_moe",
     "deepseek_v2": "moeferry.models.deepseek",
     "deepseek_v3": "moeferry.models.deepseek",
+    "kimi_k2": "moeferry.models.deepseek",
 }
+
+# model_types transformers has no config class for (their checkpoints ship remote code), read
+# with the config class of the family they copy: Kimi-K2 is DeepSeek-V3's architecture.
+CONFIG_ALIASES = {"kimi_k2": "deepseek_v3"}
 
 
 @dataclass(frozen=True)

@@ -198,3 +198,40 @@ def test_a_dummy_cut_of_the_config_runs(v3_path, tmp_path):
     llm = LLM(d, load_format="dummy", device="cpu", hf_overrides={"num_hidden_layers": 2})
     assert llm.engine.mc.moe_layer_ids == (1,)
     assert len(llm.generate([4, 5, 6], SamplingParams(max_tokens=5, ignore_eos=True))[0].token_ids) == 5
+
+
+def test_a_kimi_k2_config_runs_as_deepseek_v3(v3_path, tmp_path):
+    """Kimi-K2's checkpoints say model_type kimi_k2 (with remote code transformers does not
+    need): the same weights give the same tokens as under deepseek_v3."""
+    d = _copy(v3_path, tmp_path)
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    json.dump({**cfg, "model_type": "kimi_k2", "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config"}},
+              open(os.path.join(d, "config.json"), "w"))
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    kimi = LLM(d, dtype="float32", device="cpu")
+    assert kimi.engine.mc.model_type == "kimi_k2"
+    want = LLM(v3_path, dtype="float32", device="cpu").generate([[3, 1, 4, 1, 5]], params)[0].token_ids
+    assert kimi.generate([[3, 1, 4, 1, 5]], params)[0].token_ids == want
+
+
+def test_moeferry_generate_runs_a_tiny_deepseek_checkpoint(tmp_path):
+    """`moeferry generate --model DIR` end to end on a tiny DeepSeek-V3 checkpoint that carries
+    the built-in model's tokenizer (its vocabulary sizes the checkpoint)."""
+    import subprocess
+    import sys
+
+    from moeferry.default_model import builtin_model_dir
+
+    tokenizer_dir = builtin_model_dir("moeferry-tiny-moe")
+    vocab = json.load(open(os.path.join(tokenizer_dir, "config.json")))["vocab_size"]
+    config = dict(CONFIGS)["deepseek_v3"]
+    d = str(tmp_path / "ds")
+    make_checkpoint(type(config)(**{**config.to_dict(), "vocab_size": vocab}), d)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(tokenizer_dir, name), d)
+    out = subprocess.run([sys.executable, "-m", "moeferry.cli", "generate", "--model", d, "--prompt", "Hello",
+                          "--max-tokens", "6", "--ignore-eos", "--device", "cpu"],
+                         capture_output=True, text=True, env={**os.environ, "MOEFERRY_CACHE": str(tmp_path)},
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "[6 tokens, finish_reason=length]" in out.stderr
