@@ -3,7 +3,8 @@
 - Tiny random checkpoints of every supported family, made with transformers' own model
   classes and saved with save_pretrained, so moeferry is checked against code nobody here
   wrote (``family_configs``, ``make_checkpoint``).
-- The Qwen3-30B-A3B config.json (``QWEN3_30B_DIR_CONFIG``) and a checkpoint directory holding
+- The Qwen3-30B-A3B and DeepSeek-V3 config.json (``QWEN3_30B_DIR_CONFIG``,
+  ``DEEPSEEK_V3_DIR_CONFIG``) and a checkpoint directory holding
   only a config (``write_config_dir``): enough for ``--load-format dummy``, the shape the
   benchmarks measure.
 """
@@ -26,6 +27,21 @@ QWEN3_30B_DIR_CONFIG = {
     "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
     "decoder_sparse_step": 1, "mlp_only_layers": [], "torch_dtype": "bfloat16", "eos_token_id": 151645,
     "bos_token_id": 151643, "attention_bias": False, "hidden_act": "silu",
+}
+
+# DeepSeek-V3's config.json (bf16: its FP8 quantization_config left out), for dummy loads.
+DEEPSEEK_V3_DIR_CONFIG = {
+    "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 129280,
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
+    "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": True,
+    "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 0,
+    "eos_token_id": 1, "attention_bias": False,
 }
 
 
