@@ -235,3 +235,24 @@ def test_moeferry_generate_runs_a_tiny_deepseek_checkpoint(tmp_path):
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert "[6 tokens, finish_reason=length]" in out.stderr
+
+
+# ---- GPU: the Triton MLA kernel inside captured decode graphs ------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", ["gpu", "offload", "uva"])
+def test_greedy_tokens_match_transformers_on_cuda_with_graphs(family, strategy):
+    """fp32 on CUDA, decode through CUDA graphs (the Triton MLA kernel, the grouped router in the
+    graph): 24 greedy tokens of a mixed batch equal transformers' generate, for every strategy."""
+    name, config, hf, path = family
+    extra = {"moe_cache_slots": 8} if strategy == "offload" else {}
+    llm = LLM(path, dtype="float32", device="cuda", max_running_requests=4, moe_strategy=strategy, **extra)
+    assert llm.engine.runner.graphs is not None
+    prompts = [[5, 17, 33, 2, 9, 71, 40], [88, 3], [12, 60, 61, 62, 7, 1, 90, 45, 23, 30, 31, 8, 19]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    for prompt, tokens in zip(prompts, got):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                               pad_token_id=0)[0, len(prompt):].tolist()
+        assert tokens == want, f"{name} {strategy}"
