@@ -4,7 +4,9 @@ grouped router (layers/moe.py:GroupedTopKRouter).
 
 V3 routes by sigmoid scores plus `e_score_correction_bias`, its groups scored by their best two
 experts (`noaux_tc`); V2 by softmax, greedy or `group_limited_greedy` (a group scored by its best
-expert). Both scale the weights by `routed_scaling_factor`. V2's rope pairs are always
+expert). Both scale the weights by `routed_scaling_factor`; `norm_topk_prob` renormalises the
+chosen weights in both, as DeepSeek's own code does (transformers' V2 router ignores it; every
+released V2 config sets it false, where the two agree). V2's rope pairs are always
 interleaved; V3's unless `rope_interleave` is false. Kimi-K2 is V3 under another model_type
 (its config is read with DeepSeek-V3's class: models/registry.py CONFIG_ALIASES).
 """
