@@ -193,6 +193,8 @@ _BENCHMARKS = {
     "serve": "through the HTTP API: decode tokens/s at 1, 4 and 16 streaming clients and TTFT, with and without "
              "CUDA graphs",
     "parity": "bf16 on the GPU against transformers in float32: the largest logit error and greedy tokens agreeing",
+    "deepseek": "DeepSeek-V3 shapes: decode tokens/s of a dummy model cut to a few layers under gpu and offload "
+                "(25%, 100% resident), and the MLA decode attention kernel against its HBM floor",
     "routing": "expert-cache policies on the built-in model's trained routing at 25/50/75% caches, each simulated "
                "from a recorded trace and measured on the offload engine: decode hit rates and tok/s",
 }

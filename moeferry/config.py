@@ -357,16 +357,17 @@ class ModelConfig:
         except (ValueError, OSError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise ConfigError(f"{cfg_file} is not valid JSON: {exc}") from None
         model_type = raw.get("model_type") if isinstance(raw, dict) else None
-        from moeferry.models.registry import family_names
+        from moeferry.models.registry import CONFIG_ALIASES, family_names
 
         if model_type not in family_names():
             raise ConfigError(
                 f"{cfg_file}: model_type {model_type!r} is not supported; supported: {', '.join(family_names())}"
             )
-        from transformers import AutoConfig
+        from transformers import CONFIG_MAPPING, AutoConfig
 
+        reader = CONFIG_MAPPING[CONFIG_ALIASES[model_type]] if model_type in CONFIG_ALIASES else AutoConfig
         try:
-            hf = AutoConfig.from_pretrained(path, local_files_only=True)
+            hf = reader.from_pretrained(path, local_files_only=True)
         except Exception as exc:  # noqa: BLE001 - transformers rejects a bad field with any exception type
             raise ConfigError(f"{cfg_file}: transformers cannot read it: {first_line(exc)}") from None
         for key, value in (overrides or {}).items():
@@ -395,6 +396,19 @@ class ModelConfig:
             if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= self.num_experts:
                 raise ConfigError(f"{source}: num_experts_per_tok must be in [1, {self.num_experts}] (the number of "
                                   f"experts), got {top_k!r}")
+            self._check_groups(source)
+
+    def _check_groups(self, source: str) -> None:
+        """DeepSeek's group-limited routers: n_group divides the experts, topk_group picks
+        among the groups."""
+        groups = getattr(self.hf, "n_group", None)
+        if not groups or groups <= 1:
+            return
+        if self.num_experts % groups:
+            raise ConfigError(f"{source}: n_group {groups} does not divide the {self.num_experts} routed experts")
+        top_groups = getattr(self.hf, "topk_group", None)
+        if isinstance(top_groups, bool) or not isinstance(top_groups, int) or not 1 <= top_groups <= groups:
+            raise ConfigError(f"{source}: topk_group must be in [1, {groups}] (n_group), got {top_groups!r}")
 
     model_type = _hf_field("model_type")
     hidden_size = _hf_field("hidden_size")
@@ -438,6 +452,8 @@ class ModelConfig:
             return False
         if layer_id in (getattr(self.hf, "mlp_only_layers", None) or []):
             return False
+        if layer_id < (getattr(self.hf, "first_k_dense_replace", None) or 0):
+            return False
         step = getattr(self.hf, "decoder_sparse_step", 1) or 1
         return (layer_id + 1) % step == 0
 
@@ -448,6 +464,16 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return bool(self.moe_layer_ids)
+
+    @property
+    def kv_cache_layout(self) -> tuple[int, int, bool]:
+        """What one layer caches per token: (heads, head width, whether values are cached apart).
+        Grouped-query attention caches K and V of its kv heads; multi-head latent attention
+        (a `kv_lora_rank` in the config) one row of latent + rope key and no values."""
+        rank = getattr(self.hf, "kv_lora_rank", None)
+        if rank:
+            return 1, rank + self.hf.qk_rope_head_dim, False
+        return self.num_kv_heads, self.head_dim, True
 
     def sliding_window_of(self, layer_id: int) -> int | None:
         """The attention window of a layer in tokens, or None for full attention."""

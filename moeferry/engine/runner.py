@@ -17,6 +17,7 @@ from moeferry.engine.planner import KVShape, plan_memory, planned_context, serve
 from moeferry.engine.sampler import SampledTokens, Sampler
 from moeferry.kvcache.paged import PagedKVCache
 from moeferry.layers.attention import Attention
+from moeferry.layers.mla import MLAttention
 from moeferry.models.decoder import MoECausalLM
 from moeferry.moe.strategies import create_strategy
 from moeferry.routing.recorder import RoutingRecorder
@@ -38,7 +39,8 @@ class ModelRunner:
         model_len = ec.max_model_len or mc.max_position_embeddings  # (check(mc) capped a given one at the model's)
         torch.manual_seed(ec.seed)
         self.strategy = create_strategy(ec.moe_strategy, ec, mc)
-        kv_shape = KVShape(PagedKVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype),
+        kv_heads, kv_dim, kv_values = mc.kv_cache_layout
+        kv_shape = KVShape(PagedKVCache.bytes_per_token(mc.num_layers, kv_heads, kv_dim, self.dtype, kv_values),
                            planned_context(ec, model_len))
         # rotary tables for no more positions than the KV cache can ever hold (served_context
         # below never exceeds it): a 262,144-token model does not build tables it cannot serve
@@ -49,8 +51,8 @@ class ModelRunner:
         # at most the KV cache's size: the page tables below are this wide per request
         self.max_model_len = served_context(ec, model_len, self.plan)
         self.strategy.finalize(self.plan)
-        self.kv = PagedKVCache(mc.num_layers, self.plan.kv_pages, ec.page_size, mc.num_kv_heads, mc.head_dim,
-                               self.dtype, self.device)
+        self.kv = PagedKVCache(mc.num_layers, self.plan.kv_pages, ec.page_size, kv_heads, kv_dim, self.dtype,
+                               self.device, kv_values)
         self.scratch_page = self.kv.scratch_page
         self.sampler = Sampler(ec.max_running_requests, mc.vocab_size, self.device)
         self.max_pages_per_req = -(-self.max_model_len // ec.page_size)
@@ -92,6 +94,9 @@ class ModelRunner:
             model = MoECausalLM(self.mc, self.strategy, max_positions)
         model.to(device=self.device, dtype=self.dtype)
         model.model.rotary.to(torch.float32)
+        for module in model.modules():
+            if getattr(module, "keeps_fp32", False):  # before loading: the checkpoint's fp32 values kept
+                module.to(torch.float32)
         if self.ec.load_format == "dummy":
             load_dummy(model, self.ec.seed, self.device)
         else:
@@ -99,6 +104,8 @@ class ModelRunner:
         for module in model.modules():
             if isinstance(module, Attention):
                 module.fuse_qkv()
+            elif isinstance(module, MLAttention):
+                module.after_load()
         model.eval()
         return model
 

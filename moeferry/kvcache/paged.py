@@ -1,7 +1,8 @@
 """Paged KV cache: fixed-size pages of tokens, a reference-counted page pool with a prefix cache,
 and per-request page tables.
 
-Layout: k[layer] and v[layer] are [num_pages * page_size, kv_heads, head_dim]; token slot
+Layout: k[layer] and v[layer] are [num_pages * page_size, kv_heads, head_dim] (a cache without
+values, multi-head latent attention's, has only k: one latent row per token); token slot
 `page * page_size + offset` holds the token at position `page_index * page_size + offset` of
 the requests that hold `page`. A request's page table lists its pages in position order.
 
@@ -143,13 +144,13 @@ class PagedKVCache:
     """
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, values: bool = True):
         self.page_size = page_size
         self.num_pages = num_pages
         self.scratch_page = num_pages
         shape = ((num_pages + 1) * page_size, kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)] if values else []
         self.pool = PagePool(num_pages)
 
     @property
@@ -160,8 +161,8 @@ class PagedKVCache:
         return -(-num_tokens // self.page_size)
 
     @staticmethod
-    def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, values: bool = True) -> int:
+        return (2 if values else 1) * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def token_slots(self, pages: list[int], start: int, end: int) -> torch.Tensor:
         """Flat token slots of positions [start, end) of a request holding `pages`."""

@@ -1,6 +1,7 @@
 """The MoE block: router (gate logits through layers/linear.py; scores, top-k, normalisation:
-kernels/router.py, one Triton launch on CUDA), optional shared expert, and the routed experts
-computed by the engine's MoE strategy."""
+kernels/router.py, one Triton launch on CUDA; or a family's own router module, DeepSeek's
+GroupedTopKRouter), optional shared experts, and the routed experts computed by the engine's
+MoE strategy."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeferry.kernels.router import softmax_topk
+from moeferry.kernels.router import grouped_topk, softmax_topk
 from moeferry.layers.linear import Linear
 
 
@@ -25,19 +26,52 @@ class DenseMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class GroupedTopKRouter(nn.Module):
+    """DeepSeek's router: fp32 logits of `weight` [E, H], then kernels.router.grouped_topk
+    (softmax or sigmoid scores, `e_score_correction_bias` [E] for the choice only when scoring
+    by sigmoid, group-limited choice, renormalisation, routed scaling).
+
+    Invariant: its parameters stay float32 whatever the model's dtype (`keeps_fp32`, honoured
+    by the runner before loading), as the HF models keep them: the choice between experts whose
+    biased scores are close must not depend on bf16 rounding.
+    """
+
+    keeps_fp32 = True
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, renormalize: bool, *, scoring: str,
+                 num_groups: int = 1, topk_groups: int = 1, scaling: float = 1.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts)) if scoring == "sigmoid" else None
+        self.top_k, self.renormalize, self.scoring = top_k, renormalize, scoring
+        self.num_groups, self.topk_groups, self.scaling = num_groups, topk_groups, scaling
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, top_k] fp32, ids [T, top_k] int32)."""
+        logits = F.linear(x.float(), self.weight.float())
+        return grouped_topk(logits, self.top_k, self.renormalize, scoring=self.scoring,
+                            correction_bias=self.e_score_correction_bias, num_groups=self.num_groups,
+                            topk_groups=self.topk_groups, scaling=self.scaling)
+
+
 class MoEBlock(nn.Module):
     """Routes each token to top_k of the layer's experts and sums their outputs, weighted.
 
     The routed experts' weights are not parameters of this module: they live in the banks
     the strategy allocated (GPU memory, pinned host memory, a slot cache), so every strategy
-    runs behind the same forward.
+    runs behind the same forward. Shared experts are dense modules here, resident on the
+    device like every dense weight: `shared_expert` (Qwen2-MoE, scaled by a sigmoid gate) or
+    `shared_experts` of `shared_experts_size` intermediate rows, added unscaled (DeepSeek).
+    `router`, when given, replaces the softmax top-k over a Linear gate and is named `gate`.
     """
 
-    def __init__(self, mc, layer_id: int, strategy, renormalize: bool, shared_expert: bool):
+    def __init__(self, mc, layer_id: int, strategy, renormalize: bool, shared_expert: bool, *,
+                 router: nn.Module | None = None, shared_experts_size: int = 0):
         super().__init__()
         h, e = mc.hidden_size, mc.num_experts
         self.layer_id, self.top_k, self.renormalize = layer_id, mc.top_k, renormalize
-        self.gate = Linear(h, e, bias=False)  # the skinny kernel at decode sizes; hooks still fire
+        # the skinny kernel at decode sizes; hooks still fire
+        self.gate = Linear(h, e, bias=False) if router is None else router
         self.strategy = strategy
         self.banks = strategy.allocate_banks(layer_id, e, h, mc.moe_intermediate_size)
         if shared_expert:
@@ -45,15 +79,21 @@ class MoEBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(h, 1, bias=False)
         else:
             self.shared_expert = None
+        self.shared_experts = DenseMLP(h, shared_experts_size) if shared_experts_size else None
 
     def forward(self, x: torch.Tensor, is_decode: bool, sum_routes: bool = True) -> torch.Tensor:
         """[T, H]; with sum_routes=False and no shared expert, the weighted per-route outputs
         [T, K, H] instead, for a caller whose next op sums them anyway (the decoder's residual
         add, RMSNorm.add_and_norm): the MoE then needs no summing launch of its own."""
-        weights, ids = softmax_topk(self.gate(x), self.top_k, self.renormalize)
+        if isinstance(self.gate, Linear):
+            weights, ids = softmax_topk(self.gate(x), self.top_k, self.renormalize)
+        else:
+            weights, ids = self.gate(x)
         self.strategy.record_routes(self.layer_id, ids)
-        out = self.strategy.forward(self.layer_id, x, weights, ids, is_decode,
-                                    sum_routes=sum_routes or self.shared_expert is not None)
+        shared = self.shared_expert is not None or self.shared_experts is not None
+        out = self.strategy.forward(self.layer_id, x, weights, ids, is_decode, sum_routes=sum_routes or shared)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
         return out

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 
-def _rope_parameters(hf_config) -> dict:
+def rope_parameters(hf_config) -> dict:
+    """The config's rope parameters (rope_type, rope_theta, factor, ...), old or new spelling."""
     params = getattr(hf_config, "rope_parameters", None)
     if params:
         return dict(params)
@@ -20,7 +21,7 @@ def _rope_parameters(hf_config) -> dict:
 
 def inverse_frequencies(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim // 2], attention_scaling) for the config's rope type."""
-    params = _rope_parameters(hf_config)
+    params = rope_parameters(hf_config)
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         base = params["rope_theta"]

@@ -25,9 +25,14 @@ class DecoderLayer(nn.Module):
         eps = getattr(mc.hf, "rms_norm_eps", 1e-6)
         self.input_layernorm = RMSNorm(mc.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(mc.hidden_size, eps)
-        self.self_attn = Attention(mc, layer_id, spec.qk_norm, spec.qkv_bias(mc.hf), rotary)
+        if spec.attention is None:
+            self.self_attn = Attention(mc, layer_id, spec.qk_norm, spec.qkv_bias(mc.hf), rotary)
+        else:
+            self.self_attn = spec.attention(mc, layer_id, rotary)
         if mc.is_moe_layer(layer_id):
-            mlp = MoEBlock(mc, layer_id, strategy, spec.renormalize(mc.hf), spec.shared_expert)
+            mlp = MoEBlock(mc, layer_id, strategy, spec.renormalize(mc.hf), spec.shared_expert,
+                           router=spec.router(mc) if spec.router else None,
+                           shared_experts_size=spec.shared_experts_size(mc.hf))
         else:
             mlp = DenseMLP(mc.hidden_size, mc.hf.intermediate_size)
         self.is_moe = mc.is_moe_layer(layer_id)

@@ -12,7 +12,14 @@ _FAMILY_MODULES = {
     "mixtral": "moeferry.models.mixtral",
     "olmoe": "moeferry.models.olmoe",
     "qwen2_moe": "moeferry.models.qwen2_moe",
+    "deepseek_v2": "moeferry.models.deepseek",
+    "deepseek_v3": "moeferry.models.deepseek",
+    "kimi_k2": "moeferry.models.deepseek",
 }
+
+# model_types transformers has no config class for (their checkpoints ship remote code), read
+# with the config class of the family they copy: Kimi-K2 is DeepSeek-V3's architecture.
+CONFIG_ALIASES = {"kimi_k2": "deepseek_v3"}
 
 
 @dataclass(frozen=True)
@@ -21,7 +28,11 @@ class FamilySpec:
 
     qk_norm: None | "head" | "full"; qkv_bias(hf) and renormalize(hf) read the config;
     moe_prefix: the checkpoint's name of the MoE block ("mlp", "block_sparse_moe");
-    expert_names: checkpoint names of (gate, up, down) inside one expert.
+    expert_names: checkpoint names of (gate, up, down) inside one expert;
+    attention(mc, layer_id, rotary): the family's attention module, None for the shared
+    grouped-query Attention (DeepSeek: layers/mla.py's MLAttention);
+    router(mc): the family's router module, None for softmax top-k over a Linear gate;
+    shared_experts_size(hf): intermediate rows of ungated shared experts (DeepSeek), 0 for none.
     """
 
     model_type: str
@@ -31,6 +42,9 @@ class FamilySpec:
     shared_expert: bool = False
     moe_prefix: str = "mlp"
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    attention: Callable[..., object] | None = None
+    router: Callable[[object], object] | None = None
+    shared_experts_size: Callable[[object], int] = lambda hf: 0
 
 
 def family_names() -> list[str]:
@@ -38,4 +52,5 @@ def family_names() -> list[str]:
 
 
 def get_family(model_type: str) -> FamilySpec:
-    return importlib.import_module(_FAMILY_MODULES[model_type]).SPEC
+    module = importlib.import_module(_FAMILY_MODULES[model_type])
+    return getattr(module, "SPECS", {}).get(model_type) or module.SPEC

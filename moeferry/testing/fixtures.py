@@ -3,7 +3,8 @@
 - Tiny random checkpoints of every supported family, made with transformers' own model
   classes and saved with save_pretrained, so moeferry is checked against code nobody here
   wrote (``family_configs``, ``make_checkpoint``).
-- The Qwen3-30B-A3B config.json (``QWEN3_30B_DIR_CONFIG``) and a checkpoint directory holding
+- The Qwen3-30B-A3B and DeepSeek-V3 config.json (``QWEN3_30B_DIR_CONFIG``,
+  ``DEEPSEEK_V3_DIR_CONFIG``) and a checkpoint directory holding
   only a config (``write_config_dir``): enough for ``--load-format dummy``, the shape the
   benchmarks measure.
 """
@@ -26,6 +27,21 @@ QWEN3_30B_DIR_CONFIG = {
     "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
     "decoder_sparse_step": 1, "mlp_only_layers": [], "torch_dtype": "bfloat16", "eos_token_id": 151645,
     "bos_token_id": 151643, "attention_bias": False, "hidden_act": "silu",
+}
+
+# DeepSeek-V3's config.json (bf16: its FP8 quantization_config left out), for dummy loads.
+DEEPSEEK_V3_DIR_CONFIG = {
+    "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 129280,
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
+    "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": True,
+    "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 0,
+    "eos_token_id": 1, "attention_bias": False,
 }
 
 
@@ -53,7 +69,48 @@ def family_configs():
                                                         shared_expert_intermediate_size=24, num_experts=8,
                                                         num_experts_per_tok=4, norm_topk_prob=True, mlp_only_layers=[1],
                                                         tie_word_embeddings=True, **COMMON)),
+    ] + deepseek_configs()
+
+
+def deepseek_configs():
+    """(name, config) pairs of DeepSeek-V3 and -V2 shapes: q_lora_rank or none (V2-Lite), YaRN,
+    interleaved or plain rope pairs, sigmoid grouped routing with its bias, V2's softmax
+    greedy and group-limited routers, dense first layers, shared experts, routed scaling.
+    v_head_dim differs from qk_nope_head_dim, so a mixed-up width fails."""
+    import transformers as T
+
+    mla = dict(COMMON, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+               intermediate_size=48, moe_intermediate_size=16, first_k_dense_replace=1, tie_word_embeddings=False)
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+            "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
+    return [
+        ("deepseek_v3", T.DeepseekV3Config(q_lora_rank=24, n_routed_experts=8, num_experts_per_tok=3, n_group=4,
+                                           topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
+                                           norm_topk_prob=True, **mla)),
+        ("deepseek_v3-yarn-plain-rope", T.DeepseekV3Config(q_lora_rank=24, n_routed_experts=8, num_experts_per_tok=2,
+                                                           n_group=2, topk_group=1, n_shared_experts=2,
+                                                           routed_scaling_factor=1.5, norm_topk_prob=False,
+                                                           rope_interleave=False, rope_parameters=yarn,
+                                                           attention_bias=True, **mla)),
+        ("deepseek_v2-lite", T.DeepseekV2Config(q_lora_rank=None, n_routed_experts=8, num_experts_per_tok=2,
+                                                n_shared_experts=2, routed_scaling_factor=1.0, topk_method="greedy",
+                                                norm_topk_prob=False, **mla)),
+        ("deepseek_v2-group-limited-yarn", T.DeepseekV2Config(q_lora_rank=24, n_routed_experts=8, num_experts_per_tok=2,
+                                                              n_group=4, topk_group=2, n_shared_experts=1,
+                                                              routed_scaling_factor=2.0, norm_topk_prob=False,
+                                                              topk_method="group_limited_greedy", rope_parameters=yarn,
+                                                              **mla)),
     ]
+
+
+def _randomize_zero_buffers(model, seed: int) -> None:
+    """DeepSeek-V3's e_score_correction_bias starts at zero in transformers; random values make
+    the checks see it (it changes which experts are chosen, not their weights)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape, generator=gen) * 0.1)
 
 
 def make_checkpoint(config, out_dir: str, seed: int = 0, shards: bool = False):
@@ -62,6 +119,7 @@ def make_checkpoint(config, out_dir: str, seed: int = 0, shards: bool = False):
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    _randomize_zero_buffers(model, seed)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, max_shard_size="20KB" if shards else "5GB")
     return model
