@@ -168,5 +168,7 @@ class DecodeGraphs:
         n = len(reqs)
         b = next(s for s in self.sizes if s >= n)
         self.inputs.write(*self.runner.decode_inputs(reqs), b, sample_slots)
+        if sample_slots is not None:
+            self.runner.sampler.stage_masks(self.sample_views[b], reqs)
         self.graphs[b].replay()
         return self.logits[b][:n], self.sample_views[b]
