@@ -37,7 +37,9 @@ class Constraint:
     """What a request's output must match. `kind` is one of KINDS; `spec` is the schema as
     canonical JSON text (json_schema), "" (json_object: any JSON object), the pattern (regex,
     the whole output must match it), or the strings (choice, a tuple: the output is one of them).
-    `param` names the request field it came from, for error messages.
+    `param` names the request field it came from, for error messages. A json_schema's output
+    may be framed by fixed text: `prefix` before the JSON value and `suffix` after it (a tool
+    call's markup, for example Qwen's "<tool_call>\n" and "\n</tool_call>").
 
     Invariant: hashable and compared by value, so equal constraints share one compiled grammar.
     """
@@ -45,6 +47,8 @@ class Constraint:
     kind: str
     spec: str | tuple[str, ...]
     param: str = "response_format"
+    prefix: str = ""
+    suffix: str = ""
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -55,12 +59,17 @@ class Constraint:
         elif not isinstance(self.spec, str) or len(self.spec) > MAX_SPEC_CHARS:
             raise InvalidRequest(f"the {self.kind} must be a string of at most {MAX_SPEC_CHARS} characters",
                                  self.param)
+        if (self.prefix or self.suffix) and self.kind != "json_schema":
+            raise InvalidRequest("only a json_schema constraint takes a prefix or a suffix", self.param)
 
 
-def json_schema_constraint(schema: dict | str, param: str = "response_format") -> Constraint:
+def json_schema_constraint(schema: dict | str, param: str = "response_format", prefix: str = "",
+                           suffix: str = "") -> Constraint:
     """The Constraint that the output is a JSON value valid under `schema` (a dict or its JSON
-    text): what response_format json_schema asks, and what tool calls with tool_choice
-    "required" or a named function need for their arguments."""
+    text), framed by the fixed texts `prefix` and `suffix`: what response_format json_schema
+    asks, and what tool_choice "required" or a named function needs (the call as JSON, say
+    {"name": {"const": ...}, "arguments": <the function's parameters>}, an "anyOf" of them for
+    several functions, inside the model's tool-call markup)."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -69,7 +78,7 @@ def json_schema_constraint(schema: dict | str, param: str = "response_format") -
     if not isinstance(schema, dict):
         raise InvalidRequest("the JSON schema must be a JSON object", param)
     # key order kept: the grammar emits an object's properties in the order the schema lists them
-    return Constraint("json_schema", json.dumps(schema, separators=(",", ":")), param)
+    return Constraint("json_schema", json.dumps(schema, separators=(",", ":")), param, prefix, suffix)
 
 
 _XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
@@ -117,6 +126,12 @@ class GrammarCompiler:
                                  f"{_one_line(exc)}", constraint.param) from None
 
     def _compile(self, c: Constraint):
+        if c.kind == "json_schema" and (c.prefix or c.suffix):
+            grammar = self._xgr.Grammar
+            parts = [grammar.from_ebnf(f"root ::= {json.dumps(c.prefix)}")] if c.prefix else []
+            parts.append(grammar.from_json_schema(c.spec, any_whitespace=False, strict_mode=True))
+            parts += [grammar.from_ebnf(f"root ::= {json.dumps(c.suffix)}")] if c.suffix else []
+            return self._compiler.compile_grammar(grammar.concat(*parts))
         if c.kind == "json_schema":
             return self._compiler.compile_json_schema(c.spec, any_whitespace=False, strict_mode=True)
         if c.kind == "json_object":

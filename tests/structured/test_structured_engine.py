@@ -95,6 +95,23 @@ def test_a_preempted_constrained_request_keeps_its_grammar_state(model_cache):
         jsonschema.validate(json.loads(out.text), schema)
 
 
+def test_a_json_schema_framed_by_fixed_text_as_a_tool_call_is(llm):
+    """json_schema_constraint's prefix and suffix (what a forced tool call needs): the output is
+    the prefix, a JSON value valid under the schema, then the suffix."""
+    schema = {"type": "object", "properties": {"name": {"const": "get_weather"}, "arguments": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}},
+        "required": ["name", "arguments"]}
+    constraint = json_schema_constraint(schema, prefix="<tool_call>\n", suffix="\n</tool_call>")
+    for out in llm.generate(["Call it", "Weather"], [SamplingParams(temperature=t, seed=2, max_tokens=80,
+                                                                    structured=constraint) for t in (0.0, 1.0)]):
+        assert out.finish_reason == "stop", out.text
+        framed = re.fullmatch(r"<tool_call>\n(.*)\n</tool_call>", out.text, re.DOTALL)
+        assert framed, out.text
+        jsonschema.validate(json.loads(framed.group(1)), schema)
+    with pytest.raises(InvalidRequest):
+        Constraint("regex", "a+", prefix="x")
+
+
 def test_bad_constraints_are_refused_naming_the_field(llm):
     for constraint in (json_schema_constraint({"type": "nonsense"}), Constraint("regex", "a(b", param="guided_regex")):
         with pytest.raises(InvalidRequest) as err:
