@@ -30,6 +30,7 @@ __all__ = ["KINDS", "Constraint", "json_schema_constraint", "GrammarCompiler", "
 KINDS = ("json_schema", "json_object", "regex", "choice")
 MAX_CHOICES = 256  # strings of one choice constraint
 MAX_SPEC_CHARS = 1 << 16  # a schema's JSON text, or a regex
+GRAMMAR_CACHE_BYTES = 256 << 20  # compiled grammars kept for reuse (xgrammar's LRU); distinct schemas are unbounded
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ class GrammarCompiler:
         self.stop_token_ids = sorted(set(stop_token_ids))
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=self.stop_token_ids)
-        self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
 
     @property
     def mask_words(self) -> int:
@@ -154,20 +155,20 @@ class GrammarMatcher:
     """
 
     def __init__(self, matcher, constraint: Constraint):
-        self._matcher, self.constraint = matcher, constraint
+        self.xgrammar_matcher, self.constraint = matcher, constraint
 
     def accept(self, token: int) -> bool:
         """Advance by one generated token; False when the grammar does not allow it (the mask
         should have made that impossible)."""
-        return bool(self._matcher.accept_token(token))
+        return bool(self.xgrammar_matcher.accept_token(token))
 
     @property
     def finished(self) -> bool:
-        return bool(self._matcher.is_terminated())
+        return bool(self.xgrammar_matcher.is_terminated())
 
     def fill(self, masks: torch.Tensor, row: int) -> None:
         """Row `row` of the int32 bitmask `masks` [rows, W] (CPU) := the tokens allowed next."""
-        self._matcher.fill_next_token_bitmask(masks, row)
+        self.xgrammar_matcher.fill_next_token_bitmask(masks, row)
 
 
 class TokenMasks:
@@ -182,12 +183,24 @@ class TokenMasks:
     def __init__(self, rows: int, words: int, pinned: bool):
         self.words = torch.zeros((rows, words), dtype=torch.int32, pin_memory=pinned)
         self.flags = torch.zeros(rows, dtype=torch.int32, pin_memory=pinned)
+        self._batch = None  # xgrammar.BatchGrammarMatcher, made at the first call of 2+ constrained rows
 
     def fill(self, matchers: Sequence[GrammarMatcher | None]) -> bool:
-        """Rows [0, len(matchers)): each matcher's next-token mask; True when any is constrained."""
+        """Rows [0, len(matchers)): each matcher's next-token mask (two or more at once on
+        xgrammar's threads); True when any is constrained."""
         flags = self.flags.numpy()
+        rows = []
         for row, matcher in enumerate(matchers):
             flags[row] = matcher is not None
             if matcher is not None:
-                matcher.fill(self.words, row)
-        return any(m is not None for m in matchers)
+                rows.append(row)
+        if len(rows) == 1:
+            matchers[rows[0]].fill(self.words, rows[0])
+        elif rows:
+            if self._batch is None:
+                import xgrammar
+
+                self._batch = xgrammar.BatchGrammarMatcher()
+            self._batch.batch_fill_next_token_bitmask([matchers[r].xgrammar_matcher for r in rows], self.words,
+                                                      indices=rows)
+        return bool(rows)
