@@ -1,5 +1,7 @@
 """Offline API: `LLM(model_dir, **engine_options).generate(prompts, SamplingParams(...))`, and
-`.chat(messages)` for conversations through the chat template."""
+`.chat(messages)` for conversations through the chat template. Structured output as on the
+server: `SamplingParams(structured=json_schema_constraint(schema))`, or a
+`moeferry.structured.Constraint` of kind json_object, regex or choice."""
 
 from __future__ import annotations
 

@@ -60,7 +60,10 @@ class SamplingParams:
     the end-of-sequence token until max_tokens. Penalties, min_p and logit_bias at their
     neutral values do nothing. `logprobs` None: no log-probs; k >= 0: each token's log-prob
     and the k most likely tokens' (engine/sampler.py says of which distribution). `n`: the
-    number of samples of the prompt (the server makes one request of each).
+    number of samples of the prompt (the server makes one request of each). `structured`: a
+    moeferry.structured.Constraint the output must match (a JSON schema, any JSON object, a
+    regex, a choice of strings): the sampler only draws tokens that keep the text inside it,
+    and the request stops once the text is complete.
 
     Invariant after construction: every value is unset (MODEL_DEFAULTED's fields only) or in
     its range (else InvalidRequest naming the field), finite, and normalised (tiny temperature
@@ -82,6 +85,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     n: int = 1
+    structured: "Constraint | None" = None  # noqa: F821 - moeferry.structured imports this module
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -125,6 +129,11 @@ class SamplingParams:
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         _integer("n", self.n, 1, MAX_N)
+        if self.structured is not None:
+            from moeferry.structured import Constraint
+
+            if not isinstance(self.structured, Constraint):
+                raise InvalidRequest("structured must be a moeferry.structured.Constraint", "structured")
 
     def with_defaults(self, defaults: Mapping[str, float] | None = None) -> "SamplingParams":
         """These params with every unset field given its default: from `defaults` (checked and

@@ -113,6 +113,11 @@ class DecodeGraphs:
     capture, and live as long as the graphs; `run` copies a step's inputs into them and
     replays the smallest graph that fits, so no captured pointer changes. Rows without a
     sampler slot (padding, or a step that only wants logits) draw nothing.
+
+    A step with a constrained row (structured output) replays the same forward and sampler as
+    two graphs of its size instead (`split`, captured at the first such step of that size):
+    the host computes the rows' token masks while the GPU runs the forward, then copies them
+    and replays the sampler. Steps without one keep the single graph.
     """
 
     def __init__(self, runner):
@@ -127,6 +132,8 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.batches: dict[int, ForwardBatch] = {}  # kept alive: a graph reads their tensors at every replay
         self.logits: dict[int, torch.Tensor] = {}
+        # size -> (forward graph, sampler graph, the forward's logits): steps with token masks
+        self.split: dict[int, tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self._capture_all()
 
@@ -148,6 +155,10 @@ class DecodeGraphs:
             graph, self.logits[b] = capture(functools.partial(self._step, b), warmups=2, pool=self.pool)
             self.pool = graph.pool()
             self.graphs[b] = graph
+        self._settle()
+        logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+
+    def _settle(self) -> None:
         # One more eager forward on a side stream, after the last capture: without it an
         # offload engine's start-up graphs replay slower until the fused MoE next runs eagerly
         # on a side stream, which speeds up graphs already captured too; an eager decode
@@ -157,7 +168,19 @@ class DecodeGraphs:
         # bytes of shared memory). Triton has no launch option for the carveout. (Figures and
         # commits: benchmarks/RESULTS.md, Findings.)
         run_on_side_stream(functools.partial(self.runner.model, self.batches[self.sizes[0]], self.runner.kv))
-        logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+
+    @torch.inference_mode()
+    def _capture_split(self, b: int) -> None:
+        """Size b's forward and sampler as two graphs in the shared pool. The staged inputs are
+        padding first, so the warm-ups write the scratch page only and draw nothing."""
+        self.inputs.write([], [], [], [], [], self.sizes[-1])
+        forward, logits = capture(functools.partial(self.runner.model, self.batches[b], self.runner.kv),
+                                  warmups=2, pool=self.pool)
+        sampler, _ = capture(functools.partial(self.runner.sampler.run, logits, self.sample_views[b]),
+                             pool=self.pool)
+        self.split[b] = (forward, sampler, logits)
+        self._settle()
+        logger.info("captured the split decode graphs (forward, sampler) of batch size %d for token masks", b)
 
     def can_run(self, n: int) -> bool:
         return n <= self.sizes[-1]
@@ -167,6 +190,23 @@ class DecodeGraphs:
         graph's rows). Rows draw a token only with `sample_slots` (one per request)."""
         n = len(reqs)
         b = next(s for s in self.sizes if s >= n)
+        if sample_slots is not None and any(r.grammar is not None for r in reqs):
+            return self._run_masked(reqs, sample_slots, b)
         self.inputs.write(*self.runner.decode_inputs(reqs), b, sample_slots)
+        if sample_slots is not None:
+            self.runner.sampler.stage_masks(self.sample_views[b], reqs)  # clears the flags a masked step left
         self.graphs[b].replay()
         return self.logits[b][:n], self.sample_views[b]
+
+    def _run_masked(self, reqs, sample_slots, b: int) -> tuple[torch.Tensor, SampleBuffers]:
+        """A step with token masks: the forward's graph, the masks on the host while it runs
+        (they need the previous step's tokens, which the host has, and nothing of this one's
+        forward), their copy, then the sampler's graph."""
+        if b not in self.split:
+            self._capture_split(b)
+        forward, sampler, logits = self.split[b]
+        self.inputs.write(*self.runner.decode_inputs(reqs), b, sample_slots)
+        forward.replay()
+        self.runner.sampler.stage_masks(self.sample_views[b], reqs)
+        sampler.replay()
+        return logits[:len(reqs)], self.sample_views[b]

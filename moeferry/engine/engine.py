@@ -8,6 +8,7 @@ Not thread-safe: one thread drives it (the server runs it in its own thread).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -80,6 +81,8 @@ class Engine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(int(self.tokenizer.eos_token_id))
         self._detok: dict[int, IncrementalDetokenizer] = {}
+        self._grammars = None  # GrammarCompiler, made at the first structured request
+        self._grammars_lock = threading.Lock()
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0,
                          "requests_aborted": 0, "requests_failed": 0, "prefill_tokens": 0, "decode_tokens": 0,
                          "prefix_cache_queried_tokens": 0, "prefix_cache_hit_tokens": 0}
@@ -90,6 +93,20 @@ class Engine:
             raise InvalidRequest("this model has no tokenizer: pass token ids", "prompt")
         return list(self.tokenizer.encode(prompt))
 
+    def grammar_compiler(self):
+        """The structured output compiler of this model's tokenizer and vocabulary, its end
+        tokens the grammars' (moeferry.structured.GrammarCompiler; made once, on first use:
+        xgrammar's import and tokenizer tables cost seconds). Thread-safe: the server calls it
+        from worker threads."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise InvalidRequest("this model has no tokenizer: structured output needs one", "response_format")
+                from moeferry.structured import GrammarCompiler
+
+                self._grammars = GrammarCompiler(self.tokenizer, self.mc.vocab_size, sorted(self.eos_ids))
+            return self._grammars
+
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
         """Check a request and queue it; InvalidRequest (naming the field) if it cannot run.
         Sampling values `params` leaves unset take the model's generation_config.json ones."""
@@ -98,7 +115,10 @@ class Engine:
         self._check_token_ids("prompt", ids)
         self._check_token_ids("stop_token_ids", params.stop_token_ids)
         self._check_token_ids("logit_bias", list(params.logit_bias or ()))
-        req = Request(ids, params)
+        grammar = None
+        if params.structured is not None:
+            grammar = self.grammar_compiler().matcher(params.structured)
+        req = Request(ids, params, grammar=grammar)
         self.scheduler.add(req)
         self._detok[req.rid] = IncrementalDetokenizer(self.tokenizer, ids)
         self.counters["prompt_tokens"] += len(ids)
@@ -163,8 +183,8 @@ class Engine:
         req.num_computed = req.num_tokens - 1
         self.counters["generation_tokens"] += 1
         p = req.params
+        reason = self._advance_grammar(req, token)
         delta = self._detok[req.rid].push(token)
-        reason = None
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
             reason = "stop"
         text = req.text + delta
@@ -181,6 +201,16 @@ class Engine:
         if reason is not None:
             self._finish(req, reason)
         return StepOutput(req, [token], delta, reason is not None, logprobs=[logprobs] if logprobs else [])
+
+    @staticmethod
+    def _advance_grammar(req: Request, token: int) -> str | None:
+        """Feed a constrained request's grammar its new token: "stop" once the grammar is
+        finished (it took an end token, or the text is complete and allows nothing more)."""
+        if req.grammar is None:
+            return None
+        if not req.grammar.accept(token):  # the device mask allowed only tokens the grammar takes
+            raise RuntimeError(f"request {req.rid}: token {token} is outside its grammar")
+        return "stop" if req.grammar.finished else None
 
     def _bind(self, reqs: list[Request]) -> tuple[list[Request], list[StepOutput]]:
         """The requests whose sampler slot holds their parameters, and the failures of those

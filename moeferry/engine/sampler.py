@@ -18,6 +18,7 @@ import torch
 
 from moeferry.kernels.sampling import SamplingState, sample
 from moeferry.sampling import MAX_LOGIT_BIAS, SAMPLING_EPS
+from moeferry.structured import TokenMasks
 
 
 @dataclass(frozen=True)
@@ -30,17 +31,27 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...] = ()
 
 
+def mask_words(vocab: int) -> int:
+    """int32 words of one row's packed token bitmask."""
+    return -(-vocab // 32)
+
+
 @dataclass
 class SampleBuffers:
     """Static device buffers of one sampler call of up to `rows` rows (a decode graph captures
-    their pointers): the rows' slots and draw positions (inputs), tokens, their log-probs and
-    the processed log-probs of every token (outputs)."""
+    their pointers): the rows' slots and draw positions (inputs), their token masks (inputs:
+    `token_mask` [rows, W] packed bitmasks, `mask_rows` [rows] flags, 1 for a constrained row),
+    tokens, their log-probs and the processed log-probs of every token (outputs).
+    `all_mask_rows` is the whole flags buffer a view's `mask_rows` is part of."""
 
     row_slot: torch.Tensor
     positions: torch.Tensor
     tokens: torch.Tensor
     token_logprobs: torch.Tensor
     logprobs: torch.Tensor
+    token_mask: torch.Tensor
+    mask_rows: torch.Tensor
+    all_mask_rows: torch.Tensor
 
     @classmethod
     def allocate(cls, rows: int, vocab: int, device, row_slot: torch.Tensor | None = None,
@@ -50,14 +61,18 @@ class SampleBuffers:
             row_slot = torch.full((rows,), -1, dtype=torch.int32, device=device)
         if positions is None:
             positions = torch.zeros(rows, dtype=torch.int64, device=device)
+        mask_rows = torch.zeros(rows, dtype=torch.int32, device=device)
         return cls(row_slot=row_slot, positions=positions,
                    tokens=torch.zeros(rows, dtype=torch.int64, device=device),
                    token_logprobs=torch.zeros(rows, dtype=torch.float32, device=device),
-                   logprobs=torch.zeros(rows, vocab, dtype=torch.float32, device=device))
+                   logprobs=torch.zeros(rows, vocab, dtype=torch.float32, device=device),
+                   token_mask=torch.zeros(rows, mask_words(vocab), dtype=torch.int32, device=device),
+                   mask_rows=mask_rows, all_mask_rows=mask_rows)
 
     def view(self, rows: int) -> "SampleBuffers":
         return SampleBuffers(self.row_slot[:rows], self.positions[:rows], self.tokens[:rows],
-                             self.token_logprobs[:rows], self.logprobs[:rows])
+                             self.token_logprobs[:rows], self.logprobs[:rows], self.token_mask[:rows],
+                             self.mask_rows[:rows], self.all_mask_rows)
 
 
 class Sampler:
@@ -66,6 +81,9 @@ class Sampler:
     Invariants: a request holds at most one slot, and a slot at most one request; a slot's
     contents are its request's parameters and penalty state (the counts of every token it
     generated since the slot was assigned: the kernel adds each sampled token on the device).
+    A row is constrained by a token mask exactly when its request has a grammar
+    (`Request.grammar`): `stage_masks` writes the masks of such rows and keeps every other
+    flag of a persistent buffer 0, so a step without grammars copies nothing.
     """
 
     def __init__(self, num_slots: int, vocab: int, device: torch.device):
@@ -73,12 +91,16 @@ class Sampler:
         self.vocab = vocab
         self._free = list(range(num_slots - 1, -1, -1))
         self._slot_of: dict[int, int] = {}
+        self._masks = TokenMasks(num_slots, mask_words(vocab), pinned=device.type == "cuda")
+        self._masks_copied = torch.cuda.Event() if device.type == "cuda" else None
+        self._flagged: dict[int, torch.Tensor] = {}  # whole flag buffers that may hold a 1
 
     @staticmethod
     def device_bytes(num_slots: int, vocab: int, rows: int) -> int:
         """Device bytes of a sampler of `num_slots` slots and a graph's buffers of `rows` rows:
-        per slot int32 counts and a byte of prompt mark per token, per row float32 log-probs."""
-        return num_slots * vocab * 5 + rows * vocab * 4
+        per slot int32 counts and a byte of prompt mark per token, per row float32 log-probs
+        and a bit of token mask per token."""
+        return num_slots * vocab * 5 + rows * (vocab * 4 + mask_words(vocab) * 4 + 4)
 
     def bind(self, req) -> int:
         """The request's slot, assigned and written now if it has none (the engine binds every
@@ -117,15 +139,39 @@ class Sampler:
         buffers.row_slot.copy_(slots, non_blocking=True)
         buffers.positions.copy_(positions, non_blocking=True)
 
+    def stage_masks(self, buffers: SampleBuffers, reqs, persistent: bool = True) -> None:
+        """The token masks of the requests with a grammar into rows [0, len(reqs)) of `buffers`
+        (computed on the host now, then one asynchronous copy each of words and flags); with no
+        grammar in the call, nothing is copied, and a persistent buffer's flags that an earlier
+        call set are cleared on the device."""
+        matchers = [r.grammar for r in reqs]
+        if not any(m is not None for m in matchers):
+            flags = self._flagged.pop(buffers.all_mask_rows.data_ptr(), None)
+            if flags is not None:
+                flags.zero_()
+            return
+        if self._masks_copied is not None:
+            self._masks_copied.synchronize()  # the previous step's copies have read the host rows
+        n = len(reqs)
+        self._masks.fill(matchers)
+        buffers.token_mask[:n].copy_(self._masks.words[:n], non_blocking=True)
+        buffers.mask_rows[:n].copy_(self._masks.flags[:n], non_blocking=True)
+        if self._masks_copied is not None:
+            self._masks_copied.record()
+        if persistent:
+            self._flagged[buffers.all_mask_rows.data_ptr()] = buffers.all_mask_rows
+
     def run(self, logits: torch.Tensor, buffers: SampleBuffers) -> None:
         """The sampler kernel over `logits` [rows, V] into `buffers` (graph-capturable)."""
         sample(logits, buffers.row_slot, buffers.positions, self.state, logprobs_out=buffers.logprobs,
-               tokens_out=buffers.tokens, token_logprobs_out=buffers.token_logprobs)
+               tokens_out=buffers.tokens, token_logprobs_out=buffers.token_logprobs,
+               token_mask=buffers.token_mask, mask_rows=buffers.mask_rows)
 
     def sample(self, logits: torch.Tensor, reqs) -> "SampledTokens":
         """Eagerly: one token for each of `reqs`, row i of `logits` [len(reqs), V] float32."""
         buffers = SampleBuffers.allocate(len(reqs), self.vocab, logits.device)
         self.stage(buffers, reqs)
+        self.stage_masks(buffers, reqs, persistent=False)
         self.run(logits, buffers)
         return self.read(buffers, reqs)
 

@@ -7,6 +7,7 @@ import itertools
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from moeferry.sampling import InvalidRequest, SamplingParams
 
@@ -50,6 +51,9 @@ class Request:
     seed: int | None = None
     num_preemptions: int = 0
     logprobs: list = field(default_factory=list)  # TokenLogprobs of each output token, when asked for
+    # structured output: the grammar state (moeferry.structured.GrammarMatcher) of the tokens in
+    # output_ids, fed once per generated token; kept through preemption, never fed the recompute
+    grammar: Any = None
 
     def __post_init__(self):
         if not self.prompt_ids:

@@ -17,9 +17,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from moeferry.server.engine_loop import SHUTDOWN, EngineLoop, RequestHandle
-from moeferry.sampling import SamplingParams
+from moeferry.sampling import InvalidRequest, SamplingParams
 from moeferry.server.protocol import (APIError, ChatCompletionRequest, ChatFormat, Choice, CompletionFormat,
-                                      CompletionRequest, decode_json, usage, validation_error)
+                                      CompletionRequest, decode_json, invalid_request, usage, validation_error)
 from moeferry.tokenizer.tokenizer import apply_chat_template
 
 _DISCONNECT_POLL_S = 0.5
@@ -140,6 +140,14 @@ class OpenAIEndpoints:
                            code="context_length_exceeded")
         return requested
 
+    def _compile(self, constraint) -> None:
+        """Compile a structured output constraint off the engine thread: a bad one is a 400
+        before the engine sees the request, a good one is then cached for the engine's matcher."""
+        try:
+            self.loop.engine.grammar_compiler().compile(constraint)
+        except InvalidRequest as exc:
+            raise invalid_request(exc) from None
+
     # ---- generation ---------------------------------------------------------------------------
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
@@ -147,6 +155,8 @@ class OpenAIEndpoints:
     async def _generate(self, request: Request, body, ids: list[int], requested: int | None, fmt_type,
                         prompt_param: str):
         params = body.sampling_params(self._max_tokens(ids, requested, prompt_param))
+        if params.structured is not None:
+            await asyncio.to_thread(self._compile, params.structured)
         fmt = fmt_type(self.info.name, self._token_text, params.logprobs is not None)
         handles = []
         try:

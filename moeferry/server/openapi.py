@@ -75,6 +75,7 @@ def _accepted(model, info) -> dict[str, dict]:
                                   "additionalProperties": {"type": "number", "minimum": LOGIT_BIAS_RANGE[0],
                                                            "maximum": LOGIT_BIAS_RANGE[1]}}, {"type": "null"}]},
     }
+    props.update(_structured_output_properties())
     for name in NEUTRAL_UNSUPPORTED:
         props[name] = {"type": "null", "description": "not supported yet"}
     if model is ChatCompletionRequest:
@@ -90,6 +91,28 @@ def _accepted(model, info) -> dict[str, dict]:
         props["echo"] = {"const": False, "description": "not supported"}
         props["best_of"] = {"enum": [None, 1], "description": "not supported"}
     return props
+
+
+def _structured_output_properties() -> dict:
+    """The structured output fields (moeferry/structured/api.py), at most one per request."""
+    schema = {"type": "object", "description": "a JSON schema"}
+    text = {"type": "string", "minLength": 1}
+    json_schema = {"type": "object", "required": ["schema"],
+                   "properties": {"name": {"type": "string"}, "schema": schema,
+                                  "strict": {"anyOf": [{"type": "boolean"}, {"type": "null"}]}}}
+    response_format = {"anyOf": [
+        {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+        {"type": "object", "required": ["type", "json_schema"],
+         "properties": {"type": {"const": "json_schema"}, "json_schema": json_schema}},
+        {"type": "null"}]}
+    choice = {"type": "array", "minItems": 1, "items": text}
+    return {"response_format": response_format,
+            "guided_json": {"anyOf": [schema, {"type": "null"}]},
+            "guided_regex": {"anyOf": [text, {"type": "null"}], "description": "the whole output matches it"},
+            "guided_choice": {"anyOf": [choice, {"type": "null"}], "description": "the output is one of them"},
+            "structured_outputs": {"anyOf": [{"type": "object", "minProperties": 1, "maxProperties": 1,
+                                              "properties": {"json": schema, "regex": text, "choice": choice},
+                                              "additionalProperties": False}, {"type": "null"}]}}
 
 
 def _complete(op: dict, path: str, statuses: tuple[int, ...], secured: bool) -> None:

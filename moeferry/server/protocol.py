@@ -2,8 +2,9 @@
 body, and response builders.
 
 Only what moeferry implements is accepted; unknown fields are ignored (clients send many),
-but a field we cannot honour yet (response_format, tools, ...) is refused with a 400 naming
-it rather than ignored.
+but a field we cannot honour yet (tools, ...) is refused with a 400 naming it rather than
+ignored. Structured output (response_format, vLLM's guided_* and structured_outputs) is read
+by moeferry/structured/api.py.
 Every check here runs before the request reaches the engine.
 """
 
@@ -182,8 +183,13 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=MAX_N)
     user: str | None = None
-    # Fields of the OpenAI API this server does not honour yet: refused unless at their neutral value.
+    # structured output (moeferry/structured/api.py): OpenAI's, and vLLM's extra-body names
     response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    structured_outputs: Any = None
+    # Fields of the OpenAI API this server does not honour yet: refused unless at their neutral value.
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -224,21 +230,31 @@ class _SamplingFields(BaseModel):
         """SamplingParams.logprobs: None, or how many top log-probs each token reports."""
         return None
 
+    def structured_constraint(self):
+        """The moeferry.structured.Constraint the request asks for, or None (400 when malformed)."""
+        from moeferry.structured.api import constraint_from_request
+
+        try:
+            return constraint_from_request(self.response_format, self.guided_json, self.guided_regex,
+                                           self.guided_choice, self.structured_outputs)
+        except InvalidRequest as exc:
+            raise invalid_request(exc) from None
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
+        structured = self.structured_constraint()
         try:
             return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                                   presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                                   repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
                                   seed=self.seed, max_tokens=max_tokens, stop=self.stop,
                                   stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-                                  logprobs=self.logprob_count, n=self.n)
+                                  logprobs=self.logprob_count, n=self.n, structured=structured)
         except InvalidRequest as exc:
             raise invalid_request(exc) from None
 
 
 # The neutral values of the fields not honoured yet (what a client sends when it means "none").
 NEUTRAL_UNSUPPORTED = {
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "tools": lambda v: not v,
     "tool_choice": lambda v: v in (None, "none"),
     "functions": lambda v: not v,

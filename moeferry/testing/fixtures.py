@@ -6,7 +6,8 @@
 - The Qwen3-30B-A3B and DeepSeek-V3 config.json (``QWEN3_30B_DIR_CONFIG``,
   ``DEEPSEEK_V3_DIR_CONFIG``) and a checkpoint directory holding
   only a config (``write_config_dir``): enough for ``--load-format dummy``, the shape the
-  benchmarks measure.
+  benchmarks measure; a tokenizer of any vocabulary size for it (``write_wide_tokenizer``),
+  for what needs one (structured output's grammars).
 """
 
 from __future__ import annotations
@@ -130,4 +131,36 @@ def write_config_dir(path: str, config: dict) -> str:
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
+    return path
+
+
+def write_wide_tokenizer(path: str, vocab_size: int, seed: int = 0) -> str:
+    """A byte-level BPE tokenizer of `vocab_size` tokens in `path` (tokenizer.json and
+    tokenizer_config.json): the built-in model's 4,096 tokens (its special tokens and end
+    token included), then merges of two random tokens of it, seeded, up to the size. Realistic
+    enough pieces (words, spaces, punctuation, and their joins) for a grammar's token masks to
+    cost what they cost at a real vocabulary of that size (Qwen3's 151,936); no network."""
+    import random
+
+    from moeferry.default_model import ensure_default_model
+
+    builtin = ensure_default_model()
+    with open(os.path.join(builtin, "tokenizer.json"), encoding="utf-8") as f:
+        spec = json.load(f)
+    vocab, merges = spec["model"]["vocab"], spec["model"]["merges"]
+    special = {t["content"] for t in spec["added_tokens"]}
+    pieces = sorted(t for t in vocab if t not in special)
+    rng = random.Random(seed)
+    while len(vocab) < vocab_size:
+        left, right = rng.choice(pieces), rng.choice(pieces)
+        if left + right not in vocab:
+            vocab[left + right] = len(vocab)
+            merges.append([left, right])
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "tokenizer.json"), "w", encoding="utf-8") as f:
+        json.dump(spec, f, ensure_ascii=False)
+    with open(os.path.join(builtin, "tokenizer_config.json"), encoding="utf-8") as f:
+        config = f.read()
+    with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        f.write(config)
     return path

@@ -451,6 +451,102 @@ def test_the_contract_is_checked_on_the_host():
         sampling.sample(torch.zeros(1, 100), slots, positions, state, impl="cuda")
 
 
+# --- token masks (structured output) -------------------------------------------------------
+
+
+def random_masks(generator, batch, vocab, constrained_share=0.6):
+    """(token_mask [B, W] int32, mask_rows [B] int32): each row constrained with probability
+    constrained_share, its mask allowing one token, ~3% or ~50% of the vocabulary (never none);
+    unconstrained rows carry random words that must not matter."""
+    words = -(-vocab // 32)
+    density = torch.tensor([0.0, 0.03, 0.5])[torch.randint(3, (batch,), generator=generator)]
+    allowed = torch.rand(batch, vocab, generator=generator) < density[:, None]
+    allowed[torch.arange(batch), torch.randint(vocab, (batch,), generator=generator)] = True
+    padded = torch.nn.functional.pad(allowed, (0, words * 32 - vocab)).view(batch, words, 32).long()
+    packed = (padded << torch.arange(32)).sum(-1)
+    token_mask = torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed).to(torch.int32)
+    rows = (torch.rand(batch, generator=generator) < constrained_share).to(torch.int32)
+    noise = torch.randint(-2 ** 31, 2 ** 31 - 1, (batch, words), generator=generator, dtype=torch.int64)
+    token_mask = torch.where(rows[:, None] != 0, token_mask, noise.to(torch.int32))
+    return token_mask, rows, allowed
+
+
+def test_the_reference_unpacks_masks_as_xgrammar_applies_them():
+    """allowed_tokens against xgrammar's own (CPU) apply_token_bitmask_inplace: the layout of
+    the words the grammar library fills."""
+    import xgrammar as xgr
+    generator = torch.Generator().manual_seed(3)
+    for vocab in (31, 32, 33, 1000, 4096):
+        token_mask, _, allowed = random_masks(generator, 4, vocab, constrained_share=1.0)
+        logits = torch.zeros(4, vocab)
+        xgr.apply_token_bitmask_inplace(logits, token_mask, vocab_size=vocab, backend="cpu")
+        assert torch.equal(reference.allowed_tokens(token_mask, vocab), logits == 0)
+        assert torch.equal(reference.allowed_tokens(token_mask, vocab), allowed)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_triton_matches_the_reference_with_token_masks(seed):
+    """Masked and unmasked rows, greedy and sampled, every feature at random: the same tokens,
+    log-probs and counts; every masked row's token is one its mask allows, and its log-probs are
+    -inf exactly outside the mask."""
+    generator = torch.Generator().manual_seed(100 + seed)
+    vocab = [700, 2500, 3000, 1024][seed]
+    state = random_state(generator, 10, vocab)
+    logits, slots, positions = random_batch(generator, state, [3, 6, 8, 5][seed])
+    token_mask, rows, allowed = random_masks(generator, len(slots), vocab)
+    ref_state, tri_state = copy_state(state), copy_state(state)
+    expected = reference.sample(logits, slots, positions, ref_state, token_mask=token_mask, mask_rows=rows)
+    got = sampling_triton.sample(logits, slots, positions, tri_state, token_mask=token_mask, mask_rows=rows,
+                                 block=1024)
+    assert_same_sampling(expected, got, ref_state, tri_state, slots)
+    for b in range(len(slots)):
+        if slots[b] < 0 or not rows[b]:
+            continue
+        assert allowed[b, got[0][b]], f"row {b} took token {int(got[0][b])} its mask leaves out"
+        if state.full_logprobs[slots[b]]:
+            assert torch.equal(torch.isinf(got[2][b]), ~allowed[b])
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_only_the_masked_rows_of_a_batch_change(impl):
+    """A batch of greedy and sampled rows sampled with and without masks: the rows without a
+    flag get the same tokens and log-probs either way; greedy masked rows get the argmax over
+    their allowed tokens."""
+    generator = torch.Generator().manual_seed(7)
+    vocab, batch = 1500, 6
+    state = random_state(generator, batch, vocab, temperature=1.0, repetition_penalty=1.0,
+                         frequency_penalty=0.0, presence_penalty=0.0, logit_bias=None, full_logprobs=True)
+    for slot in (0, 3):
+        state.temperature[slot] = 0.0
+    logits, _, positions = random_batch(generator, state, batch, padding=False)
+    slots = torch.arange(batch, dtype=torch.int32)
+    token_mask, _, allowed = random_masks(generator, batch, vocab, constrained_share=1.0)
+    rows = torch.tensor([1, 0, 1, 1, 0, 0], dtype=torch.int32)
+    free = sampling.sample(logits, slots, positions, copy_state(state), impl=impl)
+    masked = sampling.sample(logits, slots, positions, copy_state(state), token_mask=token_mask,
+                             mask_rows=rows, impl=impl)
+    for b in range(batch):
+        if rows[b]:
+            assert allowed[b, masked[0][b]]
+        else:
+            assert masked[0][b] == free[0][b]
+            assert torch.equal(masked[2][b], free[2][b])
+    assert masked[0][0] == torch.where(allowed[0], logits[0], NEG_INF).argmax()
+    assert masked[0][3] == torch.where(allowed[3], logits[3], NEG_INF).argmax()
+
+
+def test_the_mask_contract_is_checked_on_the_host():
+    state = SamplingState.allocate(2, 100, 4, "cpu")
+    logits, slots, positions = torch.zeros(1, 100), torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)
+    rows = torch.ones(1, dtype=torch.int32)
+    for token_mask, mask_rows in ((torch.zeros(1, 3, dtype=torch.int32), rows),  # 100 tokens need 4 words
+                                  (torch.zeros(1, 4, dtype=torch.int64), rows),
+                                  (torch.zeros(1, 4, dtype=torch.int32), None),
+                                  (torch.zeros(1, 4, dtype=torch.int32), rows.bool())):
+        with pytest.raises(ValueError):
+            sampling_triton.sample(logits, slots, positions, state, token_mask=token_mask, mask_rows=mask_rows)
+
+
 # --- GPU ----------------------------------------------------------------------------------
 
 
@@ -499,3 +595,24 @@ def test_triton_matches_the_reference_at_real_size_on_gpu_and_replays_in_a_graph
         full = live.clone()
         full[live] = state.full_logprobs[slots[live].long()] != 0
         assert torch.equal(outputs[2][full], eager[2][full])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 16])
+def test_masked_sampling_matches_the_reference_at_real_size_on_gpu(batch):
+    """Qwen3's 151,936 tokens, masks on about half the rows (one token, 3% or half the
+    vocabulary): Triton against the reference, each masked row's token allowed by its mask."""
+    generator = torch.Generator().manual_seed(1000 + batch)
+    state, logits, slots, positions = _gpu_case(batch, generator)
+    token_mask, rows, allowed = random_masks(generator, batch, 151_936, constrained_share=0.5)
+    state = SamplingState(**{f.name: getattr(state, f.name).cuda() for f in dataclasses.fields(state)})
+    logits, slots, positions = logits.cuda(), slots.cuda(), positions.cuda()
+    token_mask, rows = token_mask.cuda(), rows.cuda()
+    ref_state, tri_state = copy_state(state), copy_state(state)
+    expected = reference.sample(logits, slots, positions, ref_state, token_mask=token_mask, mask_rows=rows)
+    got = sampling_triton.sample(logits, slots, positions, tri_state, token_mask=token_mask, mask_rows=rows)
+    assert_same_sampling(expected, got, ref_state, tri_state, slots)
+    live = (slots >= 0) & (rows != 0)
+    tokens = got[0].cpu()
+    for b in torch.nonzero(live.cpu())[:, 0].tolist():
+        assert allowed[b, tokens[b]]

@@ -14,6 +14,12 @@ Contract of ``sample(logits, row_slot, positions, state, ...)``:
                         are not touched.
     tokens_out          [B] int64 (written): the chosen tokens; 0 for padding rows.
     token_logprobs_out  [B] float32 (written): the chosen tokens' log-probs; 0 for padding.
+    token_mask          [B, W] int32, W >= ceil(V / 32), unit last stride (optional, read only):
+                        packed bitmasks of the tokens a row may take, bit v % 32 of word v // 32
+                        for token v (xgrammar's and llguidance's layout).
+    mask_rows           [B] int32, given with token_mask: rows with a nonzero flag are restricted
+                        to their mask's tokens; the others read neither their mask nor anything
+                        more than without one (one flag load).
     Effect: ``state.output_counts[slot, token] += 1`` for every live row, on the device, so
     the penalty state follows the generated tokens across CUDA graph replays.
 No output may alias an input or the state. The launch shape depends on B and V only and nothing
@@ -23,7 +29,9 @@ same buffers.
 Per live row b with slot s, in order:
 1. z = logits[b]; repetition penalty r on tokens in the prompt or already generated
    (``prompt_mask[s]`` or ``output_counts[s] > 0``): z / r where z > 0, z * r elsewhere; then
-   z -= frequency * count + presence * (count > 0); then z += logit bias.
+   z -= frequency * count + presence * (count > 0); then z += logit bias; then, in a row with
+   a mask, z = -inf on every token its mask leaves out (a mask must allow one token of finite
+   logit). Greedy and sampled rows alike are restricted: the rest works on that z.
 2. Greedy (temperature 0): token = argmax z, ties to the lowest index. Without penalties or
    bias, exactly ``logits.argmax(-1)``.
 3. Sampled: z = z * (1 / temperature) (fp32 reciprocal). K = {v : z_v >= max(t_k, t_min)}
@@ -62,10 +70,11 @@ __all__ = ["SamplingState", "sample"]
 def sample(logits: torch.Tensor, row_slot: torch.Tensor, positions: torch.Tensor,
            state: SamplingState, *, logprobs_out: torch.Tensor | None = None,
            tokens_out: torch.Tensor | None = None, token_logprobs_out: torch.Tensor | None = None,
+           token_mask: torch.Tensor | None = None, mask_rows: torch.Tensor | None = None,
            impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens [B] int64, token_logprobs [B] f32, logprobs [B, V] f32); see the module
     docstring. ``impl``: "triton" or "reference"; None picks Triton for CUDA logits (Triton on
     CPU tensors needs TRITON_INTERPRET=1, set before triton is imported)."""
     return implementation("sampling", logits, impl).sample(
         logits, row_slot, positions, state, logprobs_out=logprobs_out, tokens_out=tokens_out,
-        token_logprobs_out=token_logprobs_out)
+        token_logprobs_out=token_logprobs_out, token_mask=token_mask, mask_rows=mask_rows)

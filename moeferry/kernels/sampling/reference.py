@@ -13,7 +13,7 @@ import torch
 
 from moeferry.kernels.sampling.state import SamplingState
 
-__all__ = ["COLUMNS", "MAX_ROUNDS", "U_MIN", "philox", "uniform", "uniforms", "gumbel",
+__all__ = ["COLUMNS", "MAX_ROUNDS", "U_MIN", "philox", "uniform", "uniforms", "gumbel", "allowed_tokens",
            "processed_logits", "log_probs", "kept", "draw", "sample_row", "sample"]
 
 COLUMNS = 1024  # a draw picks a column (tokens c, c + COLUMNS, ...) first, then a token in it
@@ -67,19 +67,34 @@ def gumbel(seed: int, position: int, round_: int, level: int, index: torch.Tenso
     return -torch.log(-torch.log(uniforms(seed, position, round_, level, index)))
 
 
-def processed_logits(logits: torch.Tensor, row_slot: torch.Tensor, state: SamplingState) -> torch.Tensor:
+def allowed_tokens(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[..., V] bool of packed bitmasks [..., W] int32: token v is allowed iff bit v % 32 of word
+    v // 32 is set (the layout of xgrammar's and llguidance's token bitmasks)."""
+    bits = torch.arange(32, dtype=torch.int32, device=words.device)
+    unpacked = (words[..., :, None] >> bits) & 1
+    return unpacked.flatten(-2)[..., :vocab] != 0
+
+
+def processed_logits(logits: torch.Tensor, row_slot: torch.Tensor, state: SamplingState,
+                     token_mask: torch.Tensor | None = None,
+                     mask_rows: torch.Tensor | None = None) -> torch.Tensor:
     """[B, V] float32: per live row, in order, the repetition penalty on tokens of the prompt or
     already generated (z / r where z > 0, z * r elsewhere), z -= frequency * count + presence *
-    (count > 0), z += logit bias, then z * (1 / temperature) (fp32 reciprocal) unless greedy.
+    (count > 0), z += logit bias, z = -inf on the tokens the row's mask leaves out (rows with
+    ``mask_rows[b] != 0``), then z * (1 / temperature) (fp32 reciprocal) unless greedy.
     Padding rows are left as their logits."""
     z = logits.float().clone()
     for b, slot in enumerate(row_slot.tolist()):
         if slot >= 0:
-            z[b] = _processed_row(z[b], state, slot)
+            allowed = None
+            if token_mask is not None and int(mask_rows[b]) != 0:
+                allowed = allowed_tokens(token_mask[b], z.shape[1])
+            z[b] = _processed_row(z[b], state, slot, allowed)
     return z
 
 
-def _processed_row(z: torch.Tensor, state: SamplingState, s: int) -> torch.Tensor:
+def _processed_row(z: torch.Tensor, state: SamplingState, s: int,
+                   allowed: torch.Tensor | None) -> torch.Tensor:
     counts = state.output_counts[s]
     penalty = state.repetition_penalty[s]
     seen = (state.prompt_mask[s] != 0) | (counts > 0)
@@ -89,6 +104,8 @@ def _processed_row(z: torch.Tensor, state: SamplingState, s: int) -> torch.Tenso
     ids = state.bias_ids[s]
     used = ids >= 0
     z = z.index_put((ids[used].long(),), state.bias_values[s][used], accumulate=True)
+    if allowed is not None:
+        z = torch.where(allowed, z, float("-inf"))
     temperature = state.temperature[s]
     if temperature > 0:
         z = z * torch.reciprocal(temperature)
@@ -154,7 +171,8 @@ def sample_row(z: torch.Tensor, top_k: int, top_p: float, min_p: float, seed: in
 def sample(logits: torch.Tensor, row_slot: torch.Tensor, positions: torch.Tensor,
            state: SamplingState, *, logprobs_out: torch.Tensor | None = None,
            tokens_out: torch.Tensor | None = None,
-           token_logprobs_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           token_logprobs_out: torch.Tensor | None = None, token_mask: torch.Tensor | None = None,
+           mask_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens [B] int64, token_logprobs [B] f32, logprobs [B, V] f32); see the package
     docstring for the contract. Rows whose slot has ``full_logprobs`` 0 are left untouched in
     ``logprobs_out``, as are padding rows."""
@@ -163,7 +181,7 @@ def sample(logits: torch.Tensor, row_slot: torch.Tensor, positions: torch.Tensor
     logprobs_out = torch.empty(b, v, device=device) if logprobs_out is None else logprobs_out
     tokens_out = torch.empty(b, dtype=torch.int64, device=device) if tokens_out is None else tokens_out
     token_logprobs_out = torch.empty(b, device=device) if token_logprobs_out is None else token_logprobs_out
-    z = processed_logits(logits, row_slot, state)
+    z = processed_logits(logits, row_slot, state, token_mask, mask_rows)
     lp = log_probs(z)
     tokens = [0] * b
     for row, (slot, position) in enumerate(zip(row_slot.tolist(), positions.tolist())):

@@ -4,7 +4,7 @@ results of reference.py (same uniforms bit for bit, same tokens, log-probs to fl
 A program streams its row of V logits in blocks of BLOCK lanes; lane l sees the tokens
 l, l + BLOCK, ... and keeps per-lane accumulators, reduced once after the pass (BLOCK is a
 multiple of COLUMNS, so lane l belongs to column l % COLUMNS). The passes over the row:
-- materialize (rows with penalties or a logit bias): the processed z into the row of
+- materialize (rows with penalties, a logit bias or a token mask): the processed z into the row of
   ``logprobs_out``, which the later passes read instead of the logits;
 - stats: max, sum of exp(z - max), per-lane max and sum (the column masses of a draw over
   every token); greedy rows also the argmax; rows with top_k or min_p the four largest z of
@@ -142,21 +142,35 @@ def _penalized(logits_row, counts_row, mask_row, offs, valid, rep, freq, pres, p
 
 
 @triton.jit
-def _materialize(logits_row, out_row, counts_row, mask_row, bias_ids_row, bias_values_row, V, NB,
-                 inv_t, rep, freq, pres, penalized, BLOCK: tl.constexpr, BIAS_BLOCK: tl.constexpr):
-    """out_row = (penalized logits + bias) * inv_t. The biased tokens are rewritten after every
-    block is stored, hence the barriers (other threads stored those elements)."""
+def _allowed(z, allowed_row, offs, valid, constrained):
+    """z where the packed bitmask ``allowed_row`` (bit v % 32 of int32 word v // 32) holds token
+    offs, -inf elsewhere; z itself when the row is not constrained."""
+    if constrained:
+        words = tl.load(allowed_row + offs // 32, mask=valid, other=0)
+        z = tl.where(((words >> (offs % 32)) & 1) != 0, z, _NEG_INF)
+    return z
+
+
+@triton.jit
+def _materialize(logits_row, out_row, counts_row, mask_row, bias_ids_row, bias_values_row, allowed_row,
+                 V, NB, inv_t, rep, freq, pres, penalized, constrained, BLOCK: tl.constexpr,
+                 BIAS_BLOCK: tl.constexpr):
+    """out_row = (penalized logits + bias, -inf outside the allowed tokens of a constrained row)
+    * inv_t. The biased tokens are rewritten after every block is stored, hence the barriers
+    (other threads stored those elements)."""
     for start in range(0, V, BLOCK):
         offs = _lanes(start, BLOCK)
         valid = offs < V
         z = _penalized(logits_row, counts_row, mask_row, offs, valid, rep, freq, pres, penalized)
+        z = _allowed(z, allowed_row, offs, valid, constrained)
         tl.store(out_row + offs, z * inv_t, mask=valid)
     tl.debug_barrier()
     j = tl.arange(0, BIAS_BLOCK)
     ids = tl.load(bias_ids_row + j, mask=j < NB, other=-1)
     used = (ids >= 0) & (ids < V)
     z = _penalized(logits_row, counts_row, mask_row, ids, used, rep, freq, pres, penalized)
-    z = (z + tl.load(bias_values_row + j, mask=used, other=0.0)) * inv_t
+    z = (z + tl.load(bias_values_row + j, mask=used, other=0.0))
+    z = _allowed(z, allowed_row, ids, used, constrained) * inv_t
     tl.store(out_row + ids, z, mask=used)
     tl.debug_barrier()
 
@@ -395,8 +409,9 @@ def _sample_kernel(logits_ptr, logits_stride, row_slot_ptr, positions_ptr,
                    temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, repetition_ptr, frequency_ptr,
                    presence_ptr, seed_ptr, full_logprobs_ptr, counts_ptr, prompt_mask_ptr,
                    bias_ids_ptr, bias_values_ptr, tokens_ptr, token_logprobs_ptr, logprobs_ptr,
-                   V, NB, BLOCK: tl.constexpr, COLUMNS: tl.constexpr, ROWS: tl.constexpr,
-                   BIAS_BLOCK: tl.constexpr, MAX_ROUNDS: tl.constexpr, PDL: tl.constexpr):
+                   token_mask_ptr, mask_rows_ptr, V, NB, W, BLOCK: tl.constexpr, COLUMNS: tl.constexpr,
+                   ROWS: tl.constexpr, BIAS_BLOCK: tl.constexpr, MAX_ROUNDS: tl.constexpr,
+                   MASKED: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(row_slot_ptr + row).to(tl.int64)
@@ -411,13 +426,16 @@ def _sample_kernel(logits_ptr, logits_stride, row_slot_ptr, positions_ptr,
         freq = tl.load(frequency_ptr + slot)
         pres = tl.load(presence_ptr + slot)
         penalized = (rep != 1.0) | (freq != 0.0) | (pres != 0.0)
-        materialized = penalized | (tl.load(bias_ids_ptr + slot * NB) >= 0)
+        constrained = slot < 0  # False; a row of a masked call reads its flag
+        if MASKED:
+            constrained = tl.load(mask_rows_ptr + row) != 0
+        materialized = penalized | (tl.load(bias_ids_ptr + slot * NB) >= 0) | constrained
         lp_row = logprobs_ptr + row * V
         src = logits_ptr + row * logits_stride
         if materialized:
             _materialize(src, lp_row, counts_ptr + slot * V, prompt_mask_ptr + slot * V,
-                         bias_ids_ptr + slot * NB, bias_values_ptr + slot * NB, V, NB, inv_t,
-                         rep, freq, pres, penalized, BLOCK, BIAS_BLOCK)
+                         bias_ids_ptr + slot * NB, bias_values_ptr + slot * NB, token_mask_ptr + row * W,
+                         V, NB, inv_t, rep, freq, pres, penalized, constrained, BLOCK, BIAS_BLOCK)
             src = lp_row
         scale = tl.where(materialized, 1.0, inv_t)
         lp_pending = (tl.load(full_logprobs_ptr + slot) != 0).to(tl.int32)
@@ -444,7 +462,7 @@ def _sample_kernel(logits_ptr, logits_stride, row_slot_ptr, positions_ptr,
 
 
 def _check_inputs(logits: torch.Tensor, row_slot: torch.Tensor, positions: torch.Tensor,
-                  state: SamplingState) -> None:
+                  state: SamplingState, token_mask: torch.Tensor | None, mask_rows: torch.Tensor | None) -> None:
     if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(1) != 1:
         raise ValueError(f"logits: expected [B, V] float32 with unit last stride, got "
                          f"{tuple(logits.shape)} {logits.dtype} strides {logits.stride()}")
@@ -456,6 +474,15 @@ def _check_inputs(logits: torch.Tensor, row_slot: torch.Tensor, positions: torch
             raise ValueError(f"{name}: expected contiguous [{b}] {dtype}, got "
                              f"{tuple(tensor.shape)} {tensor.dtype}")
     devices = {t.device for t in (logits, row_slot, positions, state.output_counts)}
+    if token_mask is not None:
+        words = -(-v // 32)
+        if (token_mask.dim() != 2 or token_mask.shape[0] != b or token_mask.shape[1] < words
+                or token_mask.dtype != torch.int32 or token_mask.stride(1) != 1):
+            raise ValueError(f"token_mask: expected [{b}, >= {words}] int32 with unit last stride, got "
+                             f"{tuple(token_mask.shape)} {token_mask.dtype}")
+        if mask_rows is None or tuple(mask_rows.shape) != (b,) or mask_rows.dtype != torch.int32:
+            raise ValueError(f"mask_rows: expected [{b}] int32 beside token_mask")
+        devices |= {token_mask.device, mask_rows.device}
     if len(devices) != 1:
         raise ValueError(f"sampling inputs on several devices: {sorted(map(str, devices))}")
 
@@ -463,11 +490,12 @@ def _check_inputs(logits: torch.Tensor, row_slot: torch.Tensor, positions: torch
 def sample(logits: torch.Tensor, row_slot: torch.Tensor, positions: torch.Tensor,
            state: SamplingState, *, logprobs_out: torch.Tensor | None = None,
            tokens_out: torch.Tensor | None = None, token_logprobs_out: torch.Tensor | None = None,
+           token_mask: torch.Tensor | None = None, mask_rows: torch.Tensor | None = None,
            block: int = _BLOCK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens [B] int64, token_logprobs [B] f32, logprobs [B, V] f32) in one launch; see the
     package docstring. ``block`` (a power of two, multiple of COLUMNS) tunes the pass width:
     results depend on it only through the order of float sums."""
-    _check_inputs(logits, row_slot, positions, state)
+    _check_inputs(logits, row_slot, positions, state, token_mask, mask_rows)
     if block % COLUMNS or block & (block - 1):
         raise ValueError(f"block must be a power of two and a multiple of {COLUMNS}, got {block}")
     b, v = logits.shape
@@ -485,8 +513,10 @@ def sample(logits: torch.Tensor, row_slot: torch.Tensor, positions: torch.Tensor
         logits, logits.stride(0), row_slot, positions, s.temperature, s.top_k, s.top_p, s.min_p,
         s.repetition_penalty, s.frequency_penalty, s.presence_penalty, s.seed, s.full_logprobs,
         s.output_counts, s.prompt_mask, s.bias_ids, s.bias_values, tokens_out, token_logprobs_out,
-        logprobs_out, v, s.max_bias, BLOCK=block, COLUMNS=COLUMNS,
+        logprobs_out, logits if token_mask is None else token_mask,
+        row_slot if mask_rows is None else mask_rows, v, s.max_bias,
+        0 if token_mask is None else token_mask.stride(0), BLOCK=block, COLUMNS=COLUMNS,
         ROWS=triton.next_power_of_2(triton.cdiv(v, COLUMNS)),
-        BIAS_BLOCK=triton.next_power_of_2(s.max_bias), MAX_ROUNDS=MAX_ROUNDS,
+        BIAS_BLOCK=triton.next_power_of_2(s.max_bias), MAX_ROUNDS=MAX_ROUNDS, MASKED=token_mask is not None,
         num_warps=_NUM_WARPS, enable_fp_fusion=False, **pdl_launch(device))
     return tokens_out, token_logprobs_out, logprobs_out
