@@ -142,19 +142,21 @@ def _penalized(logits_row, counts_row, mask_row, offs, valid, rep, freq, pres, p
 
 
 @triton.jit
-def _allowed(z, allowed_row, offs, valid, constrained):
+def _allowed(z, allowed_row, offs, valid, constrained, MASKED: tl.constexpr):
     """z where the packed bitmask ``allowed_row`` (bit v % 32 of int32 word v // 32) holds token
-    offs, -inf elsewhere; z itself when the row is not constrained."""
-    if constrained:
-        words = tl.load(allowed_row + offs // 32, mask=valid, other=0)
-        z = tl.where(((words >> (offs % 32)) & 1) != 0, z, _NEG_INF)
+    offs, -inf elsewhere; z itself when the row is not constrained. MASKED=False compiles none
+    of it (a call without masks passes a stand-in pointer of another dtype)."""
+    if MASKED:
+        if constrained:
+            words = tl.load(allowed_row + offs // 32, mask=valid, other=0)
+            z = tl.where(((words >> (offs % 32)) & 1) != 0, z, _NEG_INF)
     return z
 
 
 @triton.jit
 def _materialize(logits_row, out_row, counts_row, mask_row, bias_ids_row, bias_values_row, allowed_row,
                  V, NB, inv_t, rep, freq, pres, penalized, constrained, BLOCK: tl.constexpr,
-                 BIAS_BLOCK: tl.constexpr):
+                 BIAS_BLOCK: tl.constexpr, MASKED: tl.constexpr):
     """out_row = (penalized logits + bias, -inf outside the allowed tokens of a constrained row)
     * inv_t. The biased tokens are rewritten after every block is stored, hence the barriers
     (other threads stored those elements)."""
@@ -162,7 +164,7 @@ def _materialize(logits_row, out_row, counts_row, mask_row, bias_ids_row, bias_v
         offs = _lanes(start, BLOCK)
         valid = offs < V
         z = _penalized(logits_row, counts_row, mask_row, offs, valid, rep, freq, pres, penalized)
-        z = _allowed(z, allowed_row, offs, valid, constrained)
+        z = _allowed(z, allowed_row, offs, valid, constrained, MASKED)
         tl.store(out_row + offs, z * inv_t, mask=valid)
     tl.debug_barrier()
     j = tl.arange(0, BIAS_BLOCK)
@@ -170,7 +172,7 @@ def _materialize(logits_row, out_row, counts_row, mask_row, bias_ids_row, bias_v
     used = (ids >= 0) & (ids < V)
     z = _penalized(logits_row, counts_row, mask_row, ids, used, rep, freq, pres, penalized)
     z = (z + tl.load(bias_values_row + j, mask=used, other=0.0))
-    z = _allowed(z, allowed_row, ids, used, constrained) * inv_t
+    z = _allowed(z, allowed_row, ids, used, constrained, MASKED) * inv_t
     tl.store(out_row + ids, z, mask=used)
     tl.debug_barrier()
 
@@ -435,7 +437,7 @@ def _sample_kernel(logits_ptr, logits_stride, row_slot_ptr, positions_ptr,
         if materialized:
             _materialize(src, lp_row, counts_ptr + slot * V, prompt_mask_ptr + slot * V,
                          bias_ids_ptr + slot * NB, bias_values_ptr + slot * NB, token_mask_ptr + row * W,
-                         V, NB, inv_t, rep, freq, pres, penalized, constrained, BLOCK, BIAS_BLOCK)
+                         V, NB, inv_t, rep, freq, pres, penalized, constrained, BLOCK, BIAS_BLOCK, MASKED)
             src = lp_row
         scale = tl.where(materialized, 1.0, inv_t)
         lp_pending = (tl.load(full_logprobs_ptr + slot) != 0).to(tl.int32)
