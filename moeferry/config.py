@@ -27,6 +27,7 @@ class ConfigError(ValueError):
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("fp8",)  # moe/formats.py: the expert formats a bf16 checkpoint's experts can be quantized to
 
 
 def strategy_names() -> list[str]:
