@@ -45,6 +45,7 @@ def cache_policies() -> tuple[str, ...]:
 
 
 CHOICES = {"load_format": lambda: LOAD_FORMATS, "device": lambda: DEVICES, "dtype": lambda: DTYPES,
+           "quantization": lambda: QUANTIZATIONS,
            "moe_strategy": strategy_names, "moe_cache_policy": cache_policies}
 
 
@@ -125,6 +126,10 @@ class EngineConfig:
     chat_template: str | None = option(None, "model", "a Jinja chat template file used instead of the tokenizer's by "
                                                       "the chat endpoint, generate --chat and LLM.chat (default: the "
                                                       "tokenizer's)")
+    quantization: str | None = option(None, "model", "fp8: quantize the routed experts of a bf16 checkpoint at load "
+                                                     "(block FP8, 128x128 scales, as FP8 checkpoints store them): "
+                                                     "half the bytes per expert to copy and cache; an FP8 checkpoint "
+                                                     "is read in its own format without it")
     dtype: str = option("auto", "runtime", "the weights' and activations' dtype; auto: bfloat16 on a GPU, float32 "
                                            "on the CPU")
     device: str = option("auto", "runtime", "auto: cuda when torch sees a GPU, else cpu")

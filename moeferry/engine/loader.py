@@ -17,6 +17,8 @@ import torch
 from tqdm import tqdm
 
 from moeferry.config import ConfigError, first_line
+from moeferry.kernels.fused_moe.reference import dequantize_blocks
+from moeferry.moe.formats import checkpoint_format, quantize_fp8_blocks, scale_grid
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +82,19 @@ def _check_tensor(name: str, tensor: torch.Tensor, shape: tuple, file: str) -> N
 
 class _ExpertWriter:
     """Copies checkpoint expert tensors into a layer's banks: gate -> w13[e, :I], up -> w13[e, I:],
-    down -> w2[e]; stacked gate_up [E, 2I, H] and down [E, H, I] land whole."""
+    down -> w2[e]; stacked gate_up [E, 2I, H] and down [E, H, I] land whole. In a block-FP8
+    format an fp8 weight lands as is and its `weight_scale_inv` in the scale bank (gate blocks,
+    then up blocks); an unquantized weight is quantized here (`--quantization fp8`, or a
+    checkpoint that left some experts unquantized), on `device`.
 
-    def __init__(self, model):
-        self.model = model
+    Invariant checked by `check_scales`: every fp8 weight copied as is got its scales."""
 
-    def target(self, layer_id: int, expert, kind: str, name: str, file: str):
+    def __init__(self, model, device: torch.device):
+        self.model, self.device = model, device
+        self.raw_fp8 = 0  # fp8 weights copied as is
+        self.scales = 0   # scale tensors copied
+
+    def banks(self, layer_id: int, expert, name: str, file: str):
         banks = getattr(self.model.moe_block(layer_id), "banks", None)
         if banks is None:
             raise LoadError(f"{file}: tensor {name!r} is an expert of layer {layer_id}, which the model's config "
@@ -93,14 +102,109 @@ class _ExpertWriter:
         if expert is not None and not 0 <= expert < banks.num_experts:
             raise LoadError(f"{file}: tensor {name!r} is expert {expert}, but the model has {banks.num_experts} "
                             f"experts per layer")
+        return banks
+
+    @staticmethod
+    def target(banks, expert, kind: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight view, scale view or None) of one expert's (or, expert None, every expert's) `kind`."""
+        pick = slice(None) if expert is None else expert
         inter = banks.w2.shape[2]
-        if expert is None:
-            return banks.w13 if kind == "gate_up" else banks.w2
-        if kind == "gate":
-            return banks.w13[expert, :inter]
-        if kind == "up":
-            return banks.w13[expert, inter:]
-        return banks.w2[expert]
+        gate_blocks = banks.w13_scale.shape[1] // 2 if banks.w13_scale is not None else 0
+        if kind == "down":
+            return banks.w2[pick], None if banks.w2_scale is None else banks.w2_scale[pick]
+        rows, blocks = (slice(None, inter), slice(None, gate_blocks)) if kind == "gate" else \
+            (slice(inter, None), slice(gate_blocks, None))
+        scale = None if banks.w13_scale is None else banks.w13_scale[pick][..., blocks, :]
+        return banks.w13[pick][..., rows, :], scale
+
+    def write(self, layer_id: int, expert, kind: str, is_scale: bool, src_of, name: str, file: str) -> int:
+        """Copy the tensor `src_of()` reads; returns the expert weights it held (0 for scales)."""
+        banks = self.banks(layer_id, expert, name, file)
+        if kind == "gate_up":  # stacked: gate and up are blocked (quantized) each on its own
+            src = None if is_scale else src_of()
+            if src is None or src.dtype == torch.float8_e4m3fn:
+                raise LoadError(f"{file}: tensor {name!r}: stacked FP8 gate_up experts are not supported")
+            _check_tensor(name, src, banks.w13.shape, file)
+            inter = banks.w2.shape[2]
+            self._write_weight(banks, expert, "gate", src[:, :inter], name, file)
+            self._write_weight(banks, expert, "up", src[:, inter:], name, file)
+            return 2 * banks.num_experts
+        if is_scale:
+            _, scale_dst = self.target(banks, expert, kind)
+            if scale_dst is None:
+                raise LoadError(f"{file}: tensor {name!r} is a block scale, but the experts are not block-quantized "
+                                f"(config.json has no FP8 quantization_config)")
+            src = src_of()
+            _check_tensor(name, src, scale_dst.shape, file)
+            scale_dst.copy_(src)
+            self.scales += 1
+            return 0
+        self._write_weight(banks, expert, kind, src_of(), name, file)
+        return 1 if expert is not None else banks.num_experts
+
+    def _write_weight(self, banks, expert, kind: str, src: torch.Tensor, name: str, file: str) -> None:
+        dst, scale_dst = self.target(banks, expert, kind)
+        _check_tensor(name, src, dst.shape, file)
+        fmt = banks.format
+        if src.dtype == torch.float8_e4m3fn:
+            if not fmt.quantized:
+                raise LoadError(f"{file}: tensor {name!r} is float8, but config.json declares no FP8 "
+                                f"quantization_config")
+            dst.copy_(src)
+            self.raw_fp8 += 1 if expert is not None else banks.num_experts
+        elif fmt.quantized:
+            quantized, scales = quantize_fp8_blocks(src.to(self.device), fmt.block_shape)
+            dst.copy_(quantized)
+            scale_dst.copy_(scales)
+        else:
+            dst.copy_(src)
+
+    def check_scales(self, model_dir: str) -> None:
+        if self.raw_fp8 != self.scales:
+            raise LoadError(f"checkpoint in {model_dir}: {self.raw_fp8} FP8 expert weights but {self.scales} "
+                            f"weight_scale_inv tensors: each FP8 weight needs its block scales")
+
+
+class _DenseFp8:
+    """Dense (non-expert) FP8 weights of a block-FP8 checkpoint, dequantized to their parameter's
+    dtype once both the weight and its `weight_scale_inv` were read (they may sit in different
+    shards). Invariant: a parameter is written only from a complete pair."""
+
+    SCALE = "_scale_inv"
+
+    def __init__(self, params: dict, block_shape):
+        self.params, self.block_shape = params, block_shape
+        self.weights: dict[str, torch.Tensor] = {}
+        self.scales: dict[str, torch.Tensor] = {}
+
+    def owns(self, name: str) -> bool:
+        """A dense weight's scale tensor (the weights themselves are recognised by their dtype)."""
+        return (self.block_shape is not None and name.endswith(".weight" + self.SCALE)
+                and name.removesuffix(self.SCALE) in self.params)
+
+    def add(self, name: str, tensor: torch.Tensor) -> str | None:
+        """Keep a weight or scale; returns the parameter's name when its pair is complete and written."""
+        if name.endswith(self.SCALE):
+            name = name.removesuffix(self.SCALE)
+            self.scales[name] = tensor
+        else:
+            self.weights[name] = tensor
+        if name not in self.weights or name not in self.scales:
+            return None
+        weight, scales = self.weights.pop(name), self.scales.pop(name)
+        param = self.params[name]
+        if tuple(scales.shape) != scale_grid(*weight.shape, self.block_shape):
+            raise LoadError(f"{name}{self.SCALE}: shape {tuple(scales.shape)} is not the {self.block_shape} block "
+                            f"grid of its weight {tuple(weight.shape)}")
+        with torch.no_grad():
+            param.copy_(dequantize_blocks(weight, scales, self.block_shape))
+        return name
+
+    def check_complete(self, model_dir: str) -> None:
+        unpaired = sorted(set(self.weights) | set(self.scales))
+        if unpaired:
+            raise LoadError(f"checkpoint in {model_dir}: FP8 weight without its weight_scale_inv (or the reverse): "
+                            f"{unpaired[:5]}")
 
 
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
@@ -112,12 +216,16 @@ def _beyond_cut(name: str, num_layers: int) -> bool:
     return m is not None and int(m.group(1)) >= num_layers
 
 
-def load_safetensors(model, model_dir: str) -> None:
+def load_safetensors(model, model_dir: str, device: torch.device | str = "cpu") -> None:
+    """Fill the model's parameters and expert banks from the checkpoint in `model_dir`; experts
+    that need quantizing into the banks' format are quantized on `device`."""
     params = dict(model.named_parameters(remove_duplicate=False))
     if model.tie_word_embeddings:
         params.pop("lm_head.weight", None)
     expected = set(params)
-    writer = _ExpertWriter(model)
+    writer = _ExpertWriter(model, torch.device(device))
+    fmt = checkpoint_format(model.config.hf)
+    dense_fp8 = _DenseFp8(params, fmt.block_shape if fmt is not None else None)
     expert_counts: dict[int, int] = {}
     files = checkpoint_files(model_dir)
     for file in tqdm(files, desc="loading shards", unit="file", disable=len(files) < 2):
@@ -127,12 +235,14 @@ def load_safetensors(model, model_dir: str) -> None:
                     continue
                 target = model.expert_tensor_target(name)
                 if target is not None:
-                    layer_id, expert, kind = target
-                    dst = writer.target(layer_id, expert, kind, name, file)
-                    src = _read_tensor(f, name, file)
-                    _check_tensor(name, src, dst.shape, file)
-                    dst.copy_(src)
-                    expert_counts[layer_id] = expert_counts.get(layer_id, 0) + (1 if expert is not None else 3 * dst.shape[0])
+                    layer_id, expert, kind, is_scale = target
+                    with torch.no_grad():
+                        held = writer.write(layer_id, expert, kind, is_scale, lambda: _read_tensor(f, name, file),
+                                            name, file)
+                    expert_counts[layer_id] = expert_counts.get(layer_id, 0) + held
+                    continue
+                if dense_fp8.owns(name):
+                    dense_fp8.add(name, _read_tensor(f, name, file))
                     continue
                 if name not in params:
                     if name.endswith("rotary_emb.inv_freq"):
@@ -142,9 +252,14 @@ def load_safetensors(model, model_dir: str) -> None:
                     raise LoadError(f"{file}: tensor {name!r} does not belong to a {model.config.model_type} model")
                 src = _read_tensor(f, name, file)
                 _check_tensor(name, src, params[name].shape, file)
-                with torch.no_grad():
-                    params[name].copy_(src)
+                if src.dtype == torch.float8_e4m3fn and dense_fp8.block_shape is not None:
+                    dense_fp8.add(name, src)
+                else:
+                    with torch.no_grad():
+                        params[name].copy_(src)
                 expected.discard(name)
+    dense_fp8.check_complete(model_dir)
+    writer.check_scales(model_dir)
     if expected:
         missing = sorted(expected)
         raise LoadError(f"checkpoint in {model_dir} lacks {len(missing)} tensor(s), first: {missing[:5]}")
@@ -163,8 +278,21 @@ def _random_fill(dst: torch.Tensor, device: torch.device, generator_seed: int, s
         dst[i].copy_(src, non_blocking=False)
 
 
+def _random_fill_quantized(banks, device: torch.device, dtype: torch.dtype, seed: int, std: float = 0.02) -> None:
+    """Random experts in `dtype`, quantized into the banks' block format as a checkpoint's would be."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for expert in range(banks.num_experts):
+        for kind in ("gate", "up", "down"):
+            dst, scale_dst = _ExpertWriter.target(banks, expert, kind)
+            src = torch.empty(dst.shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
+            quantized, scales = quantize_fp8_blocks(src, banks.format.block_shape)
+            dst.copy_(quantized)
+            scale_dst.copy_(scales)
+
+
 def load_dummy(model, seed: int, device: torch.device) -> None:
-    """Random weights at the config's real shapes: linears ~ N(0, 0.02), norms at 1."""
+    """Random weights at the config's real shapes: linears ~ N(0, 0.02), norms at 1; experts of
+    a quantized format drawn in the compute dtype, then quantized."""
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -175,5 +303,8 @@ def load_dummy(model, seed: int, device: torch.device) -> None:
         layer_ids = model.config.moe_layer_ids
         for layer_id in tqdm(layer_ids, desc="dummy experts", unit="layer", disable=len(layer_ids) < 4):
             banks = model.moe_block(layer_id).banks
+            if banks.format.quantized:
+                _random_fill_quantized(banks, device, model.lm_head.weight.dtype, seed * 1000 + 2 * layer_id)
+                continue
             _random_fill(banks.w13, device, seed * 1000 + 2 * layer_id)
             _random_fill(banks.w2, device, seed * 1000 + 2 * layer_id + 1)

@@ -78,7 +78,8 @@ class MoECausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._expert_pattern = re.compile(
-            rf"model\.layers\.(\d+)\.{re.escape(self.spec.moe_prefix)}\.experts\.(?:(\d+)\.)?([A-Za-z0-9_]+?)(?:\.weight)?$"
+            rf"model\.layers\.(\d+)\.{re.escape(self.spec.moe_prefix)}\.experts\.(?:(\d+)\.)?([A-Za-z0-9_]+?)"
+            r"(?:\.weight|\.(weight_scale_inv))?$"
         )
 
     def forward(self, batch: ForwardBatch, kv) -> torch.Tensor:
@@ -91,18 +92,19 @@ class MoECausalLM(nn.Module):
         return self.lm_head(x).float()
 
     def expert_tensor_target(self, name: str):
-        """Map a checkpoint tensor name onto an expert bank: (layer_id, expert or None, kind) where
-        kind is gate/up/down (one expert) or gate_up/down (all experts stacked); None if not an expert."""
+        """Map a checkpoint tensor name onto an expert bank: (layer_id, expert or None, kind, is_scale)
+        where kind is gate/up/down (one expert) or gate_up/down (all experts stacked) and is_scale
+        marks a block-FP8 checkpoint's `weight_scale_inv`; None if not an expert."""
         m = self._expert_pattern.match(name)
         if m is None:
             return None
-        layer_id, expert, leaf = int(m.group(1)), m.group(2), m.group(3)
+        layer_id, expert, leaf, is_scale = int(m.group(1)), m.group(2), m.group(3), m.group(4) is not None
         gate, up, down = self.spec.expert_names
         if expert is not None:
             kind = {gate: "gate", up: "up", down: "down"}.get(leaf)
-            return None if kind is None else (layer_id, int(expert), kind)
+            return None if kind is None else (layer_id, int(expert), kind, is_scale)
         kind = {"gate_up_proj": "gate_up", "down_proj": "down"}.get(leaf)
-        return None if kind is None else (layer_id, None, kind)
+        return None if kind is None else (layer_id, None, kind, is_scale)
 
     def moe_block(self, layer_id: int) -> MoEBlock:
         return self.model.layers[layer_id].mlp_module

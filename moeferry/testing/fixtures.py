@@ -73,3 +73,50 @@ def write_config_dir(path: str, config: dict) -> str:
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     return path
+
+
+def _fp8_quantized(tensors: dict, block_shape) -> dict:
+    """Every projection weight (`*_proj.weight`, 2-D: attention, dense MLP, experts) as float8
+    with its `weight_scale_inv`; embeddings, norms, the router and the head stay as they are,
+    as Qwen3's and DeepSeek-V3's FP8 releases leave them."""
+    from moeferry.moe.formats import quantize_fp8_blocks
+
+    out = {}
+    for name, tensor in tensors.items():
+        if name.endswith("_proj.weight") and tensor.dim() == 2:
+            out[name], out[name + "_scale_inv"] = quantize_fp8_blocks(tensor, block_shape)
+        else:
+            out[name] = tensor
+    return out
+
+
+def make_fp8_checkpoint(config, out_dir: str, seed: int = 0, block_shape=(16, 16), shards: bool = False):
+    """A block-FP8 checkpoint in the layout of DeepSeek-V3 / Qwen3 FP8 releases: a random HF
+    model of `config` saved by transformers, its projection weights then quantized file by file
+    (float8_e4m3fn + float32 `weight_scale_inv` per `block_shape` block), and config.json's
+    `quantization_config` saying so. Returns the unquantized HF model (eval, float32)."""
+    from safetensors.torch import load_file, save_file
+
+    model = make_checkpoint(config, out_dir, seed=seed, shards=shards)
+    index_path = os.path.join(out_dir, "model.safetensors.index.json")
+    files = [n for n in os.listdir(out_dir) if n.endswith(".safetensors")]
+    weight_map = {}
+    for file in files:
+        path = os.path.join(out_dir, file)
+        tensors = _fp8_quantized(load_file(path), block_shape)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata={"format": "pt"})
+        weight_map.update({name: file for name in tensors})
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            index = json.load(f)
+        index["weight_map"] = weight_map
+        with open(index_path, "w") as f:
+            json.dump(index, f)
+    config_path = os.path.join(out_dir, "config.json")
+    with open(config_path) as f:
+        raw = json.load(f)
+    raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block_shape)}
+    with open(config_path, "w") as f:
+        json.dump(raw, f)
+    return model
