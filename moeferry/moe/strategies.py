@@ -62,9 +62,10 @@ class ExpertNeeds:
 @dataclass
 class ExpertBanks:
     """One MoE layer's routed experts (or a slot pool, or a stream buffer, of the same rows):
-    w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]. In a block-quantized `format` the
-    weights are its dtype (float8_e4m3fn) and w13_scale / w2_scale hold their float32 block
-    scales (layout: kernels/fused_moe/__init__.py); otherwise both are None.
+    w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]. In a quantized `format` the weights
+    are its dtype (float8_e4m3fn; int32 words of eight int4 values along the last dimension,
+    which is then H/8 and I/8) and w13_scale / w2_scale hold their float32 block scales (layout:
+    kernels/fused_moe/__init__.py); otherwise both are None.
 
     Invariant: dim 0 of every tensor is the expert (or slot) and row e of each belongs to the
     same expert, so an expert moves as the raw rows of `tensors()` (gather_copy, streaming,
@@ -86,7 +87,8 @@ class ExpertBanks:
             return make(shape, dtype=dt, device=device, pin_memory=pin)
 
         weight_dtype = fmt.weight_dtype or dtype
-        banks = cls(bank(rows, 2 * inter, hidden, dt=weight_dtype), bank(rows, hidden, inter, dt=weight_dtype), format=fmt)
+        banks = cls(bank(rows, 2 * inter, fmt.stored_cols(hidden), dt=weight_dtype),
+                    bank(rows, hidden, fmt.stored_cols(inter), dt=weight_dtype), format=fmt)
         if fmt.quantized:
             gate_rows, h_cols = scale_grid(inter, hidden, fmt.block_shape)
             h_rows, i_cols = scale_grid(hidden, inter, fmt.block_shape)
@@ -96,7 +98,7 @@ class ExpertBanks:
 
     def like(self, rows: int, device: torch.device, zero: bool = False) -> "ExpertBanks":
         """Banks of the same format and expert shape with `rows` rows on `device`."""
-        hidden, inter = self.w2.shape[1:]
+        hidden, inter = self.w2.shape[1], self.w13.shape[1] // 2
         return ExpertBanks.allocate(rows, hidden, inter, self.format, self.w13.dtype, device, zero=zero)
 
     def tensors(self) -> list[torch.Tensor]:

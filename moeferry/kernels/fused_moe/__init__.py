@@ -13,8 +13,10 @@ scales, one per `block_shape` (bn rows, bk columns) block of each expert matrix:
     w13_scale [S, 2 * ceil(I / bn), ceil(H / bk)]: the gate matrix's blocks, then the up
               matrix's (each half blocked on its own, as the checkpoint stores them),
     w2_scale  [S, ceil(H / bn), ceil(I / bk)],
-and weight = fp8 value * scale (the checkpoints' `weight_scale_inv`). The kernels dequantize
-as they read; the activations stay in hidden's dtype (W8A16).
+and weight = fp8 value * scale (the checkpoints' `weight_scale_inv`). Int4 (W4A16) banks are
+int32 words of eight 4-bit values along the input dimension (w13 [S, 2I, H/8], w2 [S, H, I/8];
+value i of a word at bits 4i, stored + 8), block_shape (1, group): a scale per row and group.
+The kernels dequantize as they read; the activations stay in hidden's dtype.
 """
 import torch
 
