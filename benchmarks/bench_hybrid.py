@@ -3,7 +3,7 @@
 kernel's GB/s at 4 / 8 / 16 threads and decode batches 1-16 against torch's bf16 matmul.
 
 Routing is made uniform (large noise added to the router logits inside the decode graph,
-benchmarks/bench_sampling.uniform_routing), so the hit rate follows the cache share; each row
+benchmarks/common.uniform_routing), so the hit rate follows the cache share; each row
 prints its measured split of the step's distinct experts: hit (resident), copied over PCIe,
 computed on the host. Floors: PCIe = copied bytes / measured H2D; host = host-computed bytes /
 the host kernel's measured bytes/s; two-channel = all missed bytes / (H2D + host), the best any
@@ -23,9 +23,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.bench_sampling import uniform_routing
 from benchmarks.common import (add_results_flag, command_line, free_engine_memory, gpu_main, h2d_bandwidth,
-                               markdown_table, report, timed_decode)
+                               markdown_table, report, timed_decode, uniform_routing)
 from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 LLAMA_CPP_BATCH1 = {0.0: 74.3, 0.25: 93.9, 0.5: 134.6, 0.75: 237.7, 1.0: 596.6}

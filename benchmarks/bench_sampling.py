@@ -25,7 +25,7 @@ import tempfile
 import torch
 
 from benchmarks.common import (add_results_flag, command_line, free_engine_memory, gpu_main, hbm_bandwidth,
-                               markdown_table, replay_us, report, timed_decode)
+                               markdown_table, replay_us, report, timed_decode, uniform_routing)
 from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 CASES = {
@@ -64,17 +64,6 @@ def make_engine(config_dir, args):
                       moe_strategy="gpu", max_running_requests=max(args.batch), max_model_len=max_len,
                       num_tokens=(max_len + 16) * max(args.batch))
     return Engine(ec)
-
-
-UNIFORM_NOISE_STD = 100.0  # router logits have a spread of about 1: this drowns them
-
-
-def uniform_routing(engine) -> list:
-    """Forward hooks on every MoE gate adding N(0, UNIFORM_NOISE_STD) noise to the router
-    logits (drawn inside the decode graph at every replay); returns the handles."""
-    model = engine.runner.model
-    return [model.moe_block(layer_id).gate.register_forward_hook(
-        lambda _m, _i, out: out + torch.randn_like(out) * UNIFORM_NOISE_STD) for layer_id in engine.mc.moe_layer_ids]
 
 
 def decode_rows(engine, args, routing: str) -> list[list]:

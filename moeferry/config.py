@@ -27,6 +27,7 @@ class ConfigError(ValueError):
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("fp8", "int4")  # moe/formats.py: the expert formats a bf16 checkpoint's experts can be quantized to
 
 
 def strategy_names() -> list[str]:
@@ -44,6 +45,7 @@ def cache_policies() -> tuple[str, ...]:
 
 
 CHOICES = {"load_format": lambda: LOAD_FORMATS, "device": lambda: DEVICES, "dtype": lambda: DTYPES,
+           "quantization": lambda: QUANTIZATIONS,
            "moe_strategy": strategy_names, "moe_cache_policy": cache_policies}
 
 
@@ -128,6 +130,11 @@ class EngineConfig:
     chat_template: str | None = option(None, "model", "a Jinja chat template file used instead of the tokenizer's by "
                                                       "the chat endpoint, generate --chat and LLM.chat (default: the "
                                                       "tokenizer's)")
+    quantization: str | None = option(None, "model", "quantize the routed experts of a bf16 checkpoint at load: fp8 "
+                                                     "(block FP8, 128x128 scales, as FP8 checkpoints store them; half "
+                                                     "the bytes per expert) or int4 (W4A16, groups of 128, "
+                                                     "compressed-tensors' layout; about a quarter); a quantized "
+                                                     "checkpoint is read in its own format without it")
     dtype: str = option("auto", "runtime", "the weights' and activations' dtype; auto: bfloat16 on a GPU, float32 "
                                            "on the CPU")
     device: str = option("auto", "runtime", "auto: cuda when torch sees a GPU, else cpu")

@@ -5,8 +5,9 @@
 # STAGES: comma-separated of tests, kernels (copy, admission, fused MoE, attention, linear benches),
 # decode (full decode benchmark), decode-quick, sampling, ttft, uva, serve, routing (cache policies on
 # the built-in model's routing, the simulator against the engine), deepseek (DeepSeek-V3-shaped decode
-# and the MLA kernel; 4 MoE layers of 22.5 GB: wants ~100 GB of host memory); default
-# tests,kernels,decode-quick.
+# and the MLA kernel; 4 MoE layers of 22.5 GB: wants ~100 GB of host memory), quant (decode and accuracy
+# per expert format: bf16, fp8, int4), hybrid (the host channel: kernel GB/s, decode at 0-100% on the
+# GPU); default tests,kernels,decode-quick.
 # Results: $OUT/results.md holds this call's benchmark sections alone; $OUT/RESULTS.md is
 # benchmarks/RESULTS.md with those sections regenerated (every stage but decode-quick, a smoke
 # run), to copy over benchmarks/RESULTS.md. MOEFERRY_COMMIT names the commit in the tables
@@ -60,6 +61,9 @@ has ttft && run bench-ttft python3 -m benchmarks.bench_ttft --results "$RESULTS"
 has routing && run bench-routing python3 -m benchmarks.bench_routing --results "$RESULTS" "$CURRENT"
 has uva && run bench-uva python3 -m benchmarks.bench_uva --results "$RESULTS" "$CURRENT"
 has deepseek && run bench-deepseek python3 -m benchmarks.bench_deepseek --results "$RESULTS" "$CURRENT"
+has quant && run bench-quant python3 -m benchmarks.bench_quant --results "$RESULTS" "$CURRENT" \
+  && run bench-quant-accuracy python3 -m benchmarks.bench_quant_accuracy --device cuda --results "$RESULTS"
+has hybrid && run bench-hybrid python3 -m benchmarks.bench_hybrid --results "$RESULTS" "$CURRENT"
 if has serve; then  # the server's packages travel as wheels (scripts/device_wheels.txt)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site && run bench-serve python3 -m benchmarks.bench_serve --results "$RESULTS" "$CURRENT"

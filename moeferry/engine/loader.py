@@ -17,6 +17,8 @@ import torch
 from tqdm import tqdm
 
 from moeferry.config import ConfigError, first_line
+from moeferry.kernels.fused_moe.reference import dequantize_blocks
+from moeferry.moe.formats import checkpoint_format, quantize, scale_grid
 
 logger = logging.getLogger(__name__)
 
@@ -71,21 +73,34 @@ def _read_tensor(f, name: str, file: str) -> torch.Tensor:
         raise LoadError(f"{file}: tensor {name!r} cannot be read ({first_line(exc)})") from None
 
 
-def _check_tensor(name: str, tensor: torch.Tensor, shape: tuple, file: str) -> None:
+def _check_tensor(name: str, tensor: torch.Tensor, shape: tuple, file: str, packed: bool = False) -> None:
+    """`packed`: int32 words of int4 values are expected (an int4 checkpoint's weight_packed)."""
     if tuple(tensor.shape) != tuple(shape):
         raise LoadError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(shape)}")
-    if not tensor.dtype.is_floating_point:
+    if not (tensor.dtype.is_floating_point or packed and tensor.dtype == torch.int32):
         raise LoadError(f"{file}: tensor {name!r} has dtype {tensor.dtype}, the model expects a floating-point tensor")
+
+
+def _is_stored_quantized(tensor: torch.Tensor) -> bool:
+    """A weight already in a quantized format's storage (fp8, or int4 words)."""
+    return tensor.dtype in (torch.float8_e4m3fn, torch.int32)
 
 
 class _ExpertWriter:
     """Copies checkpoint expert tensors into a layer's banks: gate -> w13[e, :I], up -> w13[e, I:],
-    down -> w2[e]; stacked gate_up [E, 2I, H] and down [E, H, I] land whole."""
+    down -> w2[e]; stacked gate_up [E, 2I, H] and down [E, H, I] land whole. In a quantized
+    format a stored weight (fp8, int4 words) lands as is and its scales in the scale bank (gate
+    blocks, then up blocks); an unquantized weight is quantized here (`--quantization`, or a
+    checkpoint that left some experts unquantized), on `device`.
 
-    def __init__(self, model):
-        self.model = model
+    Invariant checked by `check_scales`: every stored weight copied as is got its scales."""
 
-    def target(self, layer_id: int, expert, kind: str, name: str, file: str):
+    def __init__(self, model, device: torch.device):
+        self.model, self.device = model, device
+        self.stored = 0  # quantized weights copied as is
+        self.scales = 0  # scale tensors copied
+
+    def banks(self, layer_id: int, expert, name: str, file: str):
         banks = getattr(self.model.moe_block(layer_id), "banks", None)
         if banks is None:
             raise LoadError(f"{file}: tensor {name!r} is an expert of layer {layer_id}, which the model's config "
@@ -93,14 +108,127 @@ class _ExpertWriter:
         if expert is not None and not 0 <= expert < banks.num_experts:
             raise LoadError(f"{file}: tensor {name!r} is expert {expert}, but the model has {banks.num_experts} "
                             f"experts per layer")
-        inter = banks.w2.shape[2]
-        if expert is None:
-            return banks.w13 if kind == "gate_up" else banks.w2
-        if kind == "gate":
-            return banks.w13[expert, :inter]
-        if kind == "up":
-            return banks.w13[expert, inter:]
-        return banks.w2[expert]
+        return banks
+
+    @staticmethod
+    def target(banks, expert, kind: str) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """(weight view, scale view or None, the weight's columns before packing) of one expert's
+        (or, expert None, every expert's) `kind`."""
+        pick = slice(None) if expert is None else expert
+        hidden, inter = banks.w2.shape[1], banks.w13.shape[1] // 2
+        gate_blocks = banks.w13_scale.shape[1] // 2 if banks.w13_scale is not None else 0
+        if kind == "down":
+            return banks.w2[pick], None if banks.w2_scale is None else banks.w2_scale[pick], inter
+        rows, blocks = (slice(None, inter), slice(None, gate_blocks)) if kind == "gate" else \
+            (slice(inter, None), slice(gate_blocks, None))
+        scale = None if banks.w13_scale is None else banks.w13_scale[pick][..., blocks, :]
+        return banks.w13[pick][..., rows, :], scale, hidden
+
+    def write(self, layer_id: int, expert, kind: str, part: str, src_of, name: str, file: str) -> int:
+        """Copy the tensor `src_of()` reads; returns the expert weights it held (0 for scales)."""
+        banks = self.banks(layer_id, expert, name, file)
+        if kind == "gate_up":  # stacked: gate and up are blocked (quantized) each on its own
+            src = src_of() if part == "weight" else None
+            if src is None or _is_stored_quantized(src):
+                raise LoadError(f"{file}: tensor {name!r}: stacked quantized gate_up experts are not supported")
+            _check_tensor(name, src, (banks.num_experts, *banks.w13.shape[1:-1], banks.w2.shape[1]), file)
+            inter = banks.w13.shape[1] // 2
+            self._write_weight(banks, expert, "gate", src[:, :inter], name, file)
+            self._write_weight(banks, expert, "up", src[:, inter:], name, file)
+            return 2 * banks.num_experts
+        if part == "shape":  # int4's logical [rows, cols]: must be the bank's
+            dst, _, cols = self.target(banks, expert, kind)
+            if src_of().tolist() != [*dst.shape[-2:-1], cols]:
+                raise LoadError(f"{file}: tensor {name!r} says {src_of().tolist()}, the model expects "
+                                f"{[*dst.shape[-2:-1], cols]}")
+            return 0
+        if part == "scale":
+            _, scale_dst, _ = self.target(banks, expert, kind)
+            if scale_dst is None:
+                raise LoadError(f"{file}: tensor {name!r} is a block scale, but the experts are not quantized "
+                                f"(config.json has no quantization_config)")
+            src = src_of()
+            _check_tensor(name, src, scale_dst.shape, file)
+            scale_dst.copy_(src)
+            self.scales += 1
+            return 0
+        self._write_weight(banks, expert, kind, src_of(), name, file)
+        return 1 if expert is not None else banks.num_experts
+
+    def _write_weight(self, banks, expert, kind: str, src: torch.Tensor, name: str, file: str) -> None:
+        dst, scale_dst, cols = self.target(banks, expert, kind)
+        fmt = banks.format
+        if _is_stored_quantized(src):
+            if src.dtype != dst.dtype:
+                raise LoadError(f"{file}: tensor {name!r} is {src.dtype}, but config.json's quantization_config "
+                                f"makes the experts {fmt.name if fmt.quantized else 'unquantized'}")
+            _check_tensor(name, src, dst.shape, file, packed=True)
+            dst.copy_(src)
+            self.stored += 1 if expert is not None else banks.num_experts
+            return
+        _check_tensor(name, src, (*dst.shape[:-1], cols), file)
+        if fmt.quantized:
+            quantized, scales = quantize(src.to(self.device), fmt)
+            dst.copy_(quantized)
+            scale_dst.copy_(scales)
+        else:
+            dst.copy_(src)
+
+    def check_scales(self, model_dir: str) -> None:
+        if self.stored != self.scales:
+            raise LoadError(f"checkpoint in {model_dir}: {self.stored} quantized expert weights but {self.scales} "
+                            f"scale tensors (weight_scale_inv, weight_scale): each needs its scales")
+
+
+class _DenseQuantized:
+    """Dense (non-expert) weights of a quantized checkpoint (FP8 `weight` + `weight_scale_inv`;
+    int4 `weight_packed` + `weight_scale` + `weight_shape`), dequantized to their parameter's
+    dtype once the weight and its scales were both read (they may sit in different shards).
+    Invariant: a parameter is written only from a complete pair."""
+
+    PARTS = {".weight_scale_inv": "scale", ".weight_scale": "scale", ".weight_packed": "weight",
+             ".weight_shape": "shape"}
+
+    def __init__(self, params: dict, fmt):
+        self.params, self.fmt = params, fmt
+        self.weights: dict[str, torch.Tensor] = {}
+        self.scales: dict[str, torch.Tensor] = {}
+
+    def _split(self, name: str) -> tuple[str, str] | None:
+        """(parameter name, part) of a quantized linear's tensor name, None if not one."""
+        for suffix, part in self.PARTS.items():
+            if name.endswith(suffix) and name.removesuffix(suffix) + ".weight" in self.params:
+                return name.removesuffix(suffix) + ".weight", part
+        return None
+
+    def owns(self, name: str) -> bool:
+        """A dense weight's scale, packed words or shape (FP8 weights are recognised by dtype)."""
+        return self.fmt is not None and self._split(name) is not None
+
+    def add(self, name: str, tensor: torch.Tensor) -> str | None:
+        """Keep a weight or scale; returns the parameter's name when its pair is complete and written."""
+        name, part = self._split(name) or (name, "weight")
+        param = self.params[name]
+        if part == "shape":
+            if tensor.tolist() != list(param.shape):
+                raise LoadError(f"{name}_shape says {tensor.tolist()}, the model expects {list(param.shape)}")
+            return None
+        (self.scales if part == "scale" else self.weights)[name] = tensor
+        if name not in self.weights or name not in self.scales:
+            return None
+        weight, scales = self.weights.pop(name), self.scales.pop(name)
+        if tuple(scales.shape) != scale_grid(*param.shape, self.fmt.block_shape):
+            raise LoadError(f"{name}: scales of shape {tuple(scales.shape)} are not the {self.fmt.block_shape} block "
+                            f"grid of its weight {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(dequantize_blocks(weight, scales, self.fmt.block_shape, param.shape[-1]))
+        return name
+
+    def check_complete(self, model_dir: str) -> None:
+        unpaired = sorted(set(self.weights) | set(self.scales))
+        if unpaired:
+            raise LoadError(f"checkpoint in {model_dir}: a quantized weight without its scales (weight_scale_inv, "
+                            f"weight_scale), or the reverse: {unpaired[:5]}")
 
 
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
@@ -112,12 +240,15 @@ def _beyond_cut(name: str, num_layers: int) -> bool:
     return m is not None and int(m.group(1)) >= num_layers
 
 
-def load_safetensors(model, model_dir: str) -> None:
+def load_safetensors(model, model_dir: str, device: torch.device | str = "cpu") -> None:
+    """Fill the model's parameters and expert banks from the checkpoint in `model_dir`; experts
+    that need quantizing into the banks' format are quantized on `device`."""
     params = dict(model.named_parameters(remove_duplicate=False))
     if model.tie_word_embeddings:
         params.pop("lm_head.weight", None)
     expected = set(params)
-    writer = _ExpertWriter(model)
+    writer = _ExpertWriter(model, torch.device(device))
+    dense_quantized = _DenseQuantized(params, checkpoint_format(model.config.hf))
     expert_counts: dict[int, int] = {}
     files = checkpoint_files(model_dir)
     for file in tqdm(files, desc="loading shards", unit="file", disable=len(files) < 2):
@@ -127,12 +258,14 @@ def load_safetensors(model, model_dir: str) -> None:
                     continue
                 target = model.expert_tensor_target(name)
                 if target is not None:
-                    layer_id, expert, kind = target
-                    dst = writer.target(layer_id, expert, kind, name, file)
-                    src = _read_tensor(f, name, file)
-                    _check_tensor(name, src, dst.shape, file)
-                    dst.copy_(src)
-                    expert_counts[layer_id] = expert_counts.get(layer_id, 0) + (1 if expert is not None else 3 * dst.shape[0])
+                    layer_id, expert, kind, part = target
+                    with torch.no_grad():
+                        held = writer.write(layer_id, expert, kind, part, lambda: _read_tensor(f, name, file),
+                                            name, file)
+                    expert_counts[layer_id] = expert_counts.get(layer_id, 0) + held
+                    continue
+                if dense_quantized.owns(name):
+                    expected.discard(dense_quantized.add(name, _read_tensor(f, name, file)))
                     continue
                 if name not in params:
                     if name.endswith("rotary_emb.inv_freq"):
@@ -142,9 +275,14 @@ def load_safetensors(model, model_dir: str) -> None:
                     raise LoadError(f"{file}: tensor {name!r} does not belong to a {model.config.model_type} model")
                 src = _read_tensor(f, name, file)
                 _check_tensor(name, src, params[name].shape, file)
-                with torch.no_grad():
-                    params[name].copy_(src)
+                if src.dtype == torch.float8_e4m3fn and dense_quantized.fmt is not None:
+                    dense_quantized.add(name, src)
+                else:
+                    with torch.no_grad():
+                        params[name].copy_(src)
                 expected.discard(name)
+    dense_quantized.check_complete(model_dir)
+    writer.check_scales(model_dir)
     if expected:
         missing = sorted(expected)
         raise LoadError(f"checkpoint in {model_dir} lacks {len(missing)} tensor(s), first: {missing[:5]}")
@@ -163,8 +301,21 @@ def _random_fill(dst: torch.Tensor, device: torch.device, generator_seed: int, s
         dst[i].copy_(src, non_blocking=False)
 
 
+def _random_fill_quantized(banks, device: torch.device, dtype: torch.dtype, seed: int, std: float = 0.02) -> None:
+    """Random experts in `dtype`, quantized into the banks' block format as a checkpoint's would be."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for expert in range(banks.num_experts):
+        for kind in ("gate", "up", "down"):
+            dst, scale_dst, cols = _ExpertWriter.target(banks, expert, kind)
+            src = torch.empty((*dst.shape[:-1], cols), dtype=dtype, device=device).normal_(0.0, std, generator=gen)
+            quantized, scales = quantize(src, banks.format)
+            dst.copy_(quantized)
+            scale_dst.copy_(scales)
+
+
 def load_dummy(model, seed: int, device: torch.device) -> None:
-    """Random weights at the config's real shapes: linears ~ N(0, 0.02), norms at 1."""
+    """Random weights at the config's real shapes: linears ~ N(0, 0.02), norms at 1; experts of
+    a quantized format drawn in the compute dtype, then quantized."""
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -175,5 +326,8 @@ def load_dummy(model, seed: int, device: torch.device) -> None:
         layer_ids = model.config.moe_layer_ids
         for layer_id in tqdm(layer_ids, desc="dummy experts", unit="layer", disable=len(layer_ids) < 4):
             banks = model.moe_block(layer_id).banks
+            if banks.format.quantized:
+                _random_fill_quantized(banks, device, model.lm_head.weight.dtype, seed * 1000 + 2 * layer_id)
+                continue
             _random_fill(banks.w13, device, seed * 1000 + 2 * layer_id)
             _random_fill(banks.w2, device, seed * 1000 + 2 * layer_id + 1)

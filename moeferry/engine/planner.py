@@ -62,6 +62,8 @@ class MemoryPlan:
     host_bytes: int
     free_bytes: int | None  # device memory free once the weights were loaded (None: CPU)
     budget_bytes: int | None
+    expert_bytes: int = 0  # one expert over every bank, scales included (a slot's size)
+    expert_format: str = ""  # how those bytes store the weights: bf16, fp8 e4m3 with block scales, ...
 
     @property
     def kv_tokens(self) -> int:
@@ -74,7 +76,8 @@ class MemoryPlan:
 
         rows = [("device memory free after the weights", gib(self.free_bytes)),
                 ("budget (x --memory-ratio - --vram-reserve-mb)", gib(self.budget_bytes)),
-                (f"expert slots: {self.expert_slots}", gib(self.slot_bytes)),
+                (f"expert slots: {self.expert_slots} x {self.expert_bytes / 2**20:.2f} MiB "
+                 f"({self.expert_format or 'no experts'})", gib(self.slot_bytes)),
                 ("prefill stream buffers", gib(self.stream_bytes)),
                 ("sampler state and buffers", gib(self.sampler_bytes)),
                 (f"KV cache: {self.kv_pages} pages x {self.page_size} = {self.kv_tokens} tokens", gib(self.kv_bytes)),
@@ -171,5 +174,6 @@ def plan_memory(ec, needs: ExpertNeeds, kv: KVShape | None = None, device: torch
     return MemoryPlan(kv_pages=pages, page_size=ec.page_size, kv_bytes=pages * ec.page_size * (kv.bytes_per_token if kv else 0),
                       expert_slots=slots, slot_bytes=slots * needs.expert_bytes,
                       stream_bytes=needs.stream_bytes, sampler_bytes=sampler_bytes, host_bytes=needs.host_bytes,
-                      free_bytes=free, budget_bytes=budget)
+                      free_bytes=free, budget_bytes=budget, expert_bytes=needs.expert_bytes,
+                      expert_format=needs.expert_format)
 

@@ -100,7 +100,7 @@ class ModelRunner:
         if self.ec.load_format == "dummy":
             load_dummy(model, self.ec.seed, self.device)
         else:
-            load_safetensors(model, self.mc.path)
+            load_safetensors(model, self.mc.path, self.device)
         for module in model.modules():
             if isinstance(module, Attention):
                 module.fuse_qkv()

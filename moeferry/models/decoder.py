@@ -69,6 +69,11 @@ class DecoderBody(nn.Module):
         self.rotary = rotary
 
 
+# A quantized linear's checkpoint tensors -> what they hold (engine/loader.py)
+_TENSOR_PARTS = {"weight": "weight", "weight_packed": "weight", "weight_scale_inv": "scale", "weight_scale": "scale",
+                 "weight_shape": "shape"}
+
+
 class MoECausalLM(nn.Module):
     """A causal LM of one registered family. forward(batch, kv) -> logits [len(logits_rows), V] (float32)."""
 
@@ -83,7 +88,8 @@ class MoECausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._expert_pattern = re.compile(
-            rf"model\.layers\.(\d+)\.{re.escape(self.spec.moe_prefix)}\.experts\.(?:(\d+)\.)?([A-Za-z0-9_]+?)(?:\.weight)?$"
+            rf"model\.layers\.(\d+)\.{re.escape(self.spec.moe_prefix)}\.experts\.(?:(\d+)\.)?([A-Za-z0-9_]+?)"
+            r"(?:\.(weight|weight_packed|weight_scale_inv|weight_scale|weight_shape))?$"
         )
 
     def forward(self, batch: ForwardBatch, kv) -> torch.Tensor:
@@ -96,18 +102,21 @@ class MoECausalLM(nn.Module):
         return self.lm_head(x).float()
 
     def expert_tensor_target(self, name: str):
-        """Map a checkpoint tensor name onto an expert bank: (layer_id, expert or None, kind) where
-        kind is gate/up/down (one expert) or gate_up/down (all experts stacked); None if not an expert."""
+        """Map a checkpoint tensor name onto an expert bank: (layer_id, expert or None, kind, part)
+        where kind is gate/up/down (one expert) or gate_up/down (all experts stacked) and part is
+        "weight" (`weight`, int4's `weight_packed`), "scale" (FP8's `weight_scale_inv`, int4's
+        `weight_scale`) or "shape" (int4's `weight_shape`); None if not an expert."""
         m = self._expert_pattern.match(name)
         if m is None:
             return None
         layer_id, expert, leaf = int(m.group(1)), m.group(2), m.group(3)
+        part = _TENSOR_PARTS[m.group(4) or "weight"]
         gate, up, down = self.spec.expert_names
         if expert is not None:
             kind = {gate: "gate", up: "up", down: "down"}.get(leaf)
-            return None if kind is None else (layer_id, int(expert), kind)
+            return None if kind is None else (layer_id, int(expert), kind, part)
         kind = {"gate_up_proj": "gate_up", "down_proj": "down"}.get(leaf)
-        return None if kind is None else (layer_id, None, kind)
+        return None if kind is None else (layer_id, None, kind, part)
 
     def moe_block(self, layer_id: int) -> MoEBlock:
         return self.model.layers[layer_id].mlp_module

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moeferry.config import ConfigError
 from moeferry.kernels.fused_moe import host as host_kernel
 from moeferry.kernels.fused_moe import reference
 
@@ -96,10 +97,13 @@ class HostExpertChannel:
 
     def __init__(self, banks: dict, max_tokens: int, top_k: int, device: torch.device, threads: int):
         sample = next(iter(banks.values()))
+        if sample.format.quantized:
+            raise ConfigError(f"--moe-strategy cpu and hybrid compute bf16 experts on the host, not "
+                              f"{sample.format.name} ones: use --moe-strategy offload for a quantized model")
         self.compiled = sample.w13.dtype == torch.bfloat16
         if not self.compiled and device.type == "cuda":
-            raise ValueError(f"the host expert kernel computes bfloat16 experts, not {sample.w13.dtype}: "
-                             "use --dtype bfloat16 with --moe-strategy cpu or hybrid")
+            raise ConfigError(f"the host expert kernel computes bfloat16 experts, not {sample.w13.dtype}: "
+                              "use --dtype bfloat16 with --moe-strategy cpu or hybrid")
         self.banks = banks
         self.max_tokens, self.top_k = max_tokens, top_k
         self.hidden, self.inter = sample.w2.shape[1], sample.w2.shape[2]

@@ -21,7 +21,6 @@ import logging
 
 import torch
 
-from moeferry.kernels.fused_moe import fused_moe
 from moeferry.kernels.fused_moe import host as host_kernel
 from moeferry.kernels.fused_moe.reference import sum_route_partials
 from moeferry.moe.host_experts import HostExpertChannel, measure_speeds, split_routes
@@ -92,9 +91,7 @@ class CpuStrategy(HostChannelMixin, OffloadStrategy):
 
     def finalize(self, plan) -> None:
         if self.device.type == "cuda":
-            sample = next(iter(self.banks.values()))
-            self.stream = LayerStream(self.model_config.num_experts, sample.w13.shape[1:], sample.w2.shape[1:],
-                                      self.dtype, self.device)
+            self.stream = LayerStream(next(iter(self.banks.values())), self.model_config.num_experts, self.device)
         self._build_channel()
 
     def restart_cache(self) -> None:
@@ -154,12 +151,10 @@ class HybridStrategy(HostChannelMixin, OffloadStrategy):
             self.host_experts[moe_layer] += host_count[0]
         self.channel.begin(layer_id, hidden, topk_weights, host_ids.to(torch.int32))
         bank = self.banks[layer_id]
-        slot_ids = self.cache.load_experts(moe_layer, device_ids, [bank.w13, bank.w2],
-                                           [self.pool.w13, self.pool.w2], phase=phase)
+        slot_ids = self.cache.load_experts(moe_layer, device_ids, bank.tensors(), self.pool.tensors(), phase=phase)
         on_host = host_ids >= 0
-        device_routes = fused_moe(hidden, self.pool.w13, self.pool.w2,
-                                  torch.where(on_host, torch.zeros_like(topk_weights), topk_weights),
-                                  slot_ids.clamp(min=0), num_routed_experts=bank.num_experts, sum_routes=False)
+        device_routes = self._compute(hidden, self.pool, torch.where(on_host, torch.zeros_like(topk_weights), topk_weights),
+                                      slot_ids.clamp(min=0), bank.num_experts, sum_routes=False)
         host_routes = self.channel.finish(hidden.shape[0])
         routes = torch.where(on_host.unsqueeze(-1), host_routes.to(device_routes.dtype), device_routes)
         return _summed(routes, hidden.dtype, sum_routes)

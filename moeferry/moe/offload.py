@@ -32,9 +32,8 @@ class LayerStream:
     resident experts.
     """
 
-    def __init__(self, num_experts: int, w13_shape, w2_shape, dtype, device):
-        self.w13 = [torch.empty((num_experts, *w13_shape), dtype=dtype, device=device) for _ in range(2)]
-        self.w2 = [torch.empty((num_experts, *w2_shape), dtype=dtype, device=device) for _ in range(2)]
+    def __init__(self, sample: ExpertBanks, num_experts: int, device):
+        self.buffers = [sample.like(num_experts, device) for _ in range(2)]
         self.copy_stream = torch.cuda.Stream(device)
         self.ready = [torch.cuda.Event() for _ in range(2)]
         self.consumed = [torch.cuda.Event() for _ in range(2)]
@@ -45,8 +44,8 @@ class LayerStream:
         buf = index % 2
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(self.consumed[buf])
-            self.w13[buf].copy_(host.w13, non_blocking=True)
-            self.w2[buf].copy_(host.w2, non_blocking=True)
+            for dst, src in zip(self.buffers[buf].tensors(), host.tensors()):
+                dst.copy_(src, non_blocking=True)
             self.ready[buf].record(self.copy_stream)
 
     def begin(self, moe_layer_order: list[int], host_banks: dict[int, ExpertBanks]) -> None:
@@ -54,13 +53,13 @@ class LayerStream:
         self.host = host_banks
         self._issue_copy(0, host_banks[moe_layer_order[0]])
 
-    def acquire(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def acquire(self, layer_id: int) -> tuple[ExpertBanks, int]:
         index = self.position[layer_id]
         if index + 1 < len(self.order):
             self._issue_copy(index + 1, self.host[self.order[index + 1]])
         buf = index % 2
         torch.cuda.current_stream().wait_event(self.ready[buf])
-        return self.w13[buf], self.w2[buf], buf
+        return self.buffers[buf], buf
 
     def release(self, buf: int) -> None:
         self.consumed[buf].record(torch.cuda.current_stream())
@@ -101,8 +100,7 @@ class OffloadStrategy(MoEStrategy):
         self.build_cache(plan.expert_slots)
         num_experts = self.model_config.num_experts
         if self.device.type == "cuda":
-            sample = next(iter(self.banks.values()))
-            self.stream = LayerStream(num_experts, sample.w13.shape[1:], sample.w2.shape[1:], self.dtype, self.device)
+            self.stream = LayerStream(next(iter(self.banks.values())), num_experts, self.device)
 
     def build_cache(self, slots: int, eviction_policy: str | None = None) -> None:
         """(Re)build the slot cache and its pool at `slots` slots under `eviction_policy`
@@ -122,19 +120,15 @@ class OffloadStrategy(MoEStrategy):
         self.cache = SlotCache(len(self.moe_layer_of), num_experts, slots, device=self.device, eviction_policy=eviction_policy,
                                lrfu_decay=ec.moe_lrfu_decay, collect_stats=ec.moe_collect_stats,
                                expert_bytes=self.expert_bytes, max_routes=widest)
-        sample = next(iter(self.banks.values()))
-        self.pool = ExpertBanks(
-            torch.zeros((slots, *sample.w13.shape[1:]), dtype=self.dtype, device=self.device),
-            torch.zeros((slots, *sample.w2.shape[1:]), dtype=self.dtype, device=self.device),
-        )
+        self.pool = next(iter(self.banks.values())).like(slots, self.device, zero=True)
         filled = self._warm_start()
-        logger.info("expert cache: %d slots of %d experts (%.1f%%), %.2f GiB on %s; policy %s; demand prefill: %s; "
-                    "warm start with %d experts", slots, total, 100.0 * slots / total,
-                    slots * self.expert_bytes / 2**30, self.device, eviction_policy, self.prefill_policy.threshold, filled)
+        logger.info("expert cache: %d slots of %d experts (%.1f%%), %.2f GiB on %s (%s, %d bytes per expert); policy %s; "
+                    "demand prefill: %s; warm start with %d experts", slots, total, 100.0 * slots / total,
+                    slots * self.expert_bytes / 2**30, self.device, self.format_description(), self.expert_bytes,
+                    eviction_policy, self.prefill_policy.threshold, filled)
 
     def _warm_start(self) -> int:
-        return self.cache.fill([[self.banks[l].w13, self.banks[l].w2] for l in sorted(self.banks)],
-                               [self.pool.w13, self.pool.w2])
+        return self.cache.fill([self.banks[l].tensors() for l in sorted(self.banks)], self.pool.tensors())
 
     def restart_cache(self) -> None:
         """Empty the cache, zero its statistics and warm it again as `build_cache` does, in
@@ -163,20 +157,22 @@ class OffloadStrategy(MoEStrategy):
 
     def _through_cache(self, layer_id, hidden, topk_weights, topk_ids, phase, sum_routes):
         host = self.banks[layer_id]
-        slot_ids = self.cache.load_experts(self.moe_layer_of[layer_id], topk_ids, [host.w13, host.w2],
-                                           [self.pool.w13, self.pool.w2], phase=phase)
-        return fused_moe(hidden, self.pool.w13, self.pool.w2, topk_weights, slot_ids,
-                             num_routed_experts=host.num_experts, sum_routes=sum_routes)
+        slot_ids = self.cache.load_experts(self.moe_layer_of[layer_id], topk_ids, host.tensors(), self.pool.tensors(),
+                                           phase=phase)
+        return self._compute(hidden, self.pool, topk_weights, slot_ids, host.num_experts, sum_routes)
+
+    @staticmethod
+    def _compute(hidden, banks: ExpertBanks, topk_weights, ids, num_routed_experts: int, sum_routes: bool):
+        return fused_moe(hidden, banks.w13, banks.w2, topk_weights, ids, num_routed_experts=num_routed_experts,
+                         sum_routes=sum_routes, **banks.kernel_scales())
 
     def _streamed(self, layer_id, hidden, topk_weights, topk_ids, sum_routes):
         host = self.banks[layer_id]
         self.streamed_bytes += host.num_experts * self.expert_bytes
         if self.stream is None:  # CPU: the host banks are already where the compute runs
-            return fused_moe(hidden, host.w13, host.w2, topk_weights, topk_ids,
-                                 num_routed_experts=host.num_experts, sum_routes=sum_routes)
-        w13, w2, buf = self.stream.acquire(layer_id)
-        out = fused_moe(hidden, w13, w2, topk_weights, topk_ids, num_routed_experts=host.num_experts,
-                            sum_routes=sum_routes)
+            return self._compute(hidden, host, topk_weights, topk_ids, host.num_experts, sum_routes)
+        buffer, buf = self.stream.acquire(layer_id)
+        out = self._compute(hidden, buffer, topk_weights, topk_ids, host.num_experts, sum_routes)
         self.stream.release(buf)
         return out
 
@@ -195,7 +191,8 @@ class OffloadStrategy(MoEStrategy):
     def stats(self) -> dict:
         out = {"strategy": self.name, "slots": self.cache.num_slots,
                "experts": self.cache.num_layers * self.cache.num_experts,
-               "expert_bytes": self.expert_bytes, "prefill_streamed_bytes": self.streamed_bytes,
+               "expert_bytes": self.expert_bytes, "expert_format": self.format_description(),
+               "prefill_streamed_bytes": self.streamed_bytes,
                "prefill_chunks": dict(self.prefill_policy.decisions)}
         if self.cache.stats is not None:
             out.update(self.cache.stats.snapshot())

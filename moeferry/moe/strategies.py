@@ -16,6 +16,9 @@ import torch
 
 from moeferry.config import ConfigError
 from moeferry.kernels.fused_moe import fused_moe
+from moeferry.kernels.gather_copy import row_bytes
+from moeferry.moe import formats
+from moeferry.moe.formats import UNQUANTIZED, ExpertFormat, scale_grid
 
 if TYPE_CHECKING:
     from moeferry.engine.planner import MemoryPlan
@@ -46,7 +49,8 @@ def create_strategy(name: str, engine_config, model_config) -> "MoEStrategy":
 class ExpertNeeds:
     """What a MoE strategy asks of memory (MoEStrategy.memory_needs). `wants_slots`: it keeps a
     device slot cache, of at least `layer_experts` slots and at most `total_experts`;
-    `stream_bytes`: device buffers for streamed prefill; `host_bytes`: its pinned host store."""
+    `stream_bytes`: device buffers for streamed prefill; `host_bytes`: its pinned host store;
+    `expert_format`: how an expert's `expert_bytes` are stored (for the plan's table)."""
 
     expert_bytes: int = 0
     total_experts: int = 0
@@ -54,14 +58,60 @@ class ExpertNeeds:
     wants_slots: bool = False
     stream_bytes: int = 0
     host_bytes: int = 0
+    expert_format: str = ""
 
 
 @dataclass
 class ExpertBanks:
-    """One MoE layer's routed experts: w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]."""
+    """One MoE layer's routed experts (or a slot pool, or a stream buffer, of the same rows):
+    w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]. In a quantized `format` the weights
+    are its dtype (float8_e4m3fn; int32 words of eight int4 values along the last dimension,
+    which is then H/8 and I/8) and w13_scale / w2_scale hold their float32 block scales (layout:
+    kernels/fused_moe/__init__.py); otherwise both are None.
+
+    Invariant: dim 0 of every tensor is the expert (or slot) and row e of each belongs to the
+    same expert, so an expert moves as the raw rows of `tensors()` (gather_copy, streaming,
+    warm start), whatever the format."""
 
     w13: torch.Tensor
     w2: torch.Tensor
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+    format: ExpertFormat = UNQUANTIZED
+
+    @classmethod
+    def allocate(cls, rows: int, hidden: int, inter: int, fmt: ExpertFormat, dtype: torch.dtype,
+                 device: torch.device, pin: bool = False, zero: bool = False) -> "ExpertBanks":
+        """Banks of `rows` experts in `fmt` (weights in `dtype` when unquantized)."""
+        make = torch.zeros if zero else torch.empty
+
+        def bank(*shape, dt):
+            return make(shape, dtype=dt, device=device, pin_memory=pin)
+
+        weight_dtype = fmt.weight_dtype or dtype
+        banks = cls(bank(rows, 2 * inter, fmt.stored_cols(hidden), dt=weight_dtype),
+                    bank(rows, hidden, fmt.stored_cols(inter), dt=weight_dtype), format=fmt)
+        if fmt.quantized:
+            gate_rows, h_cols = scale_grid(inter, hidden, fmt.block_shape)
+            h_rows, i_cols = scale_grid(hidden, inter, fmt.block_shape)
+            banks.w13_scale = bank(rows, 2 * gate_rows, h_cols, dt=torch.float32)
+            banks.w2_scale = bank(rows, h_rows, i_cols, dt=torch.float32)
+        return banks
+
+    def like(self, rows: int, device: torch.device, zero: bool = False) -> "ExpertBanks":
+        """Banks of the same format and expert shape with `rows` rows on `device`."""
+        hidden, inter = self.w2.shape[1], self.w13.shape[1] // 2
+        return ExpertBanks.allocate(rows, hidden, inter, self.format, self.w13.dtype, device, zero=zero)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every bank, in the order copies take them: weights, then scales."""
+        return [t for t in (self.w13, self.w2, self.w13_scale, self.w2_scale) if t is not None]
+
+    def kernel_scales(self) -> dict:
+        """fused_moe's keyword arguments for this format's scales (none when unquantized)."""
+        if not self.format.quantized:
+            return {}
+        return {"w13_scale": self.w13_scale, "w2_scale": self.w2_scale, "block_shape": self.format.block_shape}
 
     @property
     def num_experts(self) -> int:
@@ -69,7 +119,8 @@ class ExpertBanks:
 
     @property
     def bytes_per_expert(self) -> int:
-        return (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
+        """One expert's bytes over every bank, scales included: what a copy moves."""
+        return sum(row_bytes(t) for t in self.tensors())
 
 
 class MoEStrategy:
@@ -94,12 +145,15 @@ class MoEStrategy:
     def bank_device(self) -> torch.device:
         return self.device
 
+    @cached_property
+    def expert_format(self) -> ExpertFormat:
+        """The banks' format: the checkpoint's quantization_config, else --quantization."""
+        return formats.expert_format(getattr(self.model_config, "hf", None), getattr(self.engine_config, "quantization", None))
+
     def allocate_banks(self, layer_id: int, num_experts: int, hidden: int, inter: int) -> ExpertBanks:
         dev = self.bank_device()
         pin = dev.type == "cpu" and self.device.type == "cuda"
-        w13 = torch.empty((num_experts, 2 * inter, hidden), dtype=self.dtype, device=dev, pin_memory=pin)
-        w2 = torch.empty((num_experts, hidden, inter), dtype=self.dtype, device=dev, pin_memory=pin)
-        self.banks[layer_id] = ExpertBanks(w13, w2)
+        self.banks[layer_id] = ExpertBanks.allocate(num_experts, hidden, inter, self.expert_format, self.dtype, dev, pin)
         return self.banks[layer_id]
 
     @cached_property
@@ -118,7 +172,7 @@ class MoEStrategy:
         """What this strategy asks of the memory planner, once its banks are allocated. The
         default: experts already where they compute (allocated with the model), nothing more."""
         return ExpertNeeds(expert_bytes=self.expert_bytes, total_experts=self.total_experts,
-                           layer_experts=self.model_config.num_experts)
+                           layer_experts=self.model_config.num_experts, expert_format=self.format_description())
 
     @property
     def total_experts(self) -> int:
@@ -147,6 +201,11 @@ class MoEStrategy:
         [T, K, H], as ops.fused_moe gives them)."""
         raise NotImplementedError
 
+    def format_description(self) -> str:
+        """The experts' storage format as the plan and /v1/stats show it ('bf16', 'fp8 e4m3, ...')."""
+        fmt = self.expert_format
+        return str(self.dtype).removeprefix("torch.").replace("bfloat16", "bf16") if not fmt.quantized else fmt.describe()
+
     def stats(self) -> dict:
         return {}
 
@@ -156,7 +215,10 @@ class GpuStrategy(MoEStrategy):
 
     name = "gpu"
 
+    def stats(self) -> dict:
+        return {"strategy": self.name, "expert_format": self.format_description(), "expert_bytes": self.expert_bytes}
+
     def forward(self, layer_id, hidden, topk_weights, topk_ids, is_decode, sum_routes=True):
         banks = self.banks[layer_id]
         return fused_moe(hidden, banks.w13, banks.w2, topk_weights, topk_ids,
-                             num_routed_experts=banks.num_experts, sum_routes=sum_routes)
+                         num_routed_experts=banks.num_experts, sum_routes=sum_routes, **banks.kernel_scales())

@@ -86,8 +86,8 @@ class UvaStrategy(MoEStrategy):
         if is_decode and self.engine_config.moe_collect_stats:
             self._count_reads(layer_id, topk_ids, naive=assignment == "naive")
         return fused_moe(hidden, banks.w13, banks.w2, topk_weights, topk_ids,
-                             num_routed_experts=banks.num_experts, block_assignment=assignment,
-                             sum_routes=sum_routes)
+                         num_routed_experts=banks.num_experts, block_assignment=assignment,
+                         sum_routes=sum_routes, **banks.kernel_scales())
 
     def stats(self) -> dict:
         """Totals over decode forwards; a step is one decode forward of every MoE layer."""
@@ -95,5 +95,6 @@ class UvaStrategy(MoEStrategy):
         reads = int(self.read_counts.sum().item())
         return {"strategy": self.name, "block_assignment": self._block_assignment, "decode_steps": steps,
                 "expert_reads": reads, "routes": int(self.route_counts.sum().item()),
-                "expert_bytes": self.expert_bytes, "pcie_bytes_read": reads * self.expert_bytes,
+                "expert_bytes": self.expert_bytes, "expert_format": self.format_description(),
+                "pcie_bytes_read": reads * self.expert_bytes,
                 "pcie_bytes_per_step": reads * self.expert_bytes / steps if steps else 0.0}

@@ -164,3 +164,94 @@ def write_wide_tokenizer(path: str, vocab_size: int, seed: int = 0) -> str:
     with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         f.write(config)
     return path
+
+
+def _fp8_quantized(tensors: dict, block_shape) -> dict:
+    """Every projection weight (`*_proj.weight`, 2-D: attention, dense MLP, experts) as float8
+    with its `weight_scale_inv`; embeddings, norms, the router and the head stay as they are,
+    as Qwen3's and DeepSeek-V3's FP8 releases leave them."""
+    from moeferry.moe.formats import quantize_fp8_blocks
+
+    out = {}
+    for name, tensor in tensors.items():
+        if name.endswith("_proj.weight") and tensor.dim() == 2:
+            out[name], out[name + "_scale_inv"] = quantize_fp8_blocks(tensor, block_shape)
+        else:
+            out[name] = tensor
+    return out
+
+
+def _int4_packed(tensors: dict, group_size: int) -> dict:
+    """Every projection weight as compressed-tensors' pack-quantized int4 (`weight_packed` from
+    compressed-tensors' own pack_to_int32, `weight_scale` in bfloat16, `weight_shape`), the rest
+    as it is, as llm-compressor's W4A16 checkpoints leave it."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from moeferry.kernels.fused_moe.reference import unpack_int4
+    from moeferry.moe.formats import quantize_int4_groups
+
+    out = {}
+    for name, tensor in tensors.items():
+        if not (name.endswith("_proj.weight") and tensor.dim() == 2):
+            out[name] = tensor
+            continue
+        packed, scales = quantize_int4_groups(tensor, group_size)
+        base = name.removesuffix(".weight")
+        out[base + ".weight_packed"] = pack_to_int32(unpack_int4(packed, tensor.shape[1]).to(torch.int8), 4)
+        out[base + ".weight_scale"] = scales.to(torch.bfloat16)
+        out[base + ".weight_shape"] = torch.tensor(list(tensor.shape), dtype=torch.int64)
+    return out
+
+
+def _rewrite_checkpoint(out_dir: str, transform, quantization_config: dict) -> None:
+    """Each safetensors file of out_dir through `transform` (name -> tensor dict), the index's
+    weight map following, and `quantization_config` written into config.json."""
+    from safetensors.torch import load_file, save_file
+
+    weight_map = {}
+    for file in [n for n in os.listdir(out_dir) if n.endswith(".safetensors")]:
+        path = os.path.join(out_dir, file)
+        tensors = transform(load_file(path))
+        save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata={"format": "pt"})
+        weight_map.update({name: file for name in tensors})
+    index_path = os.path.join(out_dir, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            index = json.load(f)
+        index["weight_map"] = weight_map
+        with open(index_path, "w") as f:
+            json.dump(index, f)
+    config_path = os.path.join(out_dir, "config.json")
+    with open(config_path) as f:
+        raw = json.load(f)
+    raw["quantization_config"] = quantization_config
+    with open(config_path, "w") as f:
+        json.dump(raw, f)
+
+
+def make_fp8_checkpoint(config, out_dir: str, seed: int = 0, block_shape=(16, 16), shards: bool = False):
+    """A block-FP8 checkpoint in the layout of DeepSeek-V3 / Qwen3 FP8 releases: a random HF
+    model of `config` saved by transformers, its projection weights then quantized file by file
+    (float8_e4m3fn + float32 `weight_scale_inv` per `block_shape` block), and config.json's
+    `quantization_config` saying so. Returns the unquantized HF model (eval, float32)."""
+    model = make_checkpoint(config, out_dir, seed=seed, shards=shards)
+    _rewrite_checkpoint(out_dir, lambda tensors: _fp8_quantized(tensors, block_shape),
+                        {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                         "weight_block_size": list(block_shape)})
+    return model
+
+
+def make_int4_checkpoint(config, out_dir: str, seed: int = 0, group_size: int = 16, shards: bool = False):
+    """A W4A16 checkpoint in compressed-tensors' pack-quantized layout (llm-compressor's output):
+    a random HF model of `config` saved by transformers, its projection weights then quantized
+    to symmetric int4 groups of `group_size` and packed by compressed-tensors. Returns the
+    unquantized HF model (eval, float32)."""
+    model = make_checkpoint(config, out_dir, seed=seed, shards=shards)
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group_size,
+               "dynamic": False, "observer": "minmax"}
+    _rewrite_checkpoint(out_dir, lambda tensors: _int4_packed(tensors, group_size),
+                        {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                         "quantization_status": "compressed", "ignore": ["lm_head", "re:.*mlp.gate$"],
+                         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                                       "input_activations": None, "output_activations": None}}})
+    return model

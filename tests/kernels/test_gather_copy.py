@@ -75,6 +75,9 @@ def test_mismatched_banks_are_refused():
 @pytest.mark.gpu
 @pytest.mark.parametrize("row_shape,dtype", [((1536, 2048), torch.bfloat16),
                                              ((2048, 768), torch.bfloat16),
+                                             ((1536, 2048), torch.float8_e4m3fn),  # block-FP8 experts
+                                             ((2048, 768), torch.float8_e4m3fn),   # and their scales:
+                                             ((12, 16), torch.float32), ((16, 6), torch.float32),
                                              ((4, 4), torch.float32), ((1000, 3), torch.uint8)])
 def test_gather_reads_pinned_host_memory_on_gpu(row_shape, dtype):
     from moeferry.kernels.gather_copy import triton as triton_gather

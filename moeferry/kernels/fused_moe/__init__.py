@@ -7,6 +7,16 @@ read in place (the Triton path over unified addressing). The tiles follow the ro
 expert count (`num_routed_experts`), not the bank's row count, so the same routes over a
 layer's bank and over a slot pool holding the same rows give bit-identical output. Full
 contract: kernels/fused_moe/triton.py; the oracle: kernels/fused_moe/reference.py.
+
+Block-quantized banks (FP8): w13 and w2 hold float8_e4m3fn values and come with float32
+scales, one per `block_shape` (bn rows, bk columns) block of each expert matrix:
+    w13_scale [S, 2 * ceil(I / bn), ceil(H / bk)]: the gate matrix's blocks, then the up
+              matrix's (each half blocked on its own, as the checkpoint stores them),
+    w2_scale  [S, ceil(H / bn), ceil(I / bk)],
+and weight = fp8 value * scale (the checkpoints' `weight_scale_inv`). Int4 (W4A16) banks are
+int32 words of eight 4-bit values along the input dimension (w13 [S, 2I, H/8], w2 [S, H, I/8];
+value i of a word at bits 4i, stored + 8), block_shape (1, group): a scale per row and group.
+The kernels dequantize as they read; the activations stay in hidden's dtype.
 """
 import torch
 
@@ -20,8 +30,10 @@ __all__ = ["BLOCK_ASSIGNMENTS", "check_options", "fused_moe"]
 BLOCK_ASSIGNMENTS = ("auto", "sorted", "naive")
 
 
-def check_options(block_assignment: str, out, sum_routes: bool) -> None:
+def check_options(block_assignment: str, out, sum_routes: bool, scales=(None, None), block_shape=None) -> None:
     """The checks every implementation makes of fused_moe's keyword arguments."""
+    if (scales[0] is None) != (scales[1] is None) or (scales[0] is None) != (block_shape is None):
+        raise ValueError("w13_scale, w2_scale and block_shape come together (block-quantized banks) or not at all")
     if block_assignment not in BLOCK_ASSIGNMENTS:
         raise ValueError(f"block_assignment {block_assignment!r} not in {BLOCK_ASSIGNMENTS}")
     if not sum_routes and out is not None:
@@ -39,12 +51,17 @@ def fused_moe(
     block_assignment: str = "auto",
     out: torch.Tensor | None = None,
     sum_routes: bool = True,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block_shape: tuple[int, int] | None = None,
     impl: str | None = None,
 ) -> torch.Tensor:
     """[T, H] (see the module). Triton runs when hidden is on CUDA (the weights may be pinned
     host memory). block_assignment applies to the Triton path. sum_routes=False: the weighted
     route outputs [T, K, H] instead of their sum (hidden's dtype on the Triton path, float32 on
-    the reference's), for norm_rope.fused_add_rms_norm to sum with the residual add."""
+    the reference's), for norm_rope.fused_add_rms_norm to sum with the residual add.
+    w13_scale, w2_scale, block_shape: the scales of block-quantized banks (see the module)."""
     return implementation("fused_moe", hidden, impl).fused_moe(
         hidden, w13, w2, topk_weights, topk_ids, num_routed_experts=num_routed_experts,
-        block_assignment=block_assignment, out=out, sum_routes=sum_routes)
+        block_assignment=block_assignment, out=out, sum_routes=sum_routes,
+        w13_scale=w13_scale, w2_scale=w2_scale, block_shape=block_shape)

@@ -12,6 +12,10 @@ rows are computed with one matmul per bank, in float32, then the K route results
 token are summed in order k = 0..K-1 and cast once. A group's rows and their order depend
 on the routes only, not on which index an expert sits at, so the same routes over a
 layer's bank and over a slot pool holding the same rows give bit-identical output.
+
+Block-quantized banks (w13_scale, w2_scale, block_shape: kernels/fused_moe/__init__.py): each
+group's expert matrices are first dequantized to float32 (`dequantize_blocks`; int4 words
+unpacked by `unpack_int4`), then the same arithmetic runs.
 """
 import torch
 import torch.nn.functional as F
@@ -30,6 +34,35 @@ def _route_groups(flat_ids: torch.Tensor) -> tuple[torch.Tensor, list[int], list
 
 
 
+def unpack_int4(packed: torch.Tensor, cols: int) -> torch.Tensor:
+    """int32 values [..., R, cols] in [-8, 7] of int4 words [..., R, ceil(cols / 8)]: value i of a
+    word at bits 4i..4i+3, stored + 8 (compressed-tensors' pack-quantized layout)."""
+    shifts = torch.arange(8, dtype=torch.int32, device=packed.device) * 4
+    nibbles = (packed[..., None] >> shifts) & 0xF
+    return (nibbles.flatten(-2)[..., :cols] - 8).to(torch.int32)
+
+
+def dequantize_blocks(weight: torch.Tensor, scales: torch.Tensor, block_shape: tuple[int, int],
+                      cols: int | None = None) -> torch.Tensor:
+    """float32 weight [..., R, C] * its block's scale: scales [..., ceil(R / bn), ceil(C / bk)]
+    hold one value per (bn, bk) block, the last row and column of blocks possibly partial.
+    An int32 weight is packed int4 of `cols` columns (default: 8 per word), unpacked first."""
+    if weight.dtype == torch.int32:
+        weight = unpack_int4(weight, cols if cols is not None else 8 * weight.shape[-1])
+    rows, cols = weight.shape[-2:]
+    expanded = scales.float().repeat_interleave(block_shape[0], dim=-2).repeat_interleave(block_shape[1], dim=-1)
+    return weight.float() * expanded[..., :rows, :cols]
+
+
+def dequantize_w13(w13: torch.Tensor, scales: torch.Tensor, block_shape: tuple[int, int],
+                   cols: int | None = None) -> torch.Tensor:
+    """One expert's gate+up matrix [2I, H] in float32: gate and up blocked each on its own."""
+    gate, up = w13.chunk(2, dim=-2)
+    gate_scales, up_scales = scales.chunk(2, dim=-2)
+    return torch.cat([dequantize_blocks(gate, gate_scales, block_shape, cols),
+                      dequantize_blocks(up, up_scales, block_shape, cols)], dim=-2)
+
+
 def _expert_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)) for rows x [n, H] float32 of one expert, in float32."""
     gate_up = F.linear(x, w13.float())
@@ -38,12 +71,12 @@ def _expert_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.
 
 
 def fused_moe(hidden, w13, w2, topk_weights, topk_ids, *, num_routed_experts=None, block_assignment="auto",
-              out=None, sum_routes=True) -> torch.Tensor:
+              out=None, sum_routes=True, w13_scale=None, w2_scale=None, block_shape=None) -> torch.Tensor:
     """Reference fused MoE, the same signature as the Triton kernel's; num_routed_experts and
     block_assignment (validated) do not change its arithmetic: it has no tiles to size.
     sum_routes=False returns the weighted route outputs [T, K, H] in float32 instead, which
     ``sum_route_partials`` and a rounding to hidden's dtype turn into the [T, H] result."""
-    check_options(block_assignment, out, sum_routes)
+    check_options(block_assignment, out, sum_routes, (w13_scale, w2_scale), block_shape)
     num_tokens, hidden_size = hidden.shape
     top_k = topk_ids.shape[1]
     if out is None and sum_routes:
@@ -60,7 +93,11 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids, *, num_routed_experts=Non
         routes = order[start:start + count]
         start += count
         x = hidden[routes // top_k].float()
-        route_out[routes] = _expert_rows(x, w13[expert], w2[expert]) * route_weights[routes]
+        gate_up, down = w13[expert], w2[expert]
+        if block_shape is not None:
+            gate_up = dequantize_w13(gate_up, w13_scale[expert], block_shape, hidden_size)
+            down = dequantize_blocks(down, w2_scale[expert], block_shape, w13.shape[1] // 2)
+        route_out[routes] = _expert_rows(x, gate_up, down) * route_weights[routes]
     per_token = route_out.view(num_tokens, top_k, hidden_size)
     if not sum_routes:
         return per_token

@@ -5,6 +5,13 @@ Contract (the oracle is moeferry.kernels.fused_moe.reference):
     hidden        [T, H] bf16|fp16|fp32; read only.
     w13           [S, 2I, H] dtype of hidden, rows [0:I] gate, [I:2I] up; read only.
     w2            [S, H, I] dtype of hidden; read only.
+                  Block FP8 (w13_scale, w2_scale, block_shape given; layout in
+                  kernels/fused_moe/__init__.py): both banks float8_e4m3fn, their scales
+                  float32. Int4 (the same, banks int32): w13 [S, 2I, H/8], w2 [S, H, I/8],
+                  eight 4-bit values per word along K, unpacked as they are read. Each K tile of BLOCK_K (a divisor of the scale block's columns)
+                  is multiplied with the fp8 values converted exactly to hidden's dtype, and
+                  the fp32 partial product is scaled per output column by its block's scale
+                  before it joins the accumulator (W8A16; no weight is rounded).
                   Either bank may be host-resident (pinned CPU memory while hidden is on
                   CUDA): the kernels read it in place over PCIe (UVA), never copying it.
     topk_weights  [T, K] float32; topk_ids [T, K] int32|int64, each in [0, S).
@@ -33,7 +40,7 @@ Invariants:
       alignment, but an expert shared by several tokens is read once per token. It is
       allowed only when T * K * 4 <= num_routed_experts.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -150,11 +157,38 @@ def _block_rows(pid_m, sorted_route_ptr, block_expert_ptr, num_post_padded_ptr, 
 
 
 @triton.jit
+def _load_b(b_ptrs, mask, offs_k, PACKED: tl.constexpr):
+    """A [BLOCK_K, BLOCK_N] tile of weights. PACKED: each element reads the int32 word of its
+    4-bit value (value i of a word at bits 4i, stored + 8) and comes back as the signed value in
+    float32 (exact; an integer converts to bf16 through it)."""
+    if PACKED:
+        words = tl.load(b_ptrs, mask=mask, other=0)
+        return (((words >> ((offs_k % 8) * 4)[:, None]) & 0xF) - 8).to(tl.float32)
+    return tl.load(b_ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _scaled_dot(a, b, acc, scale_ptrs, scale_offset, col_valid, QUANT: tl.constexpr, IEEE: tl.constexpr):
+    """acc + a @ b; QUANT: b holds quantized values (fp8, or int4 unpacked) whose scale is one
+    per output column over this K tile (scale_ptrs + scale_offset), applied to the fp32
+    partial product."""
+    if QUANT:
+        scales = tl.load(scale_ptrs + scale_offset, mask=col_valid, other=0.0)
+        partial = dot(a, b.to(a.dtype), tl.zeros(acc.shape, dtype=tl.float32), IEEE)
+        return acc + partial * scales[None, :]
+    return dot(a, b, acc, IEEE)
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, route_weight_ptr,
     sorted_route_ptr, block_expert_ptr, num_post_padded_ptr, ids_ptr,
     num_routes, n_out, k_in, num_m_blocks,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    scale_ptr, stride_se, stride_sn, stride_sk, up_scale_row,
+    QUANT: tl.constexpr,  # b is quantized with float32 scales per (SCALE_BN, SCALE_BK) block
+    PACKED: tl.constexpr, PACK: tl.constexpr,  # b is int4, PACK = 8 values per int32 along k
+    SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     A_ROWS_PER_ROUTE_DIV: tl.constexpr,  # a row = route // this (K for hidden, 1 for act)
     GATED: tl.constexpr,  # b rows [0:n_out] gate, [n_out:2 n_out] up; c = silu(gate) * up
     WEIGHTED: tl.constexpr,  # c *= route_weight[route]
@@ -183,20 +217,21 @@ def _moe_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + expert.to(tl.int64) * stride_be + offs_n[None, :] * stride_bn \
-        + offs_k[:, None] * stride_bk
+        + (offs_k // PACK)[:, None] * stride_bk
+    scale_ptrs = scale_ptr + expert.to(tl.int64) * stride_se + (offs_n // SCALE_BN) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, k_in, BLOCK_K):
         k_valid = offs_k < k_in - k0
         a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
-        acc = dot(a, b, acc, IEEE)
+        b = _load_b(b_ptrs, k_valid[:, None] & col_valid[None, :], offs_k, PACKED)
+        acc = _scaled_dot(a, b, acc, scale_ptrs, k0 // SCALE_BK * stride_sk, col_valid, QUANT, IEEE)
         if GATED:
-            b_up = tl.load(b_ptrs + n_out * stride_bn, mask=k_valid[:, None] & col_valid[None, :],
-                           other=0.0)
-            acc_up = dot(a, b_up, acc_up, IEEE)
+            b_up = _load_b(b_ptrs + n_out * stride_bn, k_valid[:, None] & col_valid[None, :], offs_k, PACKED)
+            acc_up = _scaled_dot(a, b_up, acc_up, scale_ptrs + up_scale_row * stride_sn,
+                                 k0 // SCALE_BK * stride_sk, col_valid, QUANT, IEEE)
         a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+        b_ptrs += BLOCK_K // PACK * stride_bk
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if WEIGHTED:
@@ -234,16 +269,30 @@ def _route_blocks(topk_ids: torch.Tensor, num_weight_rows: int, assignment: str,
     return sorted_route_ids, block_expert, num_post_padded, block_expert.numel()
 
 
+def quantized_block_k(block_k: int, scale_block_k: int) -> int:
+    """The K tile over block-scaled weights: the largest power of two that divides the scale
+    block's columns and is at most `block_k`, so one K tile never straddles two scales."""
+    return min(block_k, scale_block_k & -scale_block_k)
+
+
 def _launch_gemm(a, b, c, route_weights, blocks, topk_ids, *, gated, weighted, a_div, naive,
-                 config):
+                 config, scales=None, block_shape=None):
     sorted_route_ids, block_expert, num_post_padded, num_m_blocks = blocks
     n_out = c.shape[1]
     k_in = a.shape[1]
+    quant = scales is not None
+    if quant:
+        config = replace(config, block_k=quantized_block_k(config.block_k, block_shape[1]))
+    else:  # unread placeholders
+        scales, block_shape = route_weights, (1, 1)
+    scale_strides = scales.stride() if quant else (0, 0, 0)
     grid = (num_m_blocks * triton.cdiv(n_out, config.block_n),)
     _moe_gemm_kernel[grid](
         a, b, c, route_weights, sorted_route_ids, block_expert, num_post_padded, topk_ids,
         topk_ids.numel(), n_out, k_in, num_m_blocks,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
+        scales, *scale_strides, triton.cdiv(n_out, block_shape[0]),
+        QUANT=quant, PACKED=b.dtype == torch.int32, PACK=_pack(b), SCALE_BN=block_shape[0], SCALE_BK=block_shape[1],
         A_ROWS_PER_ROUTE_DIV=a_div, GATED=gated, WEIGHTED=weighted, NAIVE=naive,
         IEEE=exact_dot(a.dtype),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
@@ -252,30 +301,55 @@ def _launch_gemm(a, b, c, route_weights, blocks, topk_ids, *, gated, weighted, a
     )
 
 
-def _check_shapes(hidden, w13, w2, topk_weights, topk_ids):
+def _pack(weight: torch.Tensor) -> int:
+    """Values per stored element along K: 8 for int4 packed in int32, else 1."""
+    return 8 if weight.dtype == torch.int32 else 1
+
+
+def _check_scales(w13, w2, w13_scale, w2_scale, block_shape):
+    """Quantized banks: fp8 or packed int4 weights and float32 scales of the layout in __init__.py."""
+    if w13.dtype != w2.dtype or w13.dtype not in (torch.float8_e4m3fn, torch.int32):
+        raise ValueError(f"quantized weights must both be float8_e4m3fn or int32 (int4), got {w13.dtype}/{w2.dtype}")
+    hidden_size, inter = w2.shape[1], w13.shape[1] // 2
+    bn, bk = block_shape
+    want13 = (w13.shape[0], 2 * triton.cdiv(inter, bn), triton.cdiv(hidden_size, bk))
+    want2 = (w2.shape[0], triton.cdiv(hidden_size, bn), triton.cdiv(inter, bk))
+    if tuple(w13_scale.shape) != want13 or tuple(w2_scale.shape) != want2:
+        raise ValueError(f"scales {tuple(w13_scale.shape)}/{tuple(w2_scale.shape)} do not match {block_shape} blocks: "
+                         f"want {want13}/{want2}")
+    if w13_scale.dtype != torch.float32 or w2_scale.dtype != torch.float32:
+        raise ValueError("block scales must be float32")
+    if bk % 16:
+        raise ValueError(f"block columns {bk}: the K tile (a divisor of them) must be a multiple of 16 for tl.dot")
+
+
+def _check_shapes(hidden, w13, w2, topk_weights, topk_ids, quantized: bool = False):
     num_tokens, hidden_size = hidden.shape
-    intermediate_size = w2.shape[2]
-    if w13.shape[1:] != (2 * intermediate_size, hidden_size) or w2.shape[1] != hidden_size:
+    intermediate_size, pack = w13.shape[1] // 2, _pack(w13)
+    if (w13.shape[1:] != (2 * intermediate_size, triton.cdiv(hidden_size, pack)) or w2.shape[1] != hidden_size
+            or w2.shape[2] != triton.cdiv(intermediate_size, pack)):
         raise ValueError(f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not match hidden "
                          f"{tuple(hidden.shape)}: want w13 [S, 2I, H], w2 [S, H, I]")
     if w13.shape[0] != w2.shape[0]:
         raise ValueError("w13 and w2 must have the same number of rows S")
-    if w13.dtype != hidden.dtype or w2.dtype != hidden.dtype:
+    if not quantized and (w13.dtype != hidden.dtype or w2.dtype != hidden.dtype):
         raise ValueError(f"weights {w13.dtype}/{w2.dtype} must be in hidden's {hidden.dtype}")
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != num_tokens:
         raise ValueError("topk_ids and topk_weights must both be [T, K]")
 
 
 def fused_moe(hidden, w13, w2, topk_weights, topk_ids, *, num_routed_experts: int, block_assignment="auto",
-              out=None, sum_routes=True) -> torch.Tensor:
+              out=None, sum_routes=True, w13_scale=None, w2_scale=None, block_shape=None) -> torch.Tensor:
     """Triton fused MoE; see the module docstring for the contract. sum_routes=False skips
     kernel 4 and returns route_out as [T, K, H] (hidden's dtype): the caller sums it, as
     the residual add + RMSNorm after a MoE layer does (kernels/norm_rope/triton.py)."""
-    _check_shapes(hidden, w13, w2, topk_weights, topk_ids)
-    check_options(block_assignment, out, sum_routes)
+    check_options(block_assignment, out, sum_routes, (w13_scale, w2_scale), block_shape)
+    _check_shapes(hidden, w13, w2, topk_weights, topk_ids, quantized=block_shape is not None)
+    if block_shape is not None:
+        _check_scales(w13, w2, w13_scale, w2_scale, block_shape)
     num_tokens, hidden_size = hidden.shape
     top_k = topk_ids.shape[1]
-    intermediate_size = w2.shape[2]
+    intermediate_size = w13.shape[1] // 2
     if out is None and sum_routes:
         out = torch.empty_like(hidden)
     if num_tokens == 0:
@@ -296,9 +370,9 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids, *, num_routed_experts: in
     route_out = torch.empty(flat_ids.numel(), hidden_size, dtype=hidden.dtype,
                             device=hidden.device)
     _launch_gemm(hidden, w13, act, route_weights, blocks, flat_ids, gated=True, weighted=False,
-                 a_div=top_k, naive=naive, config=config)
+                 a_div=top_k, naive=naive, config=config, scales=w13_scale, block_shape=block_shape)
     _launch_gemm(act, w2, route_out, route_weights, blocks, flat_ids, gated=False, weighted=True,
-                 a_div=1, naive=naive, config=config)
+                 a_div=1, naive=naive, config=config, scales=w2_scale, block_shape=block_shape)
     if not sum_routes:
         return route_out.view(num_tokens, top_k, hidden_size)
     block_h = min(1024, triton.next_power_of_2(hidden_size))
