@@ -184,14 +184,16 @@ def expert_routes(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
 
 
 def fused_moe(hidden, w13, w2, topk_weights, topk_ids, *, num_routed_experts=None, block_assignment="auto",
-              out=None, sum_routes=True) -> torch.Tensor:
-    """The op's contract on the host: bf16 through the compiled kernel, other dtypes (and a
-    machine that cannot build it) through the reference. sum_routes=False gives the bf16
-    route outputs [T, K, H], as the Triton kernel does."""
+              out=None, sum_routes=True, w13_scale=None, w2_scale=None, block_shape=None) -> torch.Tensor:
+    """The op's contract on the host: bf16 through the compiled kernel; other dtypes, quantized
+    banks (scales given) and a machine that cannot build it through the reference.
+    sum_routes=False gives the bf16 route outputs [T, K, H], as the Triton kernel does."""
     check_options(block_assignment, out, sum_routes)
-    if hidden.dtype != torch.bfloat16 or w13.dtype != torch.bfloat16 or not available():
+    if (hidden.dtype != torch.bfloat16 or w13.dtype != torch.bfloat16 or w13_scale is not None
+            or not available()):
         return reference.fused_moe(hidden, w13, w2, topk_weights, topk_ids, num_routed_experts=num_routed_experts,
-                                   block_assignment=block_assignment, out=out, sum_routes=sum_routes)
+                                   block_assignment=block_assignment, out=out, sum_routes=sum_routes,
+                                   w13_scale=w13_scale, w2_scale=w2_scale, block_shape=block_shape)
     routes = expert_routes(hidden, w13, w2, topk_weights, topk_ids)
     if not sum_routes:
         return routes
