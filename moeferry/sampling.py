@@ -61,6 +61,8 @@ class SamplingParams:
     neutral values do nothing. `logprobs` None: no log-probs; k >= 0: each token's log-prob
     and the k most likely tokens' (engine/sampler.py says of which distribution). `n`: the
     number of samples of the prompt (the server makes one request of each).
+    `skip_special_tokens` False keeps special tokens in the text (a tool-call syntax made of
+    them is read from it), all but the end or stop token that finishes the request.
 
     Invariant after construction: every value is unset (MODEL_DEFAULTED's fields only) or in
     its range (else InvalidRequest naming the field), finite, and normalised (tiny temperature
@@ -82,6 +84,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     n: int = 1
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
         if isinstance(self.stop, str):

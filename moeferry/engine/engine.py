@@ -100,7 +100,7 @@ class Engine:
         self._check_token_ids("logit_bias", list(params.logit_bias or ()))
         req = Request(ids, params)
         self.scheduler.add(req)
-        self._detok[req.rid] = IncrementalDetokenizer(self.tokenizer, ids)
+        self._detok[req.rid] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         self.counters["prompt_tokens"] += len(ids)
         return req
 
@@ -163,10 +163,11 @@ class Engine:
         req.num_computed = req.num_tokens - 1
         self.counters["generation_tokens"] += 1
         p = req.params
-        delta = self._detok[req.rid].push(token)
         reason = None
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
             reason = "stop"
+        # The ending token's own text is never output (skipped as special, or held out here).
+        delta = "" if reason and not p.skip_special_tokens else self._detok[req.rid].push(token)
         text = req.text + delta
         for s in p.stop:
             cut = text.find(s, max(0, len(req.text) - len(s)))

@@ -25,6 +25,7 @@ from moeferry.server.metrics import ActivityLogger, ServerMetrics
 from moeferry.server.openai_api import ModelInfo, OpenAIEndpoints
 from moeferry.server.openapi import openapi_schema
 from moeferry.server.protocol import MAX_BODY_BYTES, APIError
+from moeferry.tools import family_parser
 
 logger = logging.getLogger("moeferry.server")
 
@@ -43,11 +44,13 @@ class ServerConfig:
     served_model_name: str | None = None
     log_interval: float = 10.0
     max_body_bytes: int = MAX_BODY_BYTES
+    tool_call_parser: str | None = None  # None: the model family's (tools.FAMILY_PARSERS)
 
     @classmethod
     def from_args(cls, args) -> "ServerConfig":
         return cls(host=args.host, port=args.port, api_key=args.api_key or None,
-                   served_model_name=args.served_model_name, log_interval=args.log_interval)
+                   served_model_name=args.served_model_name, log_interval=args.log_interval,
+                   tool_call_parser=args.tool_call_parser)
 
 
 def served_model_name(engine, config: ServerConfig) -> str:
@@ -60,7 +63,7 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     metrics = ServerMetrics()
     engine_loop = EngineLoop(engine, metrics, ActivityLogger(config.log_interval))
     info = ModelInfo(served_model_name(engine, config), engine.scheduler.context_limit, engine.mc.vocab_size,
-                     int(time.time()))
+                     int(time.time()), family_parser(engine.mc.model_type, config.tool_call_parser))
     api = OpenAIEndpoints(engine_loop, engine.tokenizer, info, config.max_body_bytes)
 
     @contextlib.asynccontextmanager

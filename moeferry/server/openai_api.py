@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import json
 from dataclasses import dataclass
+from functools import partial
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -21,6 +22,7 @@ from moeferry.sampling import SamplingParams
 from moeferry.server.protocol import (APIError, ChatCompletionRequest, ChatFormat, Choice, CompletionFormat,
                                       CompletionRequest, decode_json, usage, validation_error)
 from moeferry.tokenizer.tokenizer import apply_chat_template
+from moeferry.tools.plan import ToolPlan, plan_tools
 
 _DISCONNECT_POLL_S = 0.5
 # The finish_reason a stream cut short by the server's shutdown ends with: OpenAI's values are
@@ -63,6 +65,7 @@ class ModelInfo:
     context_limit: int  # prompt + generated tokens of one request
     vocab_size: int
     created: int
+    tool_parser: str | None = None  # the tools registry's parser of the model's tool-call syntax
 
 
 class OpenAIEndpoints:
@@ -79,10 +82,11 @@ class OpenAIEndpoints:
     async def chat(self, request: Request):
         body = parse(ChatCompletionRequest, await read_json(request, self.max_body_bytes))
         self._check_common(body)
+        tools = plan_tools(body.tool_dicts, body.tool_choice_value, body.parallel_tool_calls, self.info.tool_parser)
         messages = [m.as_template_input() for m in body.messages]
-        ids = await asyncio.to_thread(self._chat_ids, messages)
-        return await self._generate(request, body, ids, body.requested_max_tokens, ChatFormat,
-                                    prompt_param="messages")
+        ids = await asyncio.to_thread(self._chat_ids, messages, tools.template_tools)
+        return await self._generate(request, body, ids, body.requested_max_tokens, partial(ChatFormat, tools=tools),
+                                    prompt_param="messages", adjust=partial(with_tools, tools))
 
     async def completions(self, request: Request):
         body = parse(CompletionRequest, await read_json(request, self.max_body_bytes))
@@ -107,9 +111,9 @@ class OpenAIEndpoints:
                            param="model", code="model_not_found")
         body.check()
 
-    def _chat_ids(self, messages: list[dict]) -> list[int]:
+    def _chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         try:
-            return apply_chat_template(self.tokenizer, messages)
+            return apply_chat_template(self.tokenizer, messages, tools)
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from None
 
@@ -145,8 +149,10 @@ class OpenAIEndpoints:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
 
     async def _generate(self, request: Request, body, ids: list[int], requested: int | None, fmt_type,
-                        prompt_param: str):
+                        prompt_param: str, adjust=None):
         params = body.sampling_params(self._max_tokens(ids, requested, prompt_param))
+        if adjust is not None:
+            params = adjust(params)
         fmt = fmt_type(self.info.name, self._token_text, params.logprobs is not None)
         handles = []
         try:
@@ -175,7 +181,9 @@ class OpenAIEndpoints:
             elif delta.error is not None:
                 yield _event(delta.error.body())
             elif delta.text or delta.finish_reason is not None or tokens:
-                yield _event(fmt.chunk(index, delta.text, delta.finish_reason, tokens))
+                chunk = fmt.chunk(index, delta.text, delta.finish_reason, tokens)
+                if chunk is not None:
+                    yield _event(chunk)
         if include_usage and last:
             yield _event(fmt.usage_chunk(_usage(last.values())))
         yield "data: [DONE]\n\n"
@@ -198,6 +206,24 @@ class OpenAIEndpoints:
         if failed is not None:  # failed (500) or cut short by shutdown (503): no partial text
             raise failed.error
         return JSONResponse(fmt.full(choices, _usage(lasts)))
+
+
+def with_tools(tools: ToolPlan, params: SamplingParams) -> SamplingParams:
+    """The params of a request under its tool plan: special tokens kept where the tool-call
+    syntax is made of them, and the answer held to the plan's JSON schema."""
+    if tools.keeps_special_tokens:
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    if tools.schema is not None:
+        params = constrain_to_json_schema(params, tools.schema)
+    return params
+
+
+def constrain_to_json_schema(params: SamplingParams, schema: dict) -> SamplingParams:
+    """THE GRAMMAR HOOKUP (issue 25, structured output): tool_choice "required" and a named
+    function hold the answer to `schema` through the grammar the structured-output work adds
+    to the device sampler. Until it lands the answer is not held to it: it is read as the
+    schema's form (tools/choice.py), and a model that writes something else answers content."""
+    return params
 
 
 def choice_params(params: SamplingParams, choice: int) -> SamplingParams:
