@@ -1,0 +1,221 @@
+"""Tool calling through the official `openai` client against the server on the built-in model,
+its answers scripted (moeferry.testing.scripted: a tiny model cannot be made to call a tool
+until the grammar holds it): a round trip per family's parser, streamed tool-call deltas that
+join into the non-streamed call, tool_choice none / required / named, tool messages in the
+history rendered as transformers renders them, and an agent loop that runs a local function."""
+
+import contextlib
+import json
+import socket
+import threading
+import time
+
+import openai
+import pytest
+
+from moeferry.testing.scripted import scripted_answers
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+ASK = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Weather in Paris?"}]
+ARGS = '{"city": "Paris"}'
+CALL_TEXT = {  # each family's way of writing the same two calls, and text before them
+    "hermes": f'Checking.\n<tool_call>\n{{"name": "get_weather", "arguments": {ARGS}}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+    "mistral": f'Checking. [TOOL_CALLS] [{{"name": "get_weather", "arguments": {ARGS}}}, '
+               '{"name": "get_time", "arguments": {}}]',
+    "deepseek_v3": f"Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{ARGS}"
+                   "\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{}\n```"
+                   "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+    "openai": "<|channel|>analysis<|message|>Two tools.<|end|><|start|>assistant<|channel|>commentary "
+              f"to=functions.get_weather <|constrain|>json<|message|>{ARGS}<|end|><|start|>assistant<|channel|>"
+              "commentary to=functions.get_time <|constrain|>json<|message|>{}",
+}
+EXPECTED = [("get_weather", ARGS), ("get_time", "{}")]
+
+
+@contextlib.contextmanager
+def serving(engine, **config):
+    """`engine` served on a free port in a thread (a ServerConfig of `config`)."""
+    from moeferry.server.app import ServerConfig, build_app, make_server
+
+    srv = make_server(build_app(engine, cfg := ServerConfig(log_interval=0, **config)), cfg)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not srv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    try:
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="-", max_retries=0,
+                            timeout=60)
+    finally:
+        srv.should_exit = True
+        thread.join(30)
+    assert not thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def engine(model_cache):
+    from moeferry.config import EngineConfig
+    from moeferry.engine.engine import Engine
+
+    return Engine(EngineConfig(dtype="float32", device="cpu", max_running_requests=4, max_model_len=1024))
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    with serving(engine) as client:
+        yield client
+
+
+def answer(text):
+    """A script answering `text` to every prompt."""
+    return lambda _prompt: text
+
+
+def calls_of(message) -> list[tuple[str, str]]:
+    return [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+
+
+def joined_stream(stream) -> dict:
+    """A chat stream's deltas joined as a client joins them (tool calls by index)."""
+    content, reasoning, calls, finish = "", "", {}, None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        for tc in delta.tool_calls or []:
+            if tc.id is not None:
+                assert tc.index == len(calls) and tc.type == "function" and tc.function.name
+                assert tc.id.startswith("call_") or len(tc.id) == 9
+                calls[tc.index] = [tc.function.name, ""]
+            calls[tc.index][1] += tc.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return {"content": content, "reasoning": reasoning, "calls": [tuple(calls[i]) for i in sorted(calls)],
+            "finish": finish}
+
+
+@pytest.mark.parametrize("parser", list(CALL_TEXT))
+def test_a_tool_call_round_trip_per_family_parser(engine, parser):
+    with serving(engine, tool_call_parser=parser) as client, scripted_answers(engine, answer(CALL_TEXT[parser])):
+        kwargs = dict(model="moeferry-tiny-moe", messages=ASK, tools=[WEATHER_TOOL, TIME_TOOL], temperature=0)
+        whole = client.chat.completions.create(**kwargs)
+        joined = joined_stream(client.chat.completions.create(**kwargs, stream=True))
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert calls_of(choice.message) == EXPECTED
+    assert all(c.type == "function" for c in choice.message.tool_calls)
+    assert len({c.id for c in choice.message.tool_calls}) == 2
+    for _, arguments in calls_of(choice.message):
+        json.loads(arguments)
+    if parser == "openai":
+        assert choice.message.content is None and choice.message.reasoning_content == "Two tools."
+    else:
+        assert choice.message.content == "Checking."
+    assert joined == {"content": choice.message.content or "", "calls": EXPECTED, "finish": "tool_calls",
+                      "reasoning": getattr(choice.message, "reasoning_content", None) or ""}
+
+
+def test_tool_choice_none_renders_no_tools_and_reads_no_calls(engine, client):
+    plain = client.chat.completions.create(model="moeferry-tiny-moe", messages=ASK, max_tokens=1)
+    with scripted_answers(engine, answer(CALL_TEXT["hermes"])):
+        out = client.chat.completions.create(model="moeferry-tiny-moe", messages=ASK, tools=[WEATHER_TOOL],
+                                             tool_choice="none")
+    assert out.usage.prompt_tokens == plain.usage.prompt_tokens
+    assert out.choices[0].message.content == CALL_TEXT["hermes"] and not out.choices[0].message.tool_calls
+    assert out.choices[0].finish_reason == "stop"
+
+
+def test_a_text_answer_with_tools_offered_is_content(engine, client):
+    with scripted_answers(engine, answer("It is sunny.")):
+        out = client.chat.completions.create(model="moeferry-tiny-moe", messages=ASK, tools=[WEATHER_TOOL])
+        joined = joined_stream(client.chat.completions.create(model="moeferry-tiny-moe", messages=ASK,
+                                                              tools=[WEATHER_TOOL], stream=True))
+    assert out.choices[0].message.content == "It is sunny." and out.choices[0].finish_reason == "stop"
+    assert joined == {"content": "It is sunny.", "reasoning": "", "calls": [], "finish": "stop"}
+
+
+def test_required_and_named_tool_choice_read_the_schema_forms(engine, client):
+    required = f'[{{"name": "get_weather", "parameters": {ARGS}}}]'
+    with scripted_answers(engine, answer(required)):
+        out = client.chat.completions.create(model="moeferry-tiny-moe", messages=ASK, tools=[WEATHER_TOOL, TIME_TOOL],
+                                             tool_choice="required")
+    assert calls_of(out.choices[0].message) == [("get_weather", ARGS)]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    with scripted_answers(engine, answer(ARGS)):
+        out = client.chat.completions.create(model="moeferry-tiny-moe", messages=ASK, tools=[WEATHER_TOOL, TIME_TOOL],
+                                             tool_choice=named)
+        joined = joined_stream(client.chat.completions.create(model="moeferry-tiny-moe", messages=ASK, stream=True,
+                                                              tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=named))
+    assert calls_of(out.choices[0].message) == [("get_weather", ARGS)] and out.choices[0].finish_reason == "tool_calls"
+    assert joined["calls"] == [("get_weather", ARGS)] and joined["content"] == ""
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(engine, client):
+    with scripted_answers(engine, answer(CALL_TEXT["hermes"])):
+        out = client.chat.completions.create(model="moeferry-tiny-moe", messages=ASK, tools=[WEATHER_TOOL, TIME_TOOL],
+                                             parallel_tool_calls=False)
+    assert calls_of(out.choices[0].message) == EXPECTED[:1]
+
+
+HISTORY = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ARGS}},
+    {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    {"role": "tool", "tool_call_id": "call_2", "content": "noon"}]
+
+
+def test_tool_messages_in_the_history_render_as_transformers_renders_them(engine, client):
+    """transformers' own rendering of the conversation in its convention (arguments as dicts)."""
+    hf_messages = json.loads(json.dumps(HISTORY))
+    hf_messages[2]["content"] = ""
+    for call in hf_messages[2]["tool_calls"]:
+        call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+    tools = [WEATHER_TOOL, TIME_TOOL]
+    reference = engine.tokenizer.apply_chat_template(hf_messages, tools=tools, add_generation_prompt=True,
+                                                     tokenize=False)
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in reference and '"arguments": {"city": "Paris"}' in reference
+    expected_ids = engine.tokenizer(reference, add_special_tokens=False)["input_ids"]
+    out = client.chat.completions.create(model="moeferry-tiny-moe", messages=HISTORY, tools=tools, max_tokens=1)
+    assert out.usage.prompt_tokens == len(expected_ids)
+    from moeferry.server.protocol import ChatCompletionRequest
+    from moeferry.tokenizer.tokenizer import apply_chat_template
+
+    body = ChatCompletionRequest.model_validate({"messages": HISTORY, "tools": tools})
+    assert apply_chat_template(engine.tokenizer, [m.as_template_input() for m in body.messages],
+                               body.tool_dicts) == expected_ids
+
+
+def get_weather(city: str) -> str:
+    return {"Paris": "sunny, 21 C"}.get(city, "unknown")
+
+
+def test_an_agent_loop_calls_a_local_function_and_answers(engine, client):
+    """The client offers get_weather, the model calls it, the client runs it and sends the
+    result back as a tool message, and the model answers from it (the script reads the tool's
+    result from the prompt, so the answer proves the result reached the model)."""
+    def script(prompt: str) -> str:
+        if "<tool_response>" not in prompt:
+            return f'<tool_call>\n{{"name": "get_weather", "arguments": {ARGS}}}\n</tool_call>'
+        result = prompt.split("<tool_response>\n")[-1].split("\n</tool_response>")[0]
+        return f"In Paris it is {result}."
+
+    messages = list(ASK)
+    local_functions = {"get_weather": get_weather}
+    with scripted_answers(engine, script):
+        for _ in range(3):
+            out = client.chat.completions.create(model="moeferry-tiny-moe", messages=messages, tools=[WEATHER_TOOL])
+            message = out.choices[0].message
+            if out.choices[0].finish_reason != "tool_calls":
+                break
+            messages.append(message.model_dump(exclude_none=True))
+            for call in message.tool_calls:
+                result = local_functions[call.function.name](**json.loads(call.function.arguments))
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool"]
+    assert message.content == "In Paris it is sunny, 21 C."
