@@ -25,11 +25,13 @@ from moeferry.server.metrics import ActivityLogger, ServerMetrics
 from moeferry.server.openai_api import ModelInfo, OpenAIEndpoints
 from moeferry.server.openapi import openapi_schema
 from moeferry.server.protocol import MAX_BODY_BYTES, APIError
+from moeferry.server.responses import ResponsesEndpoint
 from moeferry.tools import family_parser
 
 logger = logging.getLogger("moeferry.server")
 
-_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/stats", "/health", "/metrics")
+_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/v1/stats", "/health",
+              "/metrics")
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     info = ModelInfo(served_model_name(engine, config), engine.scheduler.context_limit, engine.mc.vocab_size,
                      int(time.time()), family_parser(engine.mc.model_type, config.tool_call_parser))
     api = OpenAIEndpoints(engine_loop, engine.tokenizer, info, config.max_body_bytes)
+    responses = ResponsesEndpoint(api)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -77,7 +80,10 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="moeferry", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
     app.state.engine_loop, app.state.metrics, app.state.model_info = engine_loop, metrics, info
+    app.state.responses = responses
     _add_routes(app, api, engine_loop, metrics)
+    app.add_api_route("/v1/responses", responses.create, methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"])
     _add_error_handlers(app)
     app.openapi = lambda: openapi_schema(app, secured=config.api_key is not None)
     app.add_middleware(AccessMiddleware, api_key=config.api_key, metrics=metrics)
@@ -182,6 +188,8 @@ class AccessMiddleware:
 def _endpoint_label(path: str) -> str:
     if path in _ENDPOINTS:
         return path
+    if path.startswith("/v1/responses/"):
+        return "/v1/responses/{id}"
     return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
 
 

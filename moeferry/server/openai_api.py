@@ -188,8 +188,17 @@ class OpenAIEndpoints:
             yield _event(fmt.usage_chunk(_usage(last.values())))
         yield "data: [DONE]\n\n"
 
-    async def _collect(self, request: Request, handles: list[RequestHandle], fmt: ChatFormat) -> JSONResponse:
-        """Gather every choice's whole answer, aborting them all if the client goes away meanwhile."""
+    async def _collect(self, request: Request, handles: list[RequestHandle], fmt: ChatFormat) -> Response:
+        answers = await self.gather_answers(request, handles)
+        if answers is None:
+            return Response(status_code=499)
+        choices, lasts = answers
+        return JSONResponse(fmt.full(choices, _usage(lasts)))
+
+    async def gather_answers(self, request: Request, handles: list[RequestHandle]) -> tuple[list[Choice], list] | None:
+        """Every choice's whole answer and last Delta, or None when the client went away
+        meanwhile (every choice is then aborted); a failed choice (500) or one cut short by
+        shutdown (503) raises its error: no partial text."""
         watcher = asyncio.create_task(_wait_disconnect(request))
         reader = asyncio.create_task(_gather(self.loop, handles))
         try:
@@ -200,12 +209,12 @@ class OpenAIEndpoints:
             if not reader.done():
                 reader.cancel()  # the streams' finally blocks abort the requests
         if disconnected:
-            return Response(status_code=499)
+            return None
         choices, lasts = reader.result()
         failed = next((last for last in lasts if last.error is not None), None)
-        if failed is not None:  # failed (500) or cut short by shutdown (503): no partial text
+        if failed is not None:
             raise failed.error
-        return JSONResponse(fmt.full(choices, _usage(lasts)))
+        return choices, lasts
 
 
 def with_tools(tools: ToolPlan, params: SamplingParams) -> SamplingParams:

@@ -6,14 +6,11 @@ history rendered as transformers renders them, and an agent loop that runs a loc
 
 import contextlib
 import json
-import socket
-import threading
-import time
 
-import openai
 import pytest
 
 from moeferry.testing.scripted import scripted_answers
+from tests.server.conftest import openai_client, serve_engine
 
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city now.",
@@ -37,34 +34,15 @@ EXPECTED = [("get_weather", ARGS), ("get_time", "{}")]
 
 
 @contextlib.contextmanager
-def serving(engine, **config):
-    """`engine` served on a free port in a thread (a ServerConfig of `config`)."""
-    from moeferry.server.app import ServerConfig, build_app, make_server
-
-    srv = make_server(build_app(engine, cfg := ServerConfig(log_interval=0, **config)), cfg)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not srv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    try:
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="-", max_retries=0,
-                            timeout=60)
-    finally:
-        srv.should_exit = True
-        thread.join(30)
-    assert not thread.is_alive()
+def serving(engine, **server_options):
+    """An openai client of `engine` served with `server_options`."""
+    with serve_engine(engine, **server_options) as running:
+        yield openai_client(running)
 
 
 @pytest.fixture(scope="module")
-def engine(model_cache):
-    from moeferry.config import EngineConfig
-    from moeferry.engine.engine import Engine
-
-    return Engine(EngineConfig(dtype="float32", device="cpu", max_running_requests=4, max_model_len=1024))
+def engine(long_context_engine):
+    return long_context_engine
 
 
 @pytest.fixture(scope="module")
