@@ -230,8 +230,9 @@ def with_tools(tools: ToolPlan, params: SamplingParams) -> SamplingParams:
 def constrain_to_json_schema(params: SamplingParams, schema: dict) -> SamplingParams:
     """THE GRAMMAR HOOKUP (issue 25, structured output): tool_choice "required" and a named
     function hold the answer to `schema` through the grammar the structured-output work adds
-    to the device sampler. Until it lands the answer is not held to it: it is read as the
-    schema's form (tools/choice.py), and a model that writes something else answers content."""
+    to the device sampler. Until it lands the answer is not held to it, only read as the
+    schema's form (tools/choice.py): a "required" answer that is no JSON array is content, a
+    named function's answer is its arguments whatever the model wrote."""
     return params
 
 

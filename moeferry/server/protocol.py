@@ -274,6 +274,8 @@ class ToolDefinition(BaseModel):
 
 
 class FunctionName(BaseModel):
+    """The function a named tool_choice names."""
+
     name: _FunctionName
 
 
@@ -292,6 +294,8 @@ class FunctionCall(BaseModel):
 
 
 class ToolCall(BaseModel):
+    """One entry of an assistant message's `tool_calls`; a `tool` message answers its `id`."""
+
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall

@@ -42,6 +42,8 @@ class InputText(BaseModel):
 
 
 class InputMessage(BaseModel):
+    """A message of the input (`type` may be left out); its text parts join into one string."""
+
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[InputText]
@@ -91,6 +93,8 @@ class FunctionTool(BaseModel):
 
 
 class NamedFunction(BaseModel):
+    """tool_choice naming the function the answer must call (the Responses API's flat shape)."""
+
     type: Literal["function"]
     name: _FunctionName
 
@@ -369,7 +373,7 @@ class _Answer:
                 "model": self.endpoint.chat.info.name, "output": copy.deepcopy(self.output.items), "error": error,
                 "incomplete_details": incomplete, "instructions": body.instructions, "metadata": body.metadata or {},
                 "parallel_tool_calls": body.parallel_tool_calls is not False, "temperature": body.temperature,
-                "top_p": body.top_p, "tool_choice": body.tool_choice_value or "auto",
+                "top_p": body.top_p, "tool_choice": _echo(body.tool_choice) or "auto",
                 "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
                 "max_output_tokens": body.max_output_tokens, "previous_response_id": body.previous_response_id,
                 "store": body.store, "text": body.text or {"format": {"type": "text"}}, "truncation": "disabled",
@@ -409,6 +413,10 @@ class _Answer:
                 done = self.finish(delta)
                 kind = "response.completed" if done["status"] == "completed" else "response.incomplete"
                 yield sse({"type": kind, "response": done})
+
+
+def _echo(value):
+    return value.model_dump() if isinstance(value, BaseModel) else value
 
 
 def _as_input_item(item: dict):

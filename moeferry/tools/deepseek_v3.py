@@ -19,6 +19,7 @@ class DeepSeekV3Parser(OutputParser):
     (a call whose arguments break keeps them as far as they were JSON)."""
 
     name = "deepseek_v3"
+    keeps_special_tokens = True  # its tool tokens are added tokens: kept in the text whether special or not
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
         at = text.find(CALLS_BEGIN)

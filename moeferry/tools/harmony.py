@@ -4,8 +4,9 @@ messages, each `<|channel|>CHANNEL[ to=RECIPIENT][ <|constrain|>json]<|message|>
 the model's end tokens (which the engine leaves out of the text). The recipient may also
 come before the channel (`<|start|>assistant to=functions.f<|channel|>commentary`).
 
-Not openai-harmony: its parser needs the o200k tokenizer file, which it downloads on first
-use, and this server runs offline; the format is small enough to read from the text.
+Not openai-harmony: its parser needs the o200k tokenizer file, fetched on first use (a
+server may run offline), and reads token ids where this reads text; the format is small
+enough to read from the text.
 """
 
 from __future__ import annotations

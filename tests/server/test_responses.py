@@ -173,3 +173,11 @@ def test_bad_input_items_are_400s(client):
     with pytest.raises(openai.BadRequestError) as caught:
         client.responses.create(model=MODEL, input="Hi", tools=[WEATHER], tool_choice={"type": "function", "name": "g"})
     assert caught.value.body["param"] == "tool_choice"
+
+
+def test_a_named_tool_choice_answers_its_call_and_is_echoed_in_the_responses_shape(engine, client):
+    with scripted_answers(engine, lambda _p: ARGS):
+        out = client.responses.create(model=MODEL, input="Weather in Paris?", tools=[WEATHER],
+                                      tool_choice={"type": "function", "name": "get_weather"})
+    assert [(i.type, i.name, i.arguments) for i in out.output] == [("function_call", "get_weather", ARGS)]
+    assert (out.tool_choice.type, out.tool_choice.name) == ("function", "get_weather")

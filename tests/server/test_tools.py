@@ -197,3 +197,14 @@ def test_an_agent_loop_calls_a_local_function_and_answers(engine, client):
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool"]
     assert message.content == "In Paris it is sunny, 21 C."
+
+
+def test_a_syntax_of_special_tokens_keeps_them_in_the_text_all_but_the_end_token(engine, client):
+    """Mistral's [TOOL_CALLS] is a special token: its parser has the text keep them (here the
+    built-in model's <|im_start|>); the end token that finishes the answer is never text."""
+    kwargs = dict(model="moeferry-tiny-moe", messages=ASK, tools=[WEATHER_TOOL])
+    with scripted_answers(engine, answer("A<|im_start|>B")):
+        with serving(engine, tool_call_parser="mistral") as keeping:
+            kept = keeping.chat.completions.create(**kwargs).choices[0].message.content
+        skipped = client.chat.completions.create(**kwargs).choices[0].message.content
+    assert (kept, skipped) == ("A<|im_start|>B", "AB")
