@@ -141,3 +141,68 @@ def test_mistral_ids_are_nine_letters_or_digits():
 def test_max_calls_keeps_the_first_call():
     message = OutputStream(parser_class("hermes")(), max_calls=1).message(HERMES)
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+
+
+# Each syntax told to transformers' own response parser (tokenizer.parse_response, a parser
+# nobody here wrote) as a response template: the calls it reads must be ours.
+_ANCHOR = "<|im_start|>assistant\n"
+_CONTENT = {"content": "text", "repeats": True, "join": ""}
+_CALL = {"type": "function", "function": {"name": "{name}", "arguments": "{arguments}"}}
+HF_TEMPLATES = {
+    "hermes": {"start_anchor": _ANCHOR, "fields": {"content": _CONTENT, "tool_calls": {
+        "open": "<tool_call>", "close": "</tool_call>", "content": "json", "repeats": True,
+        "transform": {"type": "function", "function": "{content}"}}}},
+    "mistral": {"start_anchor": _ANCHOR, "fields": {"content": _CONTENT, "tool_calls": {
+        "open": "[TOOL_CALLS]", "content": "json", "transform_each": True, "transform": _CALL}}},
+    "deepseek_v3": {"start_anchor": _ANCHOR, "fields": {"content": _CONTENT, "tool_calls": {
+        "open_pattern": r"<｜tool▁call▁begin｜>(?P<name>[^<]+)<｜tool▁sep｜>", "close": "<｜tool▁call▁end｜>",
+        "content": "json", "repeats": True,
+        "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}}}}},
+}
+HF_CASES = [("hermes", HERMES, True), ("mistral", MISTRAL, True), ("deepseek_v3", DEEPSEEK_V31, False),
+            ("hermes", '<tool_call>{"arguments": {"q": 1}, "name": "f"}</tool_call>', True),
+            ("hermes", "No tools needed: 4.", True)]
+
+
+@pytest.mark.parametrize("name, text, same_content", HF_CASES)
+def test_the_calls_are_those_transformers_response_parser_reads(name, text, same_content):
+    from moeferry.tokenizer.tokenizer import load_tokenizer
+    from moeferry.default_model import BUILTIN_MODEL_DIR
+
+    reference = load_tokenizer(BUILTIN_MODEL_DIR).parse_response(text, schema=HF_TEMPLATES[name], prefix=_ANCHOR)
+    ours = message_of(parser_class(name)(), text)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in ours.get("tool_calls", [])] == \
+        [(c["function"]["name"], c["function"]["arguments"]) for c in reference.get("tool_calls", [])]
+    if same_content:
+        assert (ours["content"] or "") == reference.get("content", "")
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+    "additionalProperties": False}}},
+         {"type": "function", "function": {"name": "get_time"}}]
+VALID_ANSWERS = [[{"name": "get_weather", "parameters": {"city": "Paris"}}],
+                 [{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Rome"}}]]
+INVALID_ANSWERS = [[], [{"name": "get_date", "parameters": {}}], [{"name": "get_weather"}],
+                   [{"name": "get_weather", "parameters": {"city": 5}}], {"name": "get_time", "parameters": {}},
+                   [{"name": "get_weather", "parameters": {"city": "Paris", "country": "FR"}}]]
+
+
+def test_the_required_schema_admits_exactly_calls_of_the_tools():
+    """Checked by jsonschema_rs (a validator nobody here wrote); every answer it admits reads
+    as its calls."""
+    import jsonschema_rs
+
+    from moeferry.tools.choice import named_schema, required_schema
+
+    schema = required_schema(TOOLS, parallel=True)
+    assert all(jsonschema_rs.is_valid(schema, answer) for answer in VALID_ANSWERS)
+    assert not any(jsonschema_rs.is_valid(schema, answer) for answer in INVALID_ANSWERS)
+    assert not jsonschema_rs.is_valid(required_schema(TOOLS, parallel=False), VALID_ANSWERS[1])
+    for answer in VALID_ANSWERS:
+        calls = message_of(RequiredCallsParser(), json.dumps(answer))["tool_calls"]
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+            [(a["name"], a["parameters"]) for a in answer]
+    weather = named_schema(TOOLS, "get_weather")
+    assert jsonschema_rs.is_valid(weather, {"city": "Paris"}) and not jsonschema_rs.is_valid(weather, {})
+    assert named_schema(TOOLS, "get_time") == {"type": "object"}
