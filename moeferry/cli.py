@@ -307,8 +307,9 @@ def _add_serve(sub) -> None:
     from moeferry.tools import parser_names
 
     srv = sub.add_parser("serve", help="serve the OpenAI API over HTTP",
-                         description="Serve the OpenAI API: /v1/chat/completions and /v1/completions (streamed or "
-                                     "not), /v1/models, /health, /v1/stats, /metrics and /openapi.json.",
+                         description="Serve the OpenAI API: /v1/chat/completions, /v1/completions and /v1/responses "
+                                     "(streamed or not), /v1/models, /health, /v1/stats, /metrics and "
+                                     "/openapi.json.",
                          formatter_class=HelpFormatter)
     server = srv.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="the address to listen on")

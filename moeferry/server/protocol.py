@@ -321,9 +321,8 @@ class ChatMessage(BaseModel):
             content = "".join(part.text for part in content)
         out = {"role": self.role, "content": content or ""}
         if self.tool_calls:
-            out["tool_calls"] = [{"id": c.id, "type": "function",
-                                  "function": {"name": c.function.name, "arguments": _arguments_value(c.function.arguments)}}
-                                 for c in self.tool_calls]
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments_value(c.function.arguments)}} for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         if self.name is not None and self.role == "tool":
