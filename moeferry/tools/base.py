@@ -94,8 +94,8 @@ def _call_of(text: str, members, closed: bool) -> PartialCall:
     name = None
     if "name" in by_key and by_key["name"].end is not None:
         name = json.loads(text[by_key["name"].start:by_key["name"].end])
-        if not isinstance(name, str):
-            raise Malformed("a tool call's name must be a string", by_key["name"].start)
+        if not isinstance(name, str) or not name:
+            raise Malformed("a tool call's name must be a non-empty string", by_key["name"].start)
     arg = next((by_key[k] for k in ("arguments", "parameters") if k in by_key), None)
     return PartialCall(name, _arguments_text(text, arg, closed))
 

@@ -31,7 +31,7 @@ class DeepSeekV3Parser(OutputParser):
             if not text.startswith(CALL_BEGIN, pos):
                 break
             call, pos = _read_call(text, pos + len(CALL_BEGIN))
-            if call is None:
+            if call is None or not call.name:  # not whole yet, or naming nothing: the calls end here
                 break
             calls.append(call)
         return ParsedOutput(content=text[:at].rstrip(), calls=calls)

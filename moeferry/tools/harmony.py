@@ -55,7 +55,7 @@ class HarmonyParser(OutputParser):
         recipient = _RECIPIENT.search(header)
         if recipient is not None:
             name = recipient.group(1)
-            if name.startswith(FUNCTION_PREFIX) and self.calls:
+            if name.startswith(FUNCTION_PREFIX) and len(name) > len(FUNCTION_PREFIX) and self.calls:
                 out.calls.append(PartialCall(name[len(FUNCTION_PREFIX):], body))
             elif name.startswith(FUNCTION_PREFIX):
                 out.content += body

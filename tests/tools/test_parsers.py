@@ -45,6 +45,9 @@ CASES = [  # (parser, text, content, calls, reasoning)
     ("hermes", '<tool_call>{"name": "f", "arguments": {"a": 1]}</tool_call>', None, [("f", '{"a": 1')], None),
     ("hermes", "ends with <tool_ca", "ends with <tool_ca", [], None),
     ("mistral", "[TOOL_CALLS] not a list", "[TOOL_CALLS] not a list", [], None),
+    ("hermes", '<tool_call>{"name": "", "arguments": {}}</tool_call>', '<tool_call>{"name": "", "arguments": {}}</tool_call>',
+     [], None),
+    ("deepseek_v3", "a<｜tool▁calls▁begin｜><｜tool▁call▁begin｜><｜tool▁sep｜>{}<｜tool▁call▁end｜>", "a", [], None),
 ]
 
 
@@ -206,3 +209,35 @@ def test_the_required_schema_admits_exactly_calls_of_the_tools():
     weather = named_schema(TOOLS, "get_weather")
     assert jsonschema_rs.is_valid(weather, {"city": "Paris"}) and not jsonschema_rs.is_valid(weather, {})
     assert named_schema(TOOLS, "get_time") == {"type": "object"}
+
+
+_PIECES = {  # fragments each syntax's outputs are made of, in any order (well-formed or not)
+    "hermes": ["<tool_call>", "</tool_call>", "<tool_", "\n", " ", '{"name": "f"', '"arguments": ', '{"a": [1, "}"]}',
+               ", ", "}", "{", "x", '"', "\\"],
+    "mistral": ["[TOOL_CALLS]", " [", "]", '{"name": "f"', ', "arguments": ', '{"a": 1}', "}", ", ", "x", " "],
+    "deepseek_v3": ["<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
+                    "function", "f", "\n", "```json", '{"a": 1}', "{", "}", "x", " "],
+    "openai": ["<|channel|>", "analysis", "final", "commentary to=functions.f", "<|message|>", "<|end|>",
+               "<|start|>", "assistant", '{"a": 1}', "x", " ", "<|"],
+}
+
+
+@pytest.mark.parametrize("name", list(_PIECES))
+def test_any_output_streams_into_its_whole_message(name):
+    """Hypothesis over texts made of each syntax's fragments, in any order: the deltas of the
+    text fed a character at a time join into the message of the whole text."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=300, deadline=None, derandomize=True, database=None)
+    @given(st.lists(st.sampled_from(_PIECES[name]), max_size=14))
+    def streams_whole(pieces):
+        text = "".join(pieces)
+        whole = message_of(parser_class(name)(), text)
+        expected = {"content": whole["content"] or "", "reasoning": whole.get("reasoning_content") or "",
+                    "calls": [(c["function"]["name"], c["function"]["arguments"])
+                              for c in whole.get("tool_calls", [])]}
+        assert streamed(parser_class(name)(), list(text)) == expected
+        assert streamed(parser_class(name)(), pieces) == expected
+
+    streams_whole()
