@@ -56,7 +56,8 @@ def test_instructions_and_message_input_render_as_the_chat_template(engine, clie
     with scripted_answers(engine, recording("Fine.", prompts)):
         out = client.responses.create(model=MODEL, instructions="Be brief.",
                                       input=[{"role": "user", "content": "Hi"},
-                                             {"role": "assistant", "content": [{"type": "output_text", "text": "Hello"}]},
+                                             {"role": "assistant",
+                                              "content": [{"type": "output_text", "text": "Hello"}]},
                                              {"role": "user", "content": [{"type": "input_text", "text": "How?"}]}])
     reference = engine.tokenizer.apply_chat_template(
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
@@ -123,7 +124,8 @@ def test_previous_response_id_continues_the_conversation_with_the_call_output(en
     reference = engine.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Weather in Paris?"},
          {"role": "assistant", "content": "", "tool_calls": [
-             {"id": call.call_id, "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+             {"id": call.call_id, "type": "function",
+              "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
          {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}],
         tools=[{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}],
         add_generation_prompt=True, tokenize=False)

@@ -157,7 +157,8 @@ def test_tool_messages_in_the_history_render_as_transformers_renders_them(engine
     tools = [WEATHER_TOOL, TIME_TOOL]
     reference = engine.tokenizer.apply_chat_template(hf_messages, tools=tools, add_generation_prompt=True,
                                                      tokenize=False)
-    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in reference and '"arguments": {"city": "Paris"}' in reference
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in reference
+    assert '"arguments": {"city": "Paris"}' in reference
     expected_ids = engine.tokenizer(reference, add_special_tokens=False)["input_ids"]
     out = client.chat.completions.create(model="moeferry-tiny-moe", messages=HISTORY, tools=tools, max_tokens=1)
     assert out.usage.prompt_tokens == len(expected_ids)

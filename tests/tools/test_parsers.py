@@ -26,6 +26,7 @@ DEEPSEEK_V31 = (f"I will look.<｜tool▁calls▁begin｜><｜tool▁call▁begi
                 "<｜tool▁calls▁end｜>")
 HARMONY = ("<|channel|>analysis<|message|>The user wants the weather.<|end|><|start|>assistant<|channel|>"
            f"commentary to=functions.get_weather <|constrain|>json<|message|>{ARGS}")
+EMPTY_NAME = '<tool_call>{"name": "", "arguments": {}}</tool_call>'
 EXPECTED_CALLS = [("get_weather", ARGS), ("get_time", '{"zone": "CET"}')]
 
 CASES = [  # (parser, text, content, calls, reasoning)
@@ -45,8 +46,7 @@ CASES = [  # (parser, text, content, calls, reasoning)
     ("hermes", '<tool_call>{"name": "f", "arguments": {"a": 1]}</tool_call>', None, [("f", '{"a": 1')], None),
     ("hermes", "ends with <tool_ca", "ends with <tool_ca", [], None),
     ("mistral", "[TOOL_CALLS] not a list", "[TOOL_CALLS] not a list", [], None),
-    ("hermes", '<tool_call>{"name": "", "arguments": {}}</tool_call>', '<tool_call>{"name": "", "arguments": {}}</tool_call>',
-     [], None),
+    ("hermes", EMPTY_NAME, EMPTY_NAME, [], None),
     ("deepseek_v3", "a<｜tool▁calls▁begin｜><｜tool▁call▁begin｜><｜tool▁sep｜>{}<｜tool▁call▁end｜>", "a", [], None),
 ]
 
