@@ -311,9 +311,12 @@ def _add_generate(sub) -> None:
 
 
 def _add_serve(sub) -> None:
+    from moeferry.tools import parser_names
+
     srv = sub.add_parser("serve", help="serve the OpenAI API over HTTP",
-                         description="Serve the OpenAI API: /v1/chat/completions and /v1/completions (streamed or "
-                                     "not), /v1/models, /health, /v1/stats, /metrics and /openapi.json.",
+                         description="Serve the OpenAI API: /v1/chat/completions, /v1/completions and /v1/responses "
+                                     "(streamed or not), /v1/models, /health, /v1/stats, /metrics and "
+                                     "/openapi.json.",
                          formatter_class=HelpFormatter)
     server = srv.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="the address to listen on")
@@ -325,6 +328,9 @@ def _add_serve(sub) -> None:
                              "the built-in model's name)")
     server.add_argument("--log-interval", type=bounded(float, 0.0), default=10.0,
                         help="seconds between activity lines (requests, tokens/s, KV use); 0: none")
+    server.add_argument("--tool-call-parser", default=None, choices=parser_names(),
+                        help="how the model writes tool calls (default: its family's: hermes for Qwen and OLMoE, "
+                             "mistral for Mixtral, deepseek_v3, openai for gpt-oss's harmony)")
     add_engine_flags(srv)
     srv.set_defaults(func=_cmd_serve)
 

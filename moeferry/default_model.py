@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "moeferry-tiny-moe"
 RANDOM_MODEL_NAME = "moeferry-tiny-random"
 BUILTIN_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "builtin_model")
-_VERSION = 1
+_VERSION = 2  # 2: the chat template renders tools
 
 _CORPUS = """\
 moeferry serves mixture of experts language models larger than the memory of the graphics card.
@@ -33,17 +33,61 @@ One two three four five six seven eight nine ten. Numbers: 0 1 2 3 4 5 6 7 8 9 1
 user assistant system: you are a helpful assistant. Please answer the question briefly and clearly.
 """
 
-_CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# ChatML; with tools, Qwen's hermes-style block (a system message listing them in <tools>,
+# assistant calls as <tool_call> JSON, tool results as <tool_response> in a user turn).
+# Without tools it renders exactly as plain ChatML: every message as <|im_start|>role, content.
+_CHAT_TEMPLATE = r"""{%- if tools %}
+{{- '<|im_start|>system\n' }}
+{%- if messages[0]['role'] == 'system' %}
+{{- messages[0]['content'] ~ '\n\n' }}
+{%- endif %}
+{{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
+{%- for tool in tools %}
+{{- '\n' ~ (tool | tojson) }}
+{%- endfor %}
+{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if tools and loop.first and message['role'] == 'system' %}
+{%- elif message['role'] == 'assistant' and message['tool_calls'] %}
+{{- '<|im_start|>assistant' }}
+{%- if message['content'] %}
+{{- '\n' ~ message['content'] }}
+{%- endif %}
+{%- for call in message['tool_calls'] %}
+{%- set call = call['function'] if call['function'] is defined else call %}
+{{- '\n<tool_call>\n{"name": "' ~ call['name'] ~ '", "arguments": ' }}
+{%- if call['arguments'] is string %}
+{{- call['arguments'] }}
+{%- else %}
+{{- call['arguments'] | tojson }}
+{%- endif %}
+{{- '}\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\n' }}
+{%- elif message['role'] == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}
+{{- '<|im_start|>user' }}
+{%- endif %}
+{{- '\n<tool_response>\n' ~ message['content'] ~ '\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}
+{{- '<|im_end|>\n' }}
+{%- endif %}
+{%- else %}
+{{- '<|im_start|>' ~ message['role'] ~ '\n' ~ message['content'] ~ '<|im_end|>\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
 
 _SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def random_model_dir() -> str:
     root = os.environ.get("MOEFERRY_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "moeferry")
-    return os.path.join(root, f"moeferry-tiny-moe-v{_VERSION}")  # the random model's historical folder
+    return os.path.join(root, f"moeferry-tiny-moe-v{_VERSION}")  # v2: the template with tools
 
 
 def build_tokenizer(texts, out_dir: str, vocab_size: int):

@@ -64,6 +64,8 @@ class SamplingParams:
     moeferry.structured.Constraint the output must match (a JSON schema, any JSON object, a
     regex, a choice of strings): the sampler only draws tokens that keep the text inside it,
     and the request stops once the text is complete.
+    `skip_special_tokens` False keeps special tokens in the text (a tool-call syntax made of
+    them is read from it), all but the end or stop token that finishes the request.
 
     Invariant after construction: every value is unset (MODEL_DEFAULTED's fields only) or in
     its range (else InvalidRequest naming the field), finite, and normalised (tiny temperature
@@ -86,6 +88,7 @@ class SamplingParams:
     logprobs: int | None = None
     n: int = 1
     structured: "Constraint | None" = None  # noqa: F821 - moeferry.structured imports this module
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
         if isinstance(self.stop, str):

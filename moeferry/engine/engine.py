@@ -120,7 +120,7 @@ class Engine:
             grammar = self.grammar_compiler().matcher(params.structured)
         req = Request(ids, params, grammar=grammar)
         self.scheduler.add(req)
-        self._detok[req.rid] = IncrementalDetokenizer(self.tokenizer, ids)
+        self._detok[req.rid] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         self.counters["prompt_tokens"] += len(ids)
         return req
 
@@ -184,9 +184,10 @@ class Engine:
         self.counters["generation_tokens"] += 1
         p = req.params
         reason = self._advance_grammar(req, token)
-        delta = self._detok[req.rid].push(token)
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
             reason = "stop"
+        # The ending token's own text is never output (skipped as special, or held out here).
+        delta = "" if reason and not p.skip_special_tokens else self._detok[req.rid].push(token)
         text = req.text + delta
         for s in p.stop:
             cut = text.find(s, max(0, len(req.text) - len(s)))

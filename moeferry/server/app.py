@@ -25,10 +25,13 @@ from moeferry.server.metrics import ActivityLogger, ServerMetrics
 from moeferry.server.openai_api import ModelInfo, OpenAIEndpoints
 from moeferry.server.openapi import openapi_schema
 from moeferry.server.protocol import MAX_BODY_BYTES, APIError
+from moeferry.server.responses import ResponsesEndpoint
+from moeferry.tools import family_parser
 
 logger = logging.getLogger("moeferry.server")
 
-_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/stats", "/health", "/metrics")
+_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/v1/stats", "/health",
+              "/metrics")
 
 
 @dataclass(frozen=True)
@@ -43,11 +46,13 @@ class ServerConfig:
     served_model_name: str | None = None
     log_interval: float = 10.0
     max_body_bytes: int = MAX_BODY_BYTES
+    tool_call_parser: str | None = None  # None: the model family's (tools.FAMILY_PARSERS)
 
     @classmethod
     def from_args(cls, args) -> "ServerConfig":
         return cls(host=args.host, port=args.port, api_key=args.api_key or None,
-                   served_model_name=args.served_model_name, log_interval=args.log_interval)
+                   served_model_name=args.served_model_name, log_interval=args.log_interval,
+                   tool_call_parser=args.tool_call_parser)
 
 
 def served_model_name(engine, config: ServerConfig) -> str:
@@ -60,8 +65,9 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     metrics = ServerMetrics()
     engine_loop = EngineLoop(engine, metrics, ActivityLogger(config.log_interval))
     info = ModelInfo(served_model_name(engine, config), engine.scheduler.context_limit, engine.mc.vocab_size,
-                     int(time.time()))
+                     int(time.time()), family_parser(engine.mc.model_type, config.tool_call_parser))
     api = OpenAIEndpoints(engine_loop, engine.tokenizer, info, config.max_body_bytes)
+    responses = ResponsesEndpoint(api)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -74,7 +80,10 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="moeferry", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
     app.state.engine_loop, app.state.metrics, app.state.model_info = engine_loop, metrics, info
+    app.state.responses = responses
     _add_routes(app, api, engine_loop, metrics)
+    app.add_api_route("/v1/responses", responses.create, methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"])
     _add_error_handlers(app)
     app.openapi = lambda: openapi_schema(app, secured=config.api_key is not None)
     app.add_middleware(AccessMiddleware, api_key=config.api_key, metrics=metrics)
@@ -179,6 +188,8 @@ class AccessMiddleware:
 def _endpoint_label(path: str) -> str:
     if path in _ENDPOINTS:
         return path
+    if path.startswith("/v1/responses/"):
+        return "/v1/responses/{id}"
     return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
 
 

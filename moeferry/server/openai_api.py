@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import json
 from dataclasses import dataclass
+from functools import partial
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -20,7 +21,9 @@ from moeferry.server.engine_loop import SHUTDOWN, EngineLoop, RequestHandle
 from moeferry.sampling import InvalidRequest, SamplingParams
 from moeferry.server.protocol import (APIError, ChatCompletionRequest, ChatFormat, Choice, CompletionFormat,
                                       CompletionRequest, decode_json, invalid_request, usage, validation_error)
+from moeferry.structured import json_schema_constraint
 from moeferry.tokenizer.tokenizer import apply_chat_template
+from moeferry.tools.plan import ToolPlan, plan_tools
 
 _DISCONNECT_POLL_S = 0.5
 # The finish_reason a stream cut short by the server's shutdown ends with: OpenAI's values are
@@ -63,6 +66,7 @@ class ModelInfo:
     context_limit: int  # prompt + generated tokens of one request
     vocab_size: int
     created: int
+    tool_parser: str | None = None  # the tools registry's parser of the model's tool-call syntax
 
 
 class OpenAIEndpoints:
@@ -79,10 +83,11 @@ class OpenAIEndpoints:
     async def chat(self, request: Request):
         body = parse(ChatCompletionRequest, await read_json(request, self.max_body_bytes))
         self._check_common(body)
+        tools = plan_tools(body.tool_dicts, body.tool_choice_value, body.parallel_tool_calls, self.info.tool_parser)
         messages = [m.as_template_input() for m in body.messages]
-        ids = await asyncio.to_thread(self._chat_ids, messages)
-        return await self._generate(request, body, ids, body.requested_max_tokens, ChatFormat,
-                                    prompt_param="messages")
+        ids = await asyncio.to_thread(self._chat_ids, messages, tools.template_tools)
+        return await self._generate(request, body, ids, body.requested_max_tokens, partial(ChatFormat, tools=tools),
+                                    prompt_param="messages", adjust=partial(with_tools, tools))
 
     async def completions(self, request: Request):
         body = parse(CompletionRequest, await read_json(request, self.max_body_bytes))
@@ -107,9 +112,9 @@ class OpenAIEndpoints:
                            param="model", code="model_not_found")
         body.check()
 
-    def _chat_ids(self, messages: list[dict]) -> list[int]:
+    def _chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         try:
-            return apply_chat_template(self.tokenizer, messages)
+            return apply_chat_template(self.tokenizer, messages, tools)
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from None
 
@@ -153,8 +158,10 @@ class OpenAIEndpoints:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
 
     async def _generate(self, request: Request, body, ids: list[int], requested: int | None, fmt_type,
-                        prompt_param: str):
+                        prompt_param: str, adjust=None):
         params = body.sampling_params(self._max_tokens(ids, requested, prompt_param))
+        if adjust is not None:
+            params = adjust(params)
         if params.structured is not None:
             await asyncio.to_thread(self._compile, params.structured)
         fmt = fmt_type(self.info.name, self._token_text, params.logprobs is not None)
@@ -185,13 +192,24 @@ class OpenAIEndpoints:
             elif delta.error is not None:
                 yield _event(delta.error.body())
             elif delta.text or delta.finish_reason is not None or tokens:
-                yield _event(fmt.chunk(index, delta.text, delta.finish_reason, tokens))
+                chunk = fmt.chunk(index, delta.text, delta.finish_reason, tokens)
+                if chunk is not None:
+                    yield _event(chunk)
         if include_usage and last:
             yield _event(fmt.usage_chunk(_usage(last.values())))
         yield "data: [DONE]\n\n"
 
-    async def _collect(self, request: Request, handles: list[RequestHandle], fmt: ChatFormat) -> JSONResponse:
-        """Gather every choice's whole answer, aborting them all if the client goes away meanwhile."""
+    async def _collect(self, request: Request, handles: list[RequestHandle], fmt: ChatFormat) -> Response:
+        answers = await self.gather_answers(request, handles)
+        if answers is None:
+            return Response(status_code=499)
+        choices, lasts = answers
+        return JSONResponse(fmt.full(choices, _usage(lasts)))
+
+    async def gather_answers(self, request: Request, handles: list[RequestHandle]) -> tuple[list[Choice], list] | None:
+        """Every choice's whole answer and last Delta, or None when the client went away
+        meanwhile (every choice is then aborted); a failed choice (500) or one cut short by
+        shutdown (503) raises its error: no partial text."""
         watcher = asyncio.create_task(_wait_disconnect(request))
         reader = asyncio.create_task(_gather(self.loop, handles))
         try:
@@ -202,12 +220,30 @@ class OpenAIEndpoints:
             if not reader.done():
                 reader.cancel()  # the streams' finally blocks abort the requests
         if disconnected:
-            return Response(status_code=499)
+            return None
         choices, lasts = reader.result()
         failed = next((last for last in lasts if last.error is not None), None)
-        if failed is not None:  # failed (500) or cut short by shutdown (503): no partial text
+        if failed is not None:
             raise failed.error
-        return JSONResponse(fmt.full(choices, _usage(lasts)))
+        return choices, lasts
+
+
+def with_tools(tools: ToolPlan, params: SamplingParams) -> SamplingParams:
+    """The params of a request under its tool plan: special tokens kept where the tool-call
+    syntax is made of them, and the answer held to the plan's JSON schema."""
+    if tools.keeps_special_tokens:
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    if tools.schema is not None:
+        params = constrain_to_json_schema(params, tools.schema)
+    return params
+
+
+def constrain_to_json_schema(params: SamplingParams, schema: dict) -> SamplingParams:
+    """tool_choice "required" and a named function: the answer is held to `schema` (tools/choice.py:
+    a JSON array of calls of the offered tools, or the named function's arguments) by the
+    grammar the device sampler applies (moeferry/structured/), so even a model that would not
+    call a tool answers with a call the parser reads."""
+    return dataclasses.replace(params, structured=json_schema_constraint(schema, param="tool_choice"))
 
 
 def choice_params(params: SamplingParams, choice: int) -> SamplingParams:

@@ -13,16 +13,20 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from moeferry.sampling import LOGIT_BIAS_RANGE, MAX_N
+from moeferry.server.responses import ResponsesRequest
 from moeferry.server.protocol import (MAX_COMPLETION_LOGPROBS, MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_CHARS,
                                       MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, NEUTRAL_UNSUPPORTED,
                                       ChatCompletionRequest, CompletionRequest, ErrorResponse)
 
 _REF = "#/components/schemas/{model}"
-_BODIES = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+_BODIES = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+           "/v1/responses": ResponsesRequest}
 # (path, method) -> the error statuses it answers; /v1 routes also answer 401 with an API key
 _ERRORS = {
     ("/v1/chat/completions", "post"): (400, 404, 413, 500, 503),
     ("/v1/completions", "post"): (400, 404, 413, 500, 503),
+    ("/v1/responses", "post"): (400, 404, 413, 500, 503),
+    ("/v1/responses/{response_id}", "get"): (404,),
     ("/v1/models", "get"): (),
     ("/v1/models/{model_id}", "get"): (404,),
     ("/v1/stats", "get"): (503,),
@@ -60,7 +64,7 @@ def _accepted(model, info) -> dict[str, dict]:
     """Property schemas stating what the handlers accept beyond the models' types: the limits
     of protocol.py, token ids within the vocabulary, the served model, and the values the
     handlers refuse (fields not supported yet)."""
-    if model not in _BODIES.values():
+    if model not in (ChatCompletionRequest, CompletionRequest):
         return {}
     text = {"type": "string", "maxLength": MAX_STOP_CHARS}
     token_id = {"type": "integer", "minimum": 0, "maximum": info.vocab_size - 1}

@@ -2,8 +2,8 @@
 body, and response builders.
 
 Only what moeferry implements is accepted; unknown fields are ignored (clients send many),
-but a field we cannot honour yet (tools, ...) is refused with a 400 naming it rather than
-ignored. Structured output (response_format, vLLM's guided_* and structured_outputs) is read
+but a field we cannot honour yet (functions, ...) is refused with a 400 naming it rather
+than ignored. Structured output (response_format, vLLM's guided_* and structured_outputs) is read
 by moeferry/structured/api.py.
 Every check here runs before the request reaches the engine.
 """
@@ -34,6 +34,7 @@ MAX_STOP_CHARS = 256  # one stop string; no peer bounds it, real ones are a few 
 MAX_STOP_TOKEN_IDS = 256  # stop_token_ids (a vLLM extension); a model's end tokens are a handful
 MAX_LOGIT_BIAS_ENTRIES = MAX_LOGIT_BIAS
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs (OpenAI); chat's top_logprobs go to MAX_LOGPROBS
+MAX_TOOLS = 128  # tools of one request (OpenAI's limit)
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                 405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error"}
@@ -141,7 +142,7 @@ def _is_union_tag(loc_part) -> bool:
     return isinstance(loc_part, str) and (loc_part in _SCALAR_TAGS or "[" in loc_part or "-" in loc_part)
 
 
-_SCALAR_TAGS = {"str", "int", "float", "bool", "none", "TextPart", "StreamOptions"}
+_SCALAR_TAGS = {"str", "int", "float", "bool", "none", "TextPart", "StreamOptions", "NamedToolChoice"}
 
 
 # ---- requests ------------------------------------------------------------------------------
@@ -189,9 +190,6 @@ class _SamplingFields(BaseModel):
     guided_regex: Any = None
     guided_choice: Any = None
     structured_outputs: Any = None
-    # Fields of the OpenAI API this server does not honour yet: refused unless at their neutral value.
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
     modalities: Any = None
@@ -255,8 +253,6 @@ class _SamplingFields(BaseModel):
 
 # The neutral values of the fields not honoured yet (what a client sends when it means "none").
 NEUTRAL_UNSUPPORTED = {
-    "tools": lambda v: not v,
-    "tool_choice": lambda v: v in (None, "none"),
     "functions": lambda v: not v,
     "function_call": lambda v: v in (None, "none"),
     "modalities": lambda v: v in (None, ["text"]),
@@ -273,18 +269,88 @@ class TextPart(BaseModel):
     text: str
 
 
+_FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]  # OpenAI's names (and dots, colons)
+
+
+class FunctionDefinition(BaseModel):
+    """A tool's function: its name, what it does, and the JSON schema of its parameters."""
+
+    name: _FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    """One entry of `tools` (only functions exist)."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    """The function a named tool_choice names."""
+
+    name: _FunctionName
+
+
+class NamedToolChoice(BaseModel):
+    """tool_choice naming the function the answer must call."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(BaseModel):
+    """A call an earlier assistant message made: `arguments` is its JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """One entry of an assistant message's `tool_calls`; a `tool` message answers its `id`."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    """One chat message; its content (a string, text parts, or null) becomes one string."""
+    """One chat message; its content (a string, text parts, or null) becomes one string. An
+    assistant message may carry the `tool_calls` it made, a `tool` message the
+    `tool_call_id` it answers."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def as_template_input(self) -> dict:
+        """The message as chat templates take it (transformers' convention): a message without
+        tool fields is exactly {"role", "content"}; a call's arguments are a dict when their
+        JSON text is an object (templates write them with `tojson`), else the text itself."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        out = {"role": self.role, "content": content or ""}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments_value(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            out["name"] = self.name
+        return out
+
+
+def _arguments_value(arguments: str):
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value if isinstance(value, dict) else arguments
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -295,6 +361,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, gt=0)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -302,6 +371,18 @@ class ChatCompletionRequest(_SamplingFields):
             raise APIError(400, "messages must hold at least one message", param="messages")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+        check_tool_choice(self.tool_dicts, self.tool_choice_value)
+
+    @property
+    def tool_dicts(self) -> list[dict] | None:
+        """`tools` as the chat template and the tool plan take them (OpenAI's shape)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    @property
+    def tool_choice_value(self):
+        """tool_choice as plain values: None, "none", "auto", "required" or the named dict."""
+        choice = self.tool_choice
+        return choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
 
     @property
     def logprob_count(self) -> int | None:
@@ -313,6 +394,21 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+def check_tool_choice(tools: list[dict] | None, choice) -> None:
+    """tool_choice other than "none" needs tools, a named one a function among them, and the
+    tools' names are distinct (a call names one)."""
+    names = [t["function"]["name"] for t in tools or []]
+    if len(set(names)) != len(names):
+        raise APIError(400, "two tools have the same name", param="tools")
+    if choice in (None, "none", "auto"):
+        return
+    if not names:
+        raise APIError(400, "tool_choice is only allowed when tools are given", param="tool_choice")
+    if isinstance(choice, dict) and choice["function"]["name"] not in names:
+        raise APIError(400, f"tool_choice names the function `{choice['function']['name']}`, which is not among "
+                            f"the tools", param="tool_choice")
+
+
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions: `prompt` is a string, a list of token ids, or a list holding
     one string; `max_tokens` defaults to 16 as in OpenAI's API."""
@@ -322,9 +418,12 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    tools: Any = None  # a chat field: refused here rather than ignored
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.tools:
+            raise APIError(400, "tools are taken by /v1/chat/completions, not /v1/completions", param="tools")
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
             raise APIError(400, "batched prompts are not supported: send one prompt per request", param="prompt")
         if self.echo:
@@ -370,11 +469,27 @@ class Choice:
 
 class ChatFormat:
     """Builds chat.completion bodies and chat.completion.chunk events for one request of
-    `n` choices. `token_text(id)` is a token's text, for the log-probs."""
+    `n` choices. `token_text(id)` is a token's text, for the log-probs. With a `tools` plan
+    (tools/plan.py) that reads the answer, each choice's text goes through its own
+    OutputStream: content, reasoning_content and tool_calls deltas, and finish_reason
+    "tool_calls" for an answer that called a tool and stopped."""
 
-    def __init__(self, model: str, token_text, with_logprobs: bool):
+    def __init__(self, model: str, token_text, with_logprobs: bool, tools=None):
         self.id, self.model, self.created = f"chatcmpl-{uuid.uuid4().hex}", model, int(time.time())
         self.token_text, self.with_logprobs = token_text, with_logprobs
+        self.tools, self.outputs = tools, {}
+
+    def _output(self, index: int):
+        """Choice `index`'s OutputStream, or None when its text is the content."""
+        if self.tools is None:
+            return None
+        if index not in self.outputs:
+            self.outputs[index] = self.tools.output_stream()
+        return self.outputs[index]
+
+    @staticmethod
+    def _finish_reason(output, finish_reason: str | None) -> str | None:
+        return "tool_calls" if finish_reason == "stop" and output is not None and output.called else finish_reason
 
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -385,8 +500,16 @@ class ChatFormat:
                 "choices": [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}]}
 
-    def chunk(self, index: int, text: str, finish_reason: str | None, logprobs: list) -> dict:
-        delta = {"content": text} if text else {}
+    def chunk(self, index: int, text: str, finish_reason: str | None, logprobs: list) -> dict | None:
+        """The event of a choice's new text, or None when it says nothing yet (text held back)."""
+        output = self._output(index)
+        if output is None:
+            delta = {"content": text} if text else {}
+        else:
+            delta = output.push(text, final=finish_reason is not None)
+            finish_reason = self._finish_reason(output, finish_reason)
+        if not delta and finish_reason is None and not logprobs:
+            return None
         return {**self._base("chat.completion.chunk"),
                 "choices": [{"index": index, "delta": delta, "logprobs": self.logprobs(logprobs),
                              "finish_reason": finish_reason}]}
@@ -395,11 +518,14 @@ class ChatFormat:
         return {**self._base("chat.completion.chunk"), "choices": [], "usage": used}
 
     def full(self, choices: list[Choice], used: dict) -> dict:
-        return {**self._base("chat.completion"),
-                "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
-                             "logprobs": self.logprobs(c.logprobs), "finish_reason": c.finish_reason}
-                            for i, c in enumerate(choices)],
+        return {**self._base("chat.completion"), "choices": [self._whole(i, c) for i, c in enumerate(choices)],
                 "usage": used}
+
+    def _whole(self, index: int, choice: Choice) -> dict:
+        output = self._output(index)
+        message = {"content": choice.text} if output is None else output.message(choice.text)
+        return {"index": index, "message": {"role": "assistant", **message}, "logprobs": self.logprobs(choice.logprobs),
+                "finish_reason": self._finish_reason(output, choice.finish_reason)}
 
     def _entry(self, token: int, logprob: float) -> dict:
         text = self.token_text(token)

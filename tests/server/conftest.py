@@ -34,15 +34,12 @@ class RunningServer:
 
 
 @contextlib.contextmanager
-def running_server(**engine_options):
-    """The built-in model served on 127.0.0.1 (a free port) in a thread of this process, with
-    the API key; stopped (and checked stopped) on exit."""
-    from moeferry.config import EngineConfig
-    from moeferry.engine.engine import Engine
+def serve_engine(engine, **server_options):
+    """`engine` served on 127.0.0.1 (a free port) in a thread of this process, with the API key
+    (and `server_options`, ServerConfig's fields); stopped (and checked stopped) on exit."""
     from moeferry.server.app import ServerConfig, build_app, make_server
 
-    engine = Engine(EngineConfig(dtype="float32", device="cpu", **engine_options))
-    config = ServerConfig(api_key=API_KEY, log_interval=0, max_body_bytes=1 << 20)
+    config = ServerConfig(api_key=API_KEY, log_interval=0, max_body_bytes=1 << 20, **server_options)
     app = build_app(engine, config)
     srv = make_server(app, config)
     sock = socket.socket()
@@ -59,6 +56,33 @@ def running_server(**engine_options):
         srv.should_exit = True
         thread.join(30)
     assert not thread.is_alive(), "the server did not stop"
+
+
+@contextlib.contextmanager
+def running_server(**engine_options):
+    """The built-in model served on 127.0.0.1 (a free port) in a thread of this process, with
+    the API key; stopped (and checked stopped) on exit."""
+    from moeferry.config import EngineConfig
+    from moeferry.engine.engine import Engine
+
+    engine = Engine(EngineConfig(dtype="float32", device="cpu", **engine_options))
+    with serve_engine(engine) as running:
+        yield running
+
+
+def openai_client(running: RunningServer):
+    import openai
+
+    return openai.OpenAI(base_url=running.url + "/v1", api_key=running.api_key, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def long_context_engine(model_cache):
+    """The built-in model on the CPU with room for a prompt that lists tools (1,024 tokens)."""
+    from moeferry.config import EngineConfig
+    from moeferry.engine.engine import Engine
+
+    return Engine(EngineConfig(dtype="float32", device="cpu", max_running_requests=4, max_model_len=1024))
 
 
 @pytest.fixture(scope="module")

@@ -14,12 +14,13 @@ from schemathesis.specs.openapi.checks import (content_type_conformance, respons
 
 from tests.server.conftest import running_server
 
-OPERATIONS = [("/v1/chat/completions", "POST"), ("/v1/completions", "POST"), ("/v1/models", "GET"),
-              ("/v1/models/{model_id}", "GET"), ("/v1/stats", "GET"), ("/health", "GET"), ("/metrics", "GET")]
+OPERATIONS = [("/v1/chat/completions", "POST"), ("/v1/completions", "POST"), ("/v1/responses", "POST"),
+              ("/v1/responses/{response_id}", "GET"), ("/v1/models", "GET"), ("/v1/models/{model_id}", "GET"),
+              ("/v1/stats", "GET"), ("/health", "GET"), ("/metrics", "GET")]
 WITHOUT_INPUTS = {"/health", "/metrics"}  # nothing to make invalid: no negative cases
 # Examples per operation and mode; the completion endpoints get the most (their bodies are
 # where the bugs were). About two minutes in all on 2 cores.
-EXAMPLES = {"/v1/chat/completions": 100, "/v1/completions": 100}
+EXAMPLES = {"/v1/chat/completions": 100, "/v1/completions": 100, "/v1/responses": 60}
 OTHER_EXAMPLES = 15
 
 
