@@ -82,16 +82,16 @@ class OpenAIEndpoints:
     # ---- endpoints ----------------------------------------------------------------------------
     async def chat(self, request: Request):
         body = parse(ChatCompletionRequest, await read_json(request, self.max_body_bytes))
-        self._check_common(body)
+        self.check_common(body)
         tools = plan_tools(body.tool_dicts, body.tool_choice_value, body.parallel_tool_calls, self.info.tool_parser)
         messages = [m.as_template_input() for m in body.messages]
-        ids = await asyncio.to_thread(self._chat_ids, messages, tools.template_tools)
+        ids = await asyncio.to_thread(self.chat_ids, messages, tools.template_tools)
         return await self._generate(request, body, ids, body.requested_max_tokens, partial(ChatFormat, tools=tools),
                                     prompt_param="messages", adjust=partial(with_tools, tools))
 
     async def completions(self, request: Request):
         body = parse(CompletionRequest, await read_json(request, self.max_body_bytes))
-        self._check_common(body)
+        self.check_common(body)
         prompt = body.text_or_ids
         ids = await asyncio.to_thread(self._encode, prompt) if isinstance(prompt, str) else list(prompt)
         self._check_vocab(ids)
@@ -106,13 +106,17 @@ class OpenAIEndpoints:
                 "max_model_len": self.info.context_limit}
 
     # ---- checks -------------------------------------------------------------------------------
-    def _check_common(self, body) -> None:
+    def check_common(self, body) -> None:
+        """What every generating endpoint checks first (chat, completions, responses): the model
+        named is the one served."""
         if body.model is not None and body.model != self.info.name:
             raise APIError(404, f"The model `{body.model}` does not exist; this server serves `{self.info.name}`.",
                            param="model", code="model_not_found")
         body.check()
 
-    def _chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The prompt ids of a conversation through the chat template (tools rendered when given);
+        a template error is a 400."""
         try:
             return apply_chat_template(self.tokenizer, messages, tools)
         except ValueError as exc:
@@ -129,7 +133,9 @@ class OpenAIEndpoints:
             raise APIError(400, f"token id {bad} is outside the vocabulary [0, {self.info.vocab_size})",
                            param="prompt")
 
-    def _max_tokens(self, ids: list[int], requested: int | None, prompt_param: str) -> int:
+    def max_tokens_for(self, ids: list[int], requested: int | None, prompt_param: str) -> int:
+        """The tokens a prompt of `ids` may generate: `requested`, or all the room the context
+        leaves; a prompt that does not fit, or a request over the room, is a 400."""
         limit = self.info.context_limit
         if not ids:
             raise APIError(400, "the prompt is empty", param=prompt_param)
@@ -159,7 +165,7 @@ class OpenAIEndpoints:
 
     async def _generate(self, request: Request, body, ids: list[int], requested: int | None, fmt_type,
                         prompt_param: str, adjust=None):
-        params = body.sampling_params(self._max_tokens(ids, requested, prompt_param))
+        params = body.sampling_params(self.max_tokens_for(ids, requested, prompt_param))
         if adjust is not None:
             params = adjust(params)
         if params.structured is not None:

@@ -157,7 +157,7 @@ _Bias = Annotated[float, Field(ge=LOGIT_BIAS_RANGE[0], le=LOGIT_BIAS_RANGE[1])]
 _TokenId = Annotated[int, Field(ge=0)]
 
 
-class _SamplingFields(BaseModel):
+class SamplingFields(BaseModel):
     """The sampling fields shared by both endpoints (top_k, min_p, repetition_penalty,
     ignore_eos, stop_token_ids are vLLM's extensions); `max_tokens` None means "up to the
     context" (chat) or 16 (completions); temperature, top_p, top_k, min_p and
@@ -353,7 +353,7 @@ def _arguments_value(arguments: str):
     return value if isinstance(value, dict) else arguments
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions. Invariant after `check_supported`: at least one message;
     `max_completion_tokens` wins over the older `max_tokens`."""
 
@@ -409,7 +409,7 @@ def check_tool_choice(tools: list[dict] | None, choice) -> None:
                             f"the tools", param="tool_choice")
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     """POST /v1/completions: `prompt` is a string, a list of token ids, or a list holding
     one string; `max_tokens` defaults to 16 as in OpenAI's API."""
 

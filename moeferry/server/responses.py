@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 from moeferry.server.engine_loop import SHUTDOWN
 from moeferry.server.openai_api import OpenAIEndpoints, parse, read_json, with_tools
 from moeferry.server.protocol import (MAX_TOOLS, APIError, ChatMessage, FunctionCall, ToolCall, _FunctionName,
-                                      _SamplingFields, check_tool_choice)
+                                      SamplingFields, check_tool_choice)
 from moeferry.tools.plan import ToolPlan, plan_tools
 
 RESPONSE_STORE_SIZE = 1024  # responses kept for previous_response_id; the oldest go first
@@ -99,7 +99,7 @@ class NamedFunction(BaseModel):
     name: _FunctionName
 
 
-class ResponsesRequest(_SamplingFields):
+class ResponsesRequest(SamplingFields):
     """POST /v1/responses. Invariants after `check_supported`: one answer (n 1); the tools'
     names are distinct and tool_choice names one of them; `text.format` is checked as chat's
     `response_format` (`response_format` holds it in chat's shape)."""
@@ -320,14 +320,14 @@ class ResponsesEndpoint:
 
     async def create(self, request: Request):
         body = parse(ResponsesRequest, await read_json(request, self.chat.max_body_bytes))
-        self.chat._check_common(body)
+        self.chat.check_common(body)
         previous = self.store.get(body.previous_response_id, "previous_response_id")[1] \
             if body.previous_response_id is not None else []
         conversation = previous + body.input_items()
         tools = plan_tools(body.tool_dicts, body.tool_choice_value, body.parallel_tool_calls,
                            self.chat.info.tool_parser)
-        ids = await asyncio.to_thread(self.chat._chat_ids, self._messages(body, conversation), tools.template_tools)
-        params = with_tools(tools, body.sampling_params(self.chat._max_tokens(ids, body.requested_max_tokens, "input")))
+        ids = await asyncio.to_thread(self.chat.chat_ids, self._messages(body, conversation), tools.template_tools)
+        params = with_tools(tools, body.sampling_params(self.chat.max_tokens_for(ids, body.requested_max_tokens, "input")))
         handle = await self.chat.loop.submit(ids, params)
         answer = _Answer(self, body, tools, conversation)
         if body.stream:
