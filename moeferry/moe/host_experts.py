@@ -115,6 +115,7 @@ class HostExpertChannel:
         self.out = torch.empty(max_tokens, top_k, self.hidden, dtype=torch.bfloat16, pin_memory=on_gpu)
         self.act = torch.empty(max_tokens * top_k, self.inter, dtype=torch.bfloat16)
         self.calls: dict[tuple[int, int], host_kernel.MoEHostCall] = {}
+        self._inflight: tuple = ()  # the current call's inputs and result, held until `finish`
         if on_gpu:
             self.out_device = torch.empty_like(self.out, device=device)
             self.side = torch.cuda.Stream(device)
@@ -136,8 +137,11 @@ class HostExpertChannel:
         if num_tokens > self.max_tokens:
             raise ValueError(f"host channel: {num_tokens} tokens in one call, buffers for {self.max_tokens}")
         if self.device.type != "cuda":
-            self._pending = self._run_here(layer_id, hidden, topk_weights, host_ids)
+            self._inflight = (self._run_here(layer_id, hidden, topk_weights, host_ids),)
             return
+        # The side stream reads the inputs after this returns: holding them until `finish` joins
+        # it keeps the caching allocator from handing their memory to the main stream meanwhile.
+        self._inflight = (self.out_device[:num_tokens], hidden, topk_weights, host_ids)
         call = self._call(layer_id, num_tokens)
         self.side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.side):
@@ -162,14 +166,14 @@ class HostExpertChannel:
                                      host_ids.clamp(min=0), sum_routes=False)
         return torch.where(on_host.unsqueeze(-1), routes, 0.0)
 
-    def finish(self, num_tokens: int) -> torch.Tensor:
-        """The host routes' weighted outputs [T, K, H] on the compute device (bf16 from the
-        kernel; zeros at the other routes), joined into the current stream. Read it before the
-        next `begin`."""
-        if self.device.type != "cuda":
-            return self._pending
-        torch.cuda.current_stream(self.device).wait_stream(self.side)
-        return self.out_device[:num_tokens]
+    def finish(self) -> torch.Tensor:
+        """The last `begin`'s host routes' weighted outputs [T, K, H] on the compute device (bf16
+        from the kernel; zeros at the other routes), joined into the current stream. Read it
+        before the next `begin`."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).wait_stream(self.side)
+        routes, self._inflight = self._inflight[0], ()
+        return routes
 
 
 def split_routes(topk_ids: torch.Tensor, slot_of_layer: torch.Tensor, host_share: float,

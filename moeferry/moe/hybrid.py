@@ -69,7 +69,7 @@ class HostChannelMixin:
 
     def _host_routes(self, layer_id, hidden, topk_weights, host_ids) -> torch.Tensor:
         self.channel.begin(layer_id, hidden, topk_weights, host_ids)
-        return self.channel.finish(hidden.shape[0])
+        return self.channel.finish()
 
     def _channel_stats(self) -> dict:
         host = self.host_experts.tolist()
@@ -102,7 +102,7 @@ class CpuStrategy(HostChannelMixin, OffloadStrategy):
             distinct = torch.zeros(self.model_config.num_experts, dtype=torch.int32, device=topk_ids.device)
             distinct.index_fill_(0, topk_ids.reshape(-1).long(), 1)
             self.host_experts[self.moe_layer_of[layer_id]] += distinct.sum()
-        routes = self._host_routes(layer_id, hidden, topk_weights, topk_ids.to(torch.int32))
+        routes = self._host_routes(layer_id, hidden, topk_weights, topk_ids)
         return _summed(routes, hidden.dtype, sum_routes)
 
     def forward(self, layer_id, hidden, topk_weights, topk_ids, is_decode, sum_routes=True):
@@ -149,13 +149,13 @@ class HybridStrategy(HostChannelMixin, OffloadStrategy):
                                                         self.speeds.host_share, self.rotation, self.speeds.host_offset)
         if phase == "decode":
             self.host_experts[moe_layer] += host_count[0]
-        self.channel.begin(layer_id, hidden, topk_weights, host_ids.to(torch.int32))
+        self.channel.begin(layer_id, hidden, topk_weights, host_ids)
         bank = self.banks[layer_id]
         slot_ids = self.cache.load_experts(moe_layer, device_ids, bank.tensors(), self.pool.tensors(), phase=phase)
         on_host = host_ids >= 0
-        device_routes = self._compute(hidden, self.pool, torch.where(on_host, torch.zeros_like(topk_weights), topk_weights),
+        device_routes = self._compute(hidden, self.pool, topk_weights.masked_fill(on_host, 0.0),
                                       slot_ids.clamp(min=0), bank.num_experts, sum_routes=False)
-        host_routes = self.channel.finish(hidden.shape[0])
+        host_routes = self.channel.finish()
         routes = torch.where(on_host.unsqueeze(-1), host_routes.to(device_routes.dtype), device_routes)
         return _summed(routes, hidden.dtype, sum_routes)
 
