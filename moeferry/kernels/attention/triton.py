@@ -70,6 +70,36 @@ def _split_range(seq_len, max_tokens, window, split, NUM_SPLITS: tl.constexpr, B
 
 
 @triton.jit
+def _online_softmax_step(s, valid, values, m_i, l_i, acc, IEEE: tl.constexpr):
+    """One block of base-2 scores s [H, N] (invalid tokens masked here) folded into the running
+    max m_i, sum l_i and output acc [H, D] over `values` [N, D]: flash attention's update, shared
+    by the paged decode kernel and MLA's. Every block holds at least one valid token, so the
+    max is finite from the first block on."""
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(values.dtype), values, IEEE)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _store_split(acc, m_i, l_i, out_ptrs, part_o_ptrs, part_lse_ptrs, h_mask, col_mask, nonempty,
+                 NUM_SPLITS: tl.constexpr):
+    """A program's result: with one split, the normalised output at `out_ptrs`; with several,
+    the unnormalised partial and its base-2 log-sum-exp for the merge (an empty split stores
+    nothing; the merge skips it). An empty row (seq_len 0) stays 0."""
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out_mask = h_mask[:, None] & col_mask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptrs, o.to(out_ptrs.dtype.element_ty), mask=out_mask)
+    elif nonempty:
+        tl.store(part_o_ptrs, o, mask=out_mask)
+        tl.store(part_lse_ptrs, m_i + tl.log2(l_i), mask=h_mask)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, pt_ptr, lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     qk_scale, window, max_tokens,
@@ -108,24 +138,11 @@ def _decode_kernel(
         k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
         s = _dot(q, tl.trans(k), IEEE) * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        # Every block holds at least one valid token, so m_new is finite from the first block on.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, valid, v, m_i, l_i, acc, IEEE)
 
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty row (seq_len 0) stays 0
-    out_mask = h_mask[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=out_mask)
-    elif start < end:  # an empty split stores nothing; the merge skips it
-        tl.store(part_o_ptr + b64 * stride_pob + heads[:, None] * stride_poh + split * stride_pos + offs_d[None, :],
-                 o, mask=out_mask)
-        tl.store(part_lse_ptr + b64 * stride_plb + heads * stride_plh + split, m_i + tl.log2(l_i), mask=h_mask)
+    _store_split(acc, m_i, l_i, out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 part_o_ptr + b64 * stride_pob + heads[:, None] * stride_poh + split * stride_pos + offs_d[None, :],
+                 part_lse_ptr + b64 * stride_plb + heads * stride_plh + split, h_mask, d_mask, start < end, NUM_SPLITS)
 
 
 @triton.jit

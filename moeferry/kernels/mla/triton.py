@@ -30,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moeferry.kernels.attention.triton import _LOG2E, _dot, _merge_kernel, _split_range, _workspace, num_splits_for
+from moeferry.kernels.attention.triton import (_LOG2E, _dot, _merge_kernel, _online_softmax_step, _split_range,
+                                              _store_split, _workspace, num_splits_for)
 from moeferry.kernels.triton_common import exact_dot, pdl_launch, wait_for_previous_kernel
 
 __all__ = ["mla_decode_attention"]
@@ -76,24 +77,11 @@ def _mla_decode_kernel(
         c = tl.load(row + offs_r[None, :], mask=valid[:, None] & r_mask[None, :], other=0.0)
         k_pe = tl.load(row + RANK + offs_p[None, :], mask=valid[:, None] & p_mask[None, :], other=0.0)
         s = (_dot(q_lat, tl.trans(c), IEEE) + _dot(q_pe, tl.trans(k_pe), IEEE)) * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        # Every block holds at least one valid token, so m_new is finite from the first block on.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(c.dtype), c, IEEE)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, valid, c, m_i, l_i, acc, IEEE)
 
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty row (seq_len 0) stays 0
-    out_mask = h_mask[:, None] & r_mask[None, :]
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + offs_r[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=out_mask)
-    elif start < end:  # an empty split stores nothing; the merge skips it
-        tl.store(part_o_ptr + b64 * stride_pob + heads[:, None] * stride_poh + split * stride_pos + offs_r[None, :],
-                 o, mask=out_mask)
-        tl.store(part_lse_ptr + b64 * stride_plb + heads * stride_plh + split, m_i + tl.log2(l_i), mask=h_mask)
+    _store_split(acc, m_i, l_i, out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + offs_r[None, :],
+                 part_o_ptr + b64 * stride_pob + heads[:, None] * stride_poh + split * stride_pos + offs_r[None, :],
+                 part_lse_ptr + b64 * stride_plb + heads * stride_plh + split, h_mask, r_mask, start < end, NUM_SPLITS)
 
 
 def _block_h(num_heads: int) -> int:
