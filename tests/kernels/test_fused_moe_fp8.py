@@ -99,10 +99,18 @@ def test_the_reference_dequantizes_gate_and_up_apart():
 def test_triton_matches_reference_on_fp8_banks(dtype, num_tokens, assignment, block):
     num_experts, top_k, hidden_size, intermediate_size = 32, 2, 80, 48  # ragged blocks, masked tails
     (q13, s13, q2, s2), _ = fp8_layer(num_experts, hidden_size, intermediate_size, block)
+    assert_triton_matches_reference(q13, q2, dict(w13_scale=s13, w2_scale=s2, block_shape=block), num_tokens,
+                                    top_k, assignment, dtype)
+
+
+def assert_triton_matches_reference(q13, q2, scales: dict, num_tokens: int, top_k: int, assignment: str, dtype):
+    """The Triton kernel over quantized banks (fp8, or int4 words) against the reference, every
+    element, on fresh routes; from 4 tokens one expert is shared by every token (a group of
+    several blocks)."""
+    num_experts, hidden_size = q2.shape[0], q2.shape[1]
     hidden, weights, ids = make_routes(num_tokens, hidden_size, num_experts, top_k, dtype)
     if num_tokens > 3:
-        ids[:, 0] = ids[0, 0]  # one expert shared by every token: a group of several blocks
-    scales = dict(w13_scale=s13, w2_scale=s2, block_shape=block)
+        ids[:, 0] = ids[0, 0]
     got = fused_moe(hidden, q13, q2, weights, ids, num_routed_experts=num_experts, block_assignment=assignment,
                     impl="triton", **scales)
     ref = fused_moe(hidden, q13, q2, weights, ids, num_routed_experts=num_experts, impl="reference", **scales)

@@ -10,6 +10,7 @@ from moeferry.kernels.fused_moe import fused_moe
 from moeferry.kernels.fused_moe.reference import unpack_int4
 from moeferry.moe.formats import pack_int4, quantize_int4_groups
 from tests.kernels.test_fused_moe import make_layer, make_routes, oracle, rel_err
+from tests.kernels.test_fused_moe_fp8 import assert_triton_matches_reference
 
 
 def int4_layer(num_experts, hidden_size, intermediate_size, group, seed=0, device="cpu"):
@@ -72,19 +73,8 @@ def test_reference_matches_per_token_oracle_over_dequantized_weights():
 def test_triton_matches_reference_on_int4_banks(dtype, num_tokens, assignment, group):
     num_experts, top_k, hidden_size, intermediate_size = 32, 2, 80, 48  # ragged groups, masked tails
     (q13, s13, q2, s2), _ = int4_layer(num_experts, hidden_size, intermediate_size, group)
-    hidden, weights, ids = make_routes(num_tokens, hidden_size, num_experts, top_k, dtype)
-    if num_tokens > 3:
-        ids[:, 0] = ids[0, 0]
-    scales = dict(w13_scale=s13, w2_scale=s2, block_shape=(1, group))
-    got = fused_moe(hidden, q13, q2, weights, ids, num_routed_experts=num_experts, block_assignment=assignment,
-                    impl="triton", **scales)
-    ref = fused_moe(hidden, q13, q2, weights, ids, num_routed_experts=num_experts, impl="reference", **scales)
-    assert got.dtype == dtype and got.abs().max() > 0.1
-    if dtype == torch.float32:
-        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
-    else:
-        torch.testing.assert_close(got.float(), ref.float(), atol=3e-2, rtol=2e-2)
-        assert rel_err(got, ref) < 1e-2
+    assert_triton_matches_reference(q13, q2, dict(w13_scale=s13, w2_scale=s2, block_shape=(1, group)), num_tokens,
+                                    top_k, assignment, dtype)
 
 
 @pytest.mark.parametrize("impl", ["triton", "reference"])
