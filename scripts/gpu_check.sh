@@ -7,7 +7,8 @@
 # the built-in model's routing, the simulator against the engine), deepseek (DeepSeek-V3-shaped decode
 # and the MLA kernel; 4 MoE layers of 22.5 GB: wants ~100 GB of host memory), quant (decode and accuracy
 # per expert format: bf16, fp8, int4), hybrid (the host channel: kernel GB/s, decode at 0-100% on the
-# GPU); default tests,kernels,decode-quick.
+# GPU), structured (decode with a JSON-schema grammar against without; needs .whl); default
+# tests,kernels,decode-quick.
 # Results: $OUT/results.md holds this call's benchmark sections alone; $OUT/RESULTS.md is
 # benchmarks/RESULTS.md with those sections regenerated (every stage but decode-quick, a smoke
 # run), to copy over benchmarks/RESULTS.md. MOEFERRY_COMMIT names the commit in the tables
@@ -20,6 +21,12 @@ has() { [[ ",$STAGES," == *",$1,"* ]]; }
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 RESULTS=$OUT/results.md; : > "$RESULTS"
 CURRENT=$OUT/RESULTS.md; cp benchmarks/RESULTS.md "$CURRENT"
+# The wheels of scripts/device_wheels.txt, when the call carries .whl: the server, structured
+# output (xgrammar) and the test-only jsonschema.
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
 summary=()
 run() {  # name, command...
   local name=$1; shift
@@ -33,7 +40,7 @@ python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.
 # process, mostly Triton compiling on one core); GPU_TEST_JOBS=N (default 4) runs N pytest
 # processes side by side over the files, dealt round-robin, logs pytest-gpu-J.log.
 if has tests; then
-  read -r -a test_files <<< "${GPU_TESTS:-$(ls tests/kernels/test_*.py tests/moe/test_*.py tests/engine/test_*.py tests/models/test_*.py tests/routing/test_*.py | tr '\n' ' ')}"
+  read -r -a test_files <<< "${GPU_TESTS:-$(ls tests/kernels/test_*.py tests/moe/test_*.py tests/engine/test_*.py tests/models/test_*.py tests/routing/test_*.py tests/structured/test_*.py | tr '\n' ' ')}"
   jobs=${GPU_TEST_JOBS:-4}
   for ((j = 0; j < jobs; j++)); do
     share=(); for ((i = j; i < ${#test_files[@]}; i += jobs)); do share+=("${test_files[i]}"); done
@@ -63,10 +70,8 @@ has uva && run bench-uva python3 -m benchmarks.bench_uva --results "$RESULTS" "$
 has deepseek && run bench-deepseek python3 -m benchmarks.bench_deepseek --results "$RESULTS" "$CURRENT"
 has quant && run bench-quant python3 -m benchmarks.bench_quant --results "$RESULTS" "$CURRENT" \
   && run bench-quant-accuracy python3 -m benchmarks.bench_quant_accuracy --device cuda --results "$RESULTS"
+has structured && run bench-structured python3 -m benchmarks.bench_structured --results "$RESULTS" "$CURRENT"
 has hybrid && run bench-hybrid python3 -m benchmarks.bench_hybrid --results "$RESULTS" "$CURRENT"
-if has serve; then  # the server's packages travel as wheels (scripts/device_wheels.txt)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site && run bench-serve python3 -m benchmarks.bench_serve --results "$RESULTS" "$CURRENT"
-fi
+has serve && run bench-serve python3 -m benchmarks.bench_serve --results "$RESULTS" "$CURRENT"  # needs .whl
 echo; cat "$OUT/gpu.txt"; echo
 printf '%s\n' "${summary[@]}"
