@@ -93,7 +93,8 @@ def _stamp(phase_ptr, index, since, ON: tl.constexpr):
         clock = _sm_clock()
         tl.store(phase_ptr + index, tl.load(phase_ptr + index) + (clock - since))
         return clock
-    return since
+    else:
+        return since
 
 
 @triton.jit

@@ -164,7 +164,8 @@ def _load_b(b_ptrs, mask, offs_k, PACKED: tl.constexpr):
     if PACKED:
         words = tl.load(b_ptrs, mask=mask, other=0)
         return (((words >> ((offs_k % 8) * 4)[:, None]) & 0xF) - 8).to(tl.float32)
-    return tl.load(b_ptrs, mask=mask, other=0.0)
+    else:  # an else, not a fall-through: compiled Triton types every return of a function
+        return tl.load(b_ptrs, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -176,7 +177,8 @@ def _scaled_dot(a, b, acc, scale_ptrs, scale_offset, col_valid, QUANT: tl.conste
         scales = tl.load(scale_ptrs + scale_offset, mask=col_valid, other=0.0)
         partial = dot(a, b.to(a.dtype), tl.zeros(acc.shape, dtype=tl.float32), IEEE)
         return acc + partial * scales[None, :]
-    return dot(a, b, acc, IEEE)
+    else:
+        return dot(a, b, acc, IEEE)
 
 
 @triton.jit
