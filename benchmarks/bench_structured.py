@@ -103,7 +103,8 @@ def main(argv, args) -> int:
              f"tokenizer; prompt {args.prompt_len} tokens, {args.steps} timed steps, the fastest of {args.repeats} "
              "runs; greedy. With grammar: every request constrained by one JSON schema (an array of >= 1,000 "
              "objects: a string, a bounded integer, an enum array), xgrammar's masks computed on the host each "
-             "step before the decode graph replays (not overlapped with it), applied by the device sampler.")
+             "step while the forward's graph runs, then copied and applied by the sampler's graph (a step with "
+             "a mask replays two graphs, engine/cuda_graph.py).")
     report("structured", "Decode tokens/s with a JSON-schema grammar against without",
            command_line("benchmarks.bench_structured", argv), markdown_table(HEADER, rows), notes, args.results)
     return 0
