@@ -184,10 +184,13 @@ class Engine:
         self.counters["generation_tokens"] += 1
         p = req.params
         reason = self._advance_grammar(req, token)
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
+        # An ending token: a stop token id, an end token unless ignore_eos, or an end token
+        # that finished the grammar. Its own text is never output, special or not (a grammar
+        # that finishes on ordinary text, such as a closing brace, keeps that text).
+        ending = token in p.stop_token_ids or (token in self.eos_ids and (not p.ignore_eos or reason == "stop"))
+        if ending:
             reason = "stop"
-        # The ending token's own text is never output (skipped as special, or held out here).
-        delta = "" if reason and not p.skip_special_tokens else self._detok[req.rid].push(token)
+        delta = "" if ending else self._detok[req.rid].push(token)
         text = req.text + delta
         for s in p.stop:
             cut = text.find(s, max(0, len(req.text) - len(s)))

@@ -64,13 +64,16 @@ def test_extreme_temperature_and_top_p_give_the_top_token(llm, fields):
     assert out.finish_reason == "length" and out.token_ids == greedy.token_ids
 
 
-def test_stop_token_ids_stop_even_with_ignore_eos(llm):
+def test_stop_token_ids_stop_even_with_ignore_eos_and_their_text_is_held_out(llm):
     free = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].token_ids
     stop_at = free[3]
     first = free.index(stop_at)
     out = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
                                                   stop_token_ids=[stop_at]))[0]
     assert out.finish_reason == "stop" and out.token_ids == free[:first + 1]
+    before = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=first, ignore_eos=True))[0]
+    assert llm.tokenizer.decode([stop_at]).strip()  # an ordinary token with text of its own
+    assert out.text == before.text  # the ending token's text is not output
 
 
 def test_a_refused_prompt_leaves_nothing_queued(llm):
