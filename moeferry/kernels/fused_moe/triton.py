@@ -8,7 +8,7 @@ Contract (the oracle is moeferry.kernels.fused_moe.reference):
                   Block FP8 (w13_scale, w2_scale, block_shape given; layout in
                   kernels/fused_moe/__init__.py): both banks float8_e4m3fn, their scales
                   float32. Int4 (the same, banks int32): w13 [S, 2I, H/8], w2 [S, H, I/8],
-                  eight 4-bit values per word along K, unpacked as they are read. Each K tile of BLOCK_K (a divisor of the scale block's columns)
+                  eight 4-bit values per word along K, each word read once and unpacked in registers. Each K tile of BLOCK_K (a divisor of the scale block's columns)
                   is multiplied with the fp8 values converted exactly to hidden's dtype, and
                   the fp32 partial product is scaled per output column by its block's scale
                   before it joins the accumulator (W8A16; no weight is rounded).
@@ -157,13 +157,15 @@ def _block_rows(pid_m, sorted_route_ptr, block_expert_ptr, num_post_padded_ptr, 
 
 
 @triton.jit
-def _load_b(b_ptrs, mask, offs_k, PACKED: tl.constexpr):
-    """A [BLOCK_K, BLOCK_N] tile of weights. PACKED: each element reads the int32 word of its
-    4-bit value (value i of a word at bits 4i, stored + 8) and comes back as the signed value in
-    float32 (exact; an integer converts to bf16 through it)."""
+def _load_b(b_ptrs, mask, PACKED: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A [BLOCK_K, BLOCK_N] tile of weights. PACKED: b_ptrs and mask are over the tile's
+    [BLOCK_K / 8, BLOCK_N] int32 words, each read once and split into its eight 4-bit values
+    (value i of a word at bits 4i, stored + 8, is row 8 * word + i of the tile), which come
+    back as signed values in float32 (exact; an integer converts to bf16 through it)."""
     if PACKED:
         words = tl.load(b_ptrs, mask=mask, other=0)
-        return (((words >> ((offs_k % 8) * 4)[:, None]) & 0xF) - 8).to(tl.float32)
+        nibbles = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
+        return (tl.reshape(nibbles, (BLOCK_K, BLOCK_N)) - 8).to(tl.float32)
     else:  # an else, not a fall-through: compiled Triton types every return of a function
         return tl.load(b_ptrs, mask=mask, other=0.0)
 
@@ -217,19 +219,20 @@ def _moe_gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_valid = offs_n < n_out
     offs_k = tl.arange(0, BLOCK_K)
+    offs_kb = tl.arange(0, BLOCK_K // PACK)  # the tile's rows of b as stored (int4: words)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + expert.to(tl.int64) * stride_be + offs_n[None, :] * stride_bn \
-        + (offs_k // PACK)[:, None] * stride_bk
+    b_ptrs = b_ptr + expert.to(tl.int64) * stride_be + offs_n[None, :] * stride_bn + offs_kb[:, None] * stride_bk
     scale_ptrs = scale_ptr + expert.to(tl.int64) * stride_se + (offs_n // SCALE_BN) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, k_in, BLOCK_K):
         k_valid = offs_k < k_in - k0
+        b_mask = (offs_kb * PACK < k_in - k0)[:, None] & col_valid[None, :]
         a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-        b = _load_b(b_ptrs, k_valid[:, None] & col_valid[None, :], offs_k, PACKED)
+        b = _load_b(b_ptrs, b_mask, PACKED, BLOCK_K, BLOCK_N)
         acc = _scaled_dot(a, b, acc, scale_ptrs, k0 // SCALE_BK * stride_sk, col_valid, QUANT, IEEE)
         if GATED:
-            b_up = _load_b(b_ptrs + n_out * stride_bn, k_valid[:, None] & col_valid[None, :], offs_k, PACKED)
+            b_up = _load_b(b_ptrs + n_out * stride_bn, b_mask, PACKED, BLOCK_K, BLOCK_N)
             acc_up = _scaled_dot(a, b_up, acc_up, scale_ptrs + up_scale_row * stride_sn,
                                  k0 // SCALE_BK * stride_sk, col_valid, QUANT, IEEE)
         a_ptrs += BLOCK_K * stride_ak
