@@ -49,7 +49,7 @@ def client():
         proc.terminate()
         output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, output
-    assert "Traceback" not in output and " ERROR " not in output, output
+    assert "Traceback" not in output and "ERROR" not in output, output
 
 
 @pytest.fixture(scope="module")
