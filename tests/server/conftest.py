@@ -1,9 +1,13 @@
 import contextlib
 import dataclasses
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
+import httpx
 import pytest
 
 API_KEY = "test-key"
@@ -68,6 +72,34 @@ def running_server(**engine_options):
     engine = Engine(EngineConfig(dtype="float32", device="cpu", **engine_options))
     with serve_engine(engine) as running:
         yield running
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(port: int, *options: str) -> subprocess.Popen:
+    """`moeferry serve` of the built-in model (float32 on the CPU, `options` added) as a process
+    on 127.0.0.1:`port`, returned once /health answers; its log is the process's stdout (text,
+    stderr joined), a pipe the caller reads (or leaves few lines in: a full pipe blocks it)."""
+    cmd = [sys.executable, "-m", "moeferry.cli", "serve", "--port", str(port), "--dtype", "float32", "--device", "cpu",
+           *options]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the server did not come up: {proc.communicate()[0]}")
+        time.sleep(0.2)
 
 
 def openai_client(running: RunningServer):

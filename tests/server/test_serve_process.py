@@ -3,45 +3,20 @@ SIGTERM or SIGINT ends the in-flight stream properly (a final chunk with an Open
 `data: [DONE]`), answers an in-flight non-streamed request with a 503 error body, and exits 0."""
 
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "moeferry.cli", "serve", "--port", str(port), "--dtype", "float32", "--device", "cpu",
-           "--max-model-len", "256", "--log-interval", "0.3"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the server did not come up"
-        time.sleep(0.2)
+from tests.server.conftest import free_port, start_server
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_ends_streams_properly_and_exits_cleanly(model_cache, sig):
     port = free_port()
-    proc = start_server(port)
+    proc = start_server(port, "--max-model-len", "256", "--log-interval", "0.3")
     events, enough, answers = [], threading.Event(), []
 
     def whole():
