@@ -9,7 +9,8 @@ stream or a captured graph (moe/host_experts.py) with no Python and no GIL.
 
 `expert_routes` is the primitive: per-route outputs, routes with a negative id skipped (left
 zero) so that another channel may compute them. `fused_moe` is the op's contract
-(kernels/fused_moe/__init__.py) over it; a dtype other than bf16, or a machine without a
+(kernels/fused_moe/__init__.py) over it; a dtype other than bf16, expert biases or the clamped
+SwiGLU (gpt-oss: the C++ kernel computes silu experts without biases), or a machine without a
 compiler, takes the reference.
 """
 from __future__ import annotations
