@@ -61,11 +61,13 @@ def parse_args(argv):
 
 # ---- decode tokens/s -----------------------------------------------------------------------
 
-def make_engine(config_dir: str, args, strategy: str, slots: int | None, device_type: str = "cuda"):
+def make_engine(config_dir: str, args, strategy: str, slots: int | None, device_type: str = "cuda",
+                overrides: dict | None = None):
+    """A dummy engine of the config cut by `overrides` (default: --layers, --dense-layers)."""
     from moeferry.config import EngineConfig
     from moeferry.engine.engine import Engine
 
-    overrides = {"num_hidden_layers": args.layers, "first_k_dense_replace": args.dense_layers}
+    overrides = overrides or {"num_hidden_layers": args.layers, "first_k_dense_replace": args.dense_layers}
     context = args.prompt_len + args.warmup + args.steps + 16
     ec = EngineConfig(model=config_dir, load_format="dummy", hf_overrides=overrides, moe_strategy=strategy,
                       moe_cache_slots=slots, moe_collect_stats=False, max_running_requests=max(args.batch),
@@ -79,17 +81,21 @@ def cache_slots(frac: float, moe_layers: int, experts: int) -> int:
     return max(experts, int(frac * moe_layers * experts))
 
 
-def decode_rows(config_dir: str, cfg: dict, args, h2d: float, hbm: float, device_type: str = "cuda") -> list[list]:
-    """The decode section's rows for the model of `config_dir` (its config.json `cfg`)."""
+def decode_rows(config_dir: str, cfg: dict, args, h2d: float, hbm: float, device_type: str = "cuda", *,
+                overrides: dict | None = None) -> list[list]:
+    """The decode section's rows for the model of `config_dir` (its config.json `cfg`), cut by
+    `overrides` (make_engine's default: --layers with --dense-layers dense); bench_gpt_oss's
+    section too."""
     from benchmarks.bench_decode import decode_counters, dense_bytes, set_statistics
 
-    experts, moe_layers = cfg["n_routed_experts"], args.layers - args.dense_layers
+    experts = cfg.get("n_routed_experts") or cfg["num_local_experts"]
+    moe_layers = args.layers - getattr(args, "dense_layers", 0)
     rows, distinct_per_step = [], {}
     plans = [("offload", f) for f in sorted(args.cache_fracs, reverse=True) if "offload" in args.strategies]
     plans += [("gpu", None)] if "gpu" in args.strategies else []
     for strategy, frac in plans:
         slots = None if frac is None else cache_slots(frac, moe_layers, experts)
-        engine = make_engine(config_dir, args, strategy, slots, device_type)
+        engine = make_engine(config_dir, args, strategy, slots, device_type, overrides)
         dense, expert_bytes = dense_bytes(engine), engine.runner.strategy.expert_bytes
         for b in args.batch:
             timed = min((timed_decode(engine, b, args.prompt_len, args.warmup, args.steps, lambda e: {})

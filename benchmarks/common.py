@@ -270,9 +270,9 @@ UNIFORM_NOISE_STD = 100.0  # router logits have a spread of about 1: this drowns
 
 
 def uniform_routing(engine) -> list:
-    """Forward hooks on every MoE gate adding N(0, UNIFORM_NOISE_STD) noise to the router
+    """Forward hooks on every MoE router adding N(0, UNIFORM_NOISE_STD) noise to the router
     logits (drawn inside the decode graph at every replay: recapture the graphs after adding
     them), so every row routes uniformly at random; returns the handles."""
     model = engine.runner.model
-    return [model.moe_block(layer_id).gate.register_forward_hook(
+    return [model.moe_block(layer_id).route_module.register_forward_hook(
         lambda _m, _i, out: out + torch.randn_like(out) * UNIFORM_NOISE_STD) for layer_id in engine.mc.moe_layer_ids]

@@ -99,6 +99,7 @@ class _ExpertWriter:
         self.model, self.device = model, device
         self.stored = 0  # quantized weights copied as is
         self.scales = 0  # scale tensors copied
+        self.biases: dict[int, int] = {}  # layer -> expert biases written (gate_up's and down's)
 
     def banks(self, layer_id: int, expert, name: str, file: str):
         banks = getattr(self.model.moe_block(layer_id), "banks", None)
@@ -124,11 +125,37 @@ class _ExpertWriter:
         scale = None if banks.w13_scale is None else banks.w13_scale[pick][..., blocks, :]
         return banks.w13[pick][..., rows, :], scale, hidden
 
+    def _stacked(self, kind: str, src: torch.Tensor, want: tuple, name: str, file: str) -> torch.Tensor:
+        """A stacked tensor of every expert in the banks' layout `want` (FamilySpec.stacked_experts),
+        its shape checked in the checkpoint's layout first: the conversions (transposes,
+        de-interleaving) give the checkpoint's shape when applied to the banks'."""
+        convert = self.model.spec.stacked_experts
+        if convert is None:
+            return src
+        _check_tensor(name, src, convert(kind, torch.empty(want, device="meta")).shape, file)
+        return convert(kind, src)
+
+    def _write_bias(self, banks, layer_id: int, kind: str, src: torch.Tensor, name: str, file: str) -> int:
+        dst = banks.w13_bias if kind == "gate_up" else banks.w2_bias
+        if dst is None:
+            raise LoadError(f"{file}: tensor {name!r} is an expert bias, but the model's experts have none")
+        src = self._stacked(kind + "_bias", src, tuple(dst.shape), name, file)
+        _check_tensor(name, src, dst.shape, file)
+        dst.copy_(src)
+        self.biases[layer_id] = self.biases.get(layer_id, 0) + 1
+        return 0
+
     def write(self, layer_id: int, expert, kind: str, part: str, src_of, name: str, file: str) -> int:
-        """Copy the tensor `src_of()` reads; returns the expert weights it held (0 for scales)."""
+        """Copy the tensor `src_of()` reads; returns the expert weights it held (0 for scales and biases)."""
+        if part == "mxfp4":
+            raise LoadError(f"{file}: tensor {name!r} holds MXFP4 experts (gpt-oss's released format), which are not "
+                            f"supported yet: use the checkpoint's dequantized bf16 form")
         banks = self.banks(layer_id, expert, name, file)
+        if part == "bias":
+            return self._write_bias(banks, layer_id, kind, src_of(), name, file)
         if kind == "gate_up":  # stacked: gate and up are blocked (quantized) each on its own
-            src = src_of() if part == "weight" else None
+            want = (banks.num_experts, banks.w13.shape[1], banks.w2.shape[1])
+            src = self._stacked(kind, src_of(), want, name, file) if part == "weight" else None
             if src is None or _is_stored_quantized(src):
                 raise LoadError(f"{file}: tensor {name!r}: stacked quantized gate_up experts are not supported")
             _check_tensor(name, src, (banks.num_experts, *banks.w13.shape[1:-1], banks.w2.shape[1]), file)
@@ -152,7 +179,10 @@ class _ExpertWriter:
             scale_dst.copy_(src)
             self.scales += 1
             return 0
-        self._write_weight(banks, expert, kind, src_of(), name, file)
+        src = src_of()
+        if expert is None:
+            src = self._stacked(kind, src, (banks.num_experts, banks.w2.shape[1], banks.w13.shape[1] // 2), name, file)
+        self._write_weight(banks, expert, kind, src, name, file)
         return 1 if expert is not None else banks.num_experts
 
     def _write_weight(self, banks, expert, kind: str, src: torch.Tensor, name: str, file: str) -> None:
@@ -292,6 +322,9 @@ def load_safetensors(model, model_dir: str, device: torch.device | str = "cpu") 
         if expert_counts.get(layer_id, 0) != want:
             raise LoadError(f"checkpoint in {model_dir}: layer {layer_id} has {expert_counts.get(layer_id, 0)} of "
                             f"{want} expert tensors (gate, up, down per expert)")
+        if model.moe_block(layer_id).banks.w13_bias is not None and writer.biases.get(layer_id, 0) != 2:
+            raise LoadError(f"checkpoint in {model_dir}: layer {layer_id} lacks its expert biases (gate_up_proj_bias "
+                            f"and down_proj_bias)")
 
 
 def _random_fill(dst: torch.Tensor, device: torch.device, generator_seed: int, std: float = 0.02) -> None:
@@ -314,8 +347,8 @@ def _random_fill_quantized(banks, device: torch.device, dtype: torch.dtype, seed
 
 
 def load_dummy(model, seed: int, device: torch.device) -> None:
-    """Random weights at the config's real shapes: linears ~ N(0, 0.02), norms at 1; experts of
-    a quantized format drawn in the compute dtype, then quantized."""
+    """Random weights at the config's real shapes: linears ~ N(0, 0.02), norms at 1, expert
+    biases too; experts of a quantized format drawn in the compute dtype, then quantized."""
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -326,6 +359,9 @@ def load_dummy(model, seed: int, device: torch.device) -> None:
         layer_ids = model.config.moe_layer_ids
         for layer_id in tqdm(layer_ids, desc="dummy experts", unit="layer", disable=len(layer_ids) < 4):
             banks = model.moe_block(layer_id).banks
+            for i, bias in enumerate((banks.w13_bias, banks.w2_bias)):
+                if bias is not None:
+                    _random_fill(bias, device, seed * 1000 + 2 * layer_id + 500_000 + i)
             if banks.format.quantized:
                 _random_fill_quantized(banks, device, model.lm_head.weight.dtype, seed * 1000 + 2 * layer_id)
                 continue

@@ -22,11 +22,13 @@ class Attention(nn.Module):
 
     After loading, `fuse_qkv` stacks the q/k/v weights (and biases) into one [q; k; v] matrix
     and makes the three projections' parameters views of it: one GEMM per forward, no extra
-    memory, and the state dict unchanged. Projections go through kernels/linear.py (Linear, and
+    memory, and the state dict unchanged. It also keeps `sinks` (gpt-oss) as float32 for the
+    kernels, once: a captured graph reads that storage. Projections go through kernels/linear.py (Linear, and
     the fused call), so decode-sized batches on CUDA take the skinny Triton kernel.
     """
 
-    def __init__(self, mc, layer_id: int, qk_norm: str | None, qkv_bias: bool, rotary: RotaryEmbedding):
+    def __init__(self, mc, layer_id: int, qk_norm: str | None, qkv_bias: bool, rotary: RotaryEmbedding, *,
+                 o_bias: bool = False, sinks: bool = False):
         super().__init__()
         h, d = mc.hidden_size, mc.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = mc.num_heads, mc.num_kv_heads, d
@@ -34,7 +36,10 @@ class Attention(nn.Module):
         self.q_proj = Linear(h, self.num_heads * d, bias=qkv_bias)
         self.k_proj = Linear(h, self.num_kv_heads * d, bias=qkv_bias)
         self.v_proj = Linear(h, self.num_kv_heads * d, bias=qkv_bias)
-        self.o_proj = Linear(self.num_heads * d, h, bias=False)
+        self.o_proj = Linear(self.num_heads * d, h, bias=o_bias)
+        # gpt-oss: a learned logit per query head in every softmax denominator (kernels/attention)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if sinks else None
+        self.sink_logits: torch.Tensor | None = None
         eps = self.norm_eps = getattr(mc.hf, "rms_norm_eps", 1e-6)
         self.qk_norm = qk_norm
         if qk_norm == "head":
@@ -51,6 +56,8 @@ class Attention(nn.Module):
     @torch.no_grad()
     def fuse_qkv(self) -> None:
         """Stack q/k/v into one projection (call once the weights are loaded)."""
+        if self.sinks is not None:
+            self.sink_logits = self.sinks.detach().float().contiguous()
         projections = (self.q_proj, self.k_proj, self.v_proj)
         self.qkv_weight = torch.cat([p.weight for p in projections])
         if self.q_proj.bias is not None:
@@ -90,13 +97,14 @@ class Attention(nn.Module):
             q_norm_weight=self.q_norm.weight if head_norm else None,
             k_norm_weight=self.k_norm.weight if head_norm else None,
             eps=self.norm_eps)
+        sinks = self.sink_logits if self.sinks is None or self.sink_logits is not None else self.sinks.float()
         if batch.is_decode:
             out = attn_ops.decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, kv.page_size,
-                                       self.scale, self.window)
+                                       self.scale, self.window, sinks)
         else:
             out = torch.empty_like(q)
             for seq in batch.prefill_seqs:
                 rows = slice(seq.row_start, seq.row_start + seq.length)
                 out[rows] = attn_ops.prefill_attention(q[rows], k_cache[seq.kv_slots], v_cache[seq.kv_slots],
-                                                  seq.pos_start, self.scale, self.window)
+                                                  seq.pos_start, self.scale, self.window, sinks)
         return self.o_proj(out.reshape(x.shape[0], -1))

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeferry.kernels.fused_moe import SILU, Activation
 from moeferry.kernels.router import grouped_topk, softmax_topk
 from moeferry.layers.linear import Linear
 
@@ -62,18 +63,24 @@ class MoEBlock(nn.Module):
     runs behind the same forward. Shared experts are dense modules here, resident on the
     device like every dense weight: `shared_expert` (Qwen2-MoE, scaled by a sigmoid gate) or
     `shared_experts` of `shared_experts_size` intermediate rows, added unscaled (DeepSeek).
-    `router`, when given, replaces the softmax top-k over a Linear gate and is named `gate`.
+    `router`, when given, replaces the Linear gate: a Linear (gpt-oss's, with a bias) still
+    takes the softmax top-k, another module routes by itself (DeepSeek's); it is named
+    `router_name` as in the checkpoint. `expert_bias` and `activation` say what the routed
+    experts compute (their banks hold the biases).
     """
 
     def __init__(self, mc, layer_id: int, strategy, renormalize: bool, shared_expert: bool, *,
-                 router: nn.Module | None = None, shared_experts_size: int = 0):
+                 router: nn.Module | None = None, shared_experts_size: int = 0, router_name: str = "gate",
+                 expert_bias: bool = False, activation: Activation = SILU):
         super().__init__()
         h, e = mc.hidden_size, mc.num_experts
         self.layer_id, self.top_k, self.renormalize = layer_id, mc.top_k, renormalize
         # the skinny kernel at decode sizes; hooks still fire
-        self.gate = Linear(h, e, bias=False) if router is None else router
+        self.router_name = router_name
+        self.add_module(router_name, Linear(h, e, bias=False) if router is None else router)
         self.strategy = strategy
-        self.banks = strategy.allocate_banks(layer_id, e, h, mc.moe_intermediate_size)
+        self.banks = strategy.allocate_banks(layer_id, e, h, mc.moe_intermediate_size, bias=expert_bias,
+                                             activation=activation)
         if shared_expert:
             self.shared_expert = DenseMLP(h, mc.hf.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(h, 1, bias=False)
@@ -81,14 +88,20 @@ class MoEBlock(nn.Module):
             self.shared_expert = None
         self.shared_experts = DenseMLP(h, shared_experts_size) if shared_experts_size else None
 
+    @property
+    def route_module(self) -> nn.Module:
+        """The router, under its checkpoint name (`gate`, gpt-oss's `router`)."""
+        return getattr(self, self.router_name)
+
     def forward(self, x: torch.Tensor, is_decode: bool, sum_routes: bool = True) -> torch.Tensor:
         """[T, H]; with sum_routes=False and no shared expert, the weighted per-route outputs
         [T, K, H] instead, for a caller whose next op sums them anyway (the decoder's residual
         add, RMSNorm.add_and_norm): the MoE then needs no summing launch of its own."""
-        if isinstance(self.gate, Linear):
-            weights, ids = softmax_topk(self.gate(x), self.top_k, self.renormalize)
+        router = self.route_module
+        if isinstance(router, Linear):
+            weights, ids = softmax_topk(router(x), self.top_k, self.renormalize)
         else:
-            weights, ids = self.gate(x)
+            weights, ids = router(x)
         self.strategy.record_routes(self.layer_id, ids)
         shared = self.shared_expert is not None or self.shared_experts is not None
         out = self.strategy.forward(self.layer_id, x, weights, ids, is_decode, sum_routes=sum_routes or shared)

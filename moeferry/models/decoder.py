@@ -32,7 +32,8 @@ class DecoderLayer(nn.Module):
         if mc.is_moe_layer(layer_id):
             mlp = MoEBlock(mc, layer_id, strategy, spec.renormalize(mc.hf), spec.shared_expert,
                            router=spec.router(mc) if spec.router else None,
-                           shared_experts_size=spec.shared_experts_size(mc.hf))
+                           shared_experts_size=spec.shared_experts_size(mc.hf), router_name=spec.router_name,
+                           expert_bias=spec.expert_bias, activation=spec.activation(mc.hf))
         else:
             mlp = DenseMLP(mc.hidden_size, mc.hf.intermediate_size)
         self.is_moe = mc.is_moe_layer(layer_id)
@@ -68,6 +69,13 @@ class DecoderBody(nn.Module):
         self.norm = RMSNorm(mc.hidden_size, getattr(mc.hf, "rms_norm_eps", 1e-6))
         self.rotary = rotary
 
+
+# A stacked expert tensor of every expert -> (kind, part): gpt-oss adds biases, and its released
+# checkpoints MXFP4 blocks and scales (refused by the loader for now)
+_STACKED_LEAVES = {"gate_up_proj": ("gate_up", "weight"), "down_proj": ("down", "weight"),
+                   "gate_up_proj_bias": ("gate_up", "bias"), "down_proj_bias": ("down", "bias"),
+                   "gate_up_proj_blocks": ("gate_up", "mxfp4"), "gate_up_proj_scales": ("gate_up", "mxfp4"),
+                   "down_proj_blocks": ("down", "mxfp4"), "down_proj_scales": ("down", "mxfp4")}
 
 # A quantized linear's checkpoint tensors -> what they hold (engine/loader.py)
 _TENSOR_PARTS = {"weight": "weight", "weight_packed": "weight", "weight_scale_inv": "scale", "weight_scale": "scale",
@@ -105,7 +113,8 @@ class MoECausalLM(nn.Module):
         """Map a checkpoint tensor name onto an expert bank: (layer_id, expert or None, kind, part)
         where kind is gate/up/down (one expert) or gate_up/down (all experts stacked) and part is
         "weight" (`weight`, int4's `weight_packed`), "scale" (FP8's `weight_scale_inv`, int4's
-        `weight_scale`) or "shape" (int4's `weight_shape`); None if not an expert."""
+        `weight_scale`), "shape" (int4's `weight_shape`), "bias" (gpt-oss's stacked biases) or
+        "mxfp4" (gpt-oss's MXFP4 blocks and scales); None if not an expert."""
         m = self._expert_pattern.match(name)
         if m is None:
             return None
@@ -115,8 +124,8 @@ class MoECausalLM(nn.Module):
         if expert is not None:
             kind = {gate: "gate", up: "up", down: "down"}.get(leaf)
             return None if kind is None else (layer_id, int(expert), kind, part)
-        kind = {"gate_up_proj": "gate_up", "down_proj": "down"}.get(leaf)
-        return None if kind is None else (layer_id, None, kind, part)
+        stacked = _STACKED_LEAVES.get(leaf)
+        return None if stacked is None else (layer_id, None, *stacked)
 
     def moe_block(self, layer_id: int) -> MoEBlock:
         return self.model.layers[layer_id].mlp_module

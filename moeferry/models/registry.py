@@ -7,6 +7,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable
 
+from moeferry.kernels.fused_moe import SILU, Activation
+
 _FAMILY_MODULES = {
     "qwen3_moe": "moeferry.models.qwen3_moe",
     "mixtral": "moeferry.models.mixtral",
@@ -15,6 +17,7 @@ _FAMILY_MODULES = {
     "deepseek_v2": "moeferry.models.deepseek",
     "deepseek_v3": "moeferry.models.deepseek",
     "kimi_k2": "moeferry.models.deepseek",
+    "gpt_oss": "moeferry.models.gpt_oss",
 }
 
 # model_types transformers has no config class for (their checkpoints ship remote code), read
@@ -31,8 +34,14 @@ class FamilySpec:
     expert_names: checkpoint names of (gate, up, down) inside one expert;
     attention(mc, layer_id, rotary): the family's attention module, None for the shared
     grouped-query Attention (DeepSeek: layers/mla.py's MLAttention);
-    router(mc): the family's router module, None for softmax top-k over a Linear gate;
-    shared_experts_size(hf): intermediate rows of ungated shared experts (DeepSeek), 0 for none.
+    router(mc): the family's router module, None for softmax top-k over a Linear gate (a Linear
+    it returns takes that path too, with its bias); router_name: the router's checkpoint name;
+    shared_experts_size(hf): intermediate rows of ungated shared experts (DeepSeek), 0 for none;
+    expert_bias: the routed experts have biases on both GEMMs (bias banks, gpt-oss);
+    activation(hf): how an expert's gate and up rows combine (kernels/fused_moe Activation);
+    stacked_experts(kind, tensor): a stacked checkpoint tensor of every expert (kind gate_up,
+    down, gate_up_bias, down_bias) in the banks' layout ([E, 2I, H] gate rows then up rows,
+    [E, H, I], [E, 2I], [E, H]); None when the checkpoint already stores that layout.
     """
 
     model_type: str
@@ -45,6 +54,10 @@ class FamilySpec:
     attention: Callable[..., object] | None = None
     router: Callable[[object], object] | None = None
     shared_experts_size: Callable[[object], int] = lambda hf: 0
+    router_name: str = "gate"
+    expert_bias: bool = False
+    activation: Callable[[object], Activation] = lambda hf: SILU
+    stacked_experts: Callable[[str, object], object] | None = None
 
 
 def family_names() -> list[str]:

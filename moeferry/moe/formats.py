@@ -88,6 +88,9 @@ def checkpoint_format(hf_config) -> ExpertFormat | None:
     method = qc.get("quant_method")
     if method == "compressed-tensors":
         return _compressed_tensors_format(qc)
+    if method == "mxfp4":
+        raise ConfigError("config.json: quantization_config.quant_method 'mxfp4' (gpt-oss's MXFP4 experts) is not "
+                          "supported yet: use the checkpoint's dequantized bf16 form")
     if method != "fp8":
         raise ConfigError(f"config.json: quantization_config.quant_method {method!r} is not supported; supported: fp8 "
                           f"(block-scaled e4m3), compressed-tensors (pack-quantized int4 groups)")

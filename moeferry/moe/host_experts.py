@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from moeferry.config import ConfigError
+from moeferry.kernels.fused_moe import SILU
 from moeferry.kernels.fused_moe import host as host_kernel
 from moeferry.kernels.fused_moe import reference
 
@@ -100,7 +101,12 @@ class HostExpertChannel:
         if sample.format.quantized:
             raise ConfigError(f"--moe-strategy cpu and hybrid compute bf16 experts on the host, not "
                               f"{sample.format.name} ones: use --moe-strategy offload for a quantized model")
-        self.compiled = sample.w13.dtype == torch.bfloat16
+        plain = sample.w13_bias is None and sample.activation == SILU
+        self.compiled = sample.w13.dtype == torch.bfloat16 and plain
+        if not plain and device.type == "cuda":
+            raise ConfigError("--moe-strategy cpu and hybrid: the host expert kernel computes silu experts without "
+                              f"biases, not these ({sample.activation.name} with biases: gpt-oss), which only the "
+                              "reference computes on the host; use --moe-strategy offload")
         if not self.compiled and device.type == "cuda":
             raise ConfigError(f"the host expert kernel computes bfloat16 experts, not {sample.w13.dtype}: "
                               "use --dtype bfloat16 with --moe-strategy cpu or hybrid")
@@ -152,8 +158,9 @@ class HostExpertChannel:
             self.out_device[:num_tokens].copy_(self.out[:num_tokens], non_blocking=True)
 
     def _run_here(self, layer_id, hidden, topk_weights, host_ids) -> torch.Tensor:
-        """A CPU-only machine: the kernel in place (bf16), else the reference over the host's
-        routes (a float32 model in tests), zeros at the others as the kernel leaves them."""
+        """A CPU-only machine: the kernel in place (bf16 silu experts without biases), else the
+        reference over the host's routes (a float32 model in tests, gpt-oss's experts), zeros at
+        the others as the kernel leaves them."""
         num_tokens = hidden.shape[0]
         if self.compiled:
             self.x[:num_tokens].copy_(hidden)
@@ -163,7 +170,7 @@ class HostExpertChannel:
             return self.out[:num_tokens]
         bank, on_host = self.banks[layer_id], host_ids >= 0
         routes = reference.fused_moe(hidden, bank.w13, bank.w2, torch.where(on_host, topk_weights, 0.0),
-                                     host_ids.clamp(min=0), sum_routes=False)
+                                     host_ids.clamp(min=0), sum_routes=False, **bank.kernel_args())
         return torch.where(on_host.unsqueeze(-1), routes, 0.0)
 
     def finish(self) -> torch.Tensor:

@@ -164,7 +164,7 @@ class OffloadStrategy(MoEStrategy):
     @staticmethod
     def _compute(hidden, banks: ExpertBanks, topk_weights, ids, num_routed_experts: int, sum_routes: bool):
         return fused_moe(hidden, banks.w13, banks.w2, topk_weights, ids, num_routed_experts=num_routed_experts,
-                         sum_routes=sum_routes, **banks.kernel_scales())
+                         sum_routes=sum_routes, **banks.kernel_args())
 
     def _streamed(self, layer_id, hidden, topk_weights, topk_ids, sum_routes):
         host = self.banks[layer_id]

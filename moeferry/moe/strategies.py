@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moeferry.config import ConfigError
-from moeferry.kernels.fused_moe import fused_moe
+from moeferry.kernels.fused_moe import SILU, Activation, fused_moe
 from moeferry.kernels.gather_copy import row_bytes
 from moeferry.moe import formats
 from moeferry.moe.formats import UNQUANTIZED, ExpertFormat, scale_grid
@@ -67,7 +67,9 @@ class ExpertBanks:
     w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]. In a quantized `format` the weights
     are its dtype (float8_e4m3fn; int32 words of eight int4 values along the last dimension,
     which is then H/8 and I/8) and w13_scale / w2_scale hold their float32 block scales (layout:
-    kernels/fused_moe/__init__.py); otherwise both are None.
+    kernels/fused_moe/__init__.py); otherwise both are None. Experts with biases (gpt-oss) add
+    the bias banks w13_bias [E, 2I] (gate's, then up's) and w2_bias [E, H] in the compute dtype;
+    `activation` is how their gate and up rows combine (the same for every layer of a model).
 
     Invariant: dim 0 of every tensor is the expert (or slot) and row e of each belongs to the
     same expert, so an expert moves as the raw rows of `tensors()` (gather_copy, streaming,
@@ -78,11 +80,16 @@ class ExpertBanks:
     w13_scale: torch.Tensor | None = None
     w2_scale: torch.Tensor | None = None
     format: ExpertFormat = UNQUANTIZED
+    w13_bias: torch.Tensor | None = None
+    w2_bias: torch.Tensor | None = None
+    activation: Activation = SILU
 
     @classmethod
     def allocate(cls, rows: int, hidden: int, inter: int, fmt: ExpertFormat, dtype: torch.dtype,
-                 device: torch.device, pin: bool = False, zero: bool = False) -> "ExpertBanks":
-        """Banks of `rows` experts in `fmt` (weights in `dtype` when unquantized)."""
+                 device: torch.device, pin: bool = False, zero: bool = False, bias: bool = False,
+                 activation: Activation = SILU) -> "ExpertBanks":
+        """Banks of `rows` experts in `fmt` (weights in `dtype` when unquantized; biases, when
+        asked, in `dtype`)."""
         make = torch.zeros if zero else torch.empty
 
         def bank(*shape, dt):
@@ -96,22 +103,33 @@ class ExpertBanks:
             h_rows, i_cols = scale_grid(hidden, inter, fmt.block_shape)
             banks.w13_scale = bank(rows, 2 * gate_rows, h_cols, dt=torch.float32)
             banks.w2_scale = bank(rows, h_rows, i_cols, dt=torch.float32)
+        if bias:
+            banks.w13_bias = bank(rows, 2 * inter, dt=dtype)
+            banks.w2_bias = bank(rows, hidden, dt=dtype)
+        banks.activation = activation
         return banks
 
     def like(self, rows: int, device: torch.device, zero: bool = False) -> "ExpertBanks":
-        """Banks of the same format and expert shape with `rows` rows on `device`."""
+        """Banks of the same format, expert shape and arithmetic with `rows` rows on `device`."""
         hidden, inter = self.w2.shape[1], self.w13.shape[1] // 2
-        return ExpertBanks.allocate(rows, hidden, inter, self.format, self.w13.dtype, device, zero=zero)
+        dtype = self.w13.dtype if self.w13_bias is None else self.w13_bias.dtype
+        return ExpertBanks.allocate(rows, hidden, inter, self.format, dtype, device, zero=zero,
+                                    bias=self.w13_bias is not None, activation=self.activation)
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every bank, in the order copies take them: weights, then scales."""
-        return [t for t in (self.w13, self.w2, self.w13_scale, self.w2_scale) if t is not None]
+        """Every bank, in the order copies take them: weights, then scales, then biases."""
+        return [t for t in (self.w13, self.w2, self.w13_scale, self.w2_scale, self.w13_bias, self.w2_bias)
+                if t is not None]
 
-    def kernel_scales(self) -> dict:
-        """fused_moe's keyword arguments for this format's scales (none when unquantized)."""
-        if not self.format.quantized:
-            return {}
-        return {"w13_scale": self.w13_scale, "w2_scale": self.w2_scale, "block_shape": self.format.block_shape}
+    def kernel_args(self) -> dict:
+        """fused_moe's keyword arguments beyond the weights: this format's scales (none when
+        unquantized), the biases and the activation (where the experts have them)."""
+        args = {} if self.activation == SILU else {"activation": self.activation}
+        if self.w13_bias is not None:
+            args.update(w13_bias=self.w13_bias, w2_bias=self.w2_bias)
+        if self.format.quantized:
+            args.update(w13_scale=self.w13_scale, w2_scale=self.w2_scale, block_shape=self.format.block_shape)
+        return args
 
     @property
     def num_experts(self) -> int:
@@ -150,10 +168,12 @@ class MoEStrategy:
         """The banks' format: the checkpoint's quantization_config, else --quantization."""
         return formats.expert_format(getattr(self.model_config, "hf", None), getattr(self.engine_config, "quantization", None))
 
-    def allocate_banks(self, layer_id: int, num_experts: int, hidden: int, inter: int) -> ExpertBanks:
+    def allocate_banks(self, layer_id: int, num_experts: int, hidden: int, inter: int, bias: bool = False,
+                       activation: Activation = SILU) -> ExpertBanks:
         dev = self.bank_device()
         pin = dev.type == "cpu" and self.device.type == "cuda"
-        self.banks[layer_id] = ExpertBanks.allocate(num_experts, hidden, inter, self.expert_format, self.dtype, dev, pin)
+        self.banks[layer_id] = ExpertBanks.allocate(num_experts, hidden, inter, self.expert_format, self.dtype, dev, pin,
+                                                    bias=bias, activation=activation)
         return self.banks[layer_id]
 
     @cached_property
@@ -221,4 +241,4 @@ class GpuStrategy(MoEStrategy):
     def forward(self, layer_id, hidden, topk_weights, topk_ids, is_decode, sum_routes=True):
         banks = self.banks[layer_id]
         return fused_moe(hidden, banks.w13, banks.w2, topk_weights, topk_ids,
-                         num_routed_experts=banks.num_experts, sum_routes=sum_routes, **banks.kernel_scales())
+                         num_routed_experts=banks.num_experts, sum_routes=sum_routes, **banks.kernel_args())

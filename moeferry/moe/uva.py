@@ -87,7 +87,7 @@ class UvaStrategy(MoEStrategy):
             self._count_reads(layer_id, topk_ids, naive=assignment == "naive")
         return fused_moe(hidden, banks.w13, banks.w2, topk_weights, topk_ids,
                          num_routed_experts=banks.num_experts, block_assignment=assignment,
-                         sum_routes=sum_routes, **banks.kernel_scales())
+                         sum_routes=sum_routes, **banks.kernel_args())
 
     def stats(self) -> dict:
         """Totals over decode forwards; a step is one decode forward of every MoE layer."""

@@ -3,8 +3,8 @@
 - Tiny random checkpoints of every supported family, made with transformers' own model
   classes and saved with save_pretrained, so moeferry is checked against code nobody here
   wrote (``family_configs``, ``make_checkpoint``).
-- The Qwen3-30B-A3B and DeepSeek-V3 config.json (``QWEN3_30B_DIR_CONFIG``,
-  ``DEEPSEEK_V3_DIR_CONFIG``) and a checkpoint directory holding
+- The Qwen3-30B-A3B, DeepSeek-V3 and gpt-oss-20b config.json (``QWEN3_30B_DIR_CONFIG``,
+  ``DEEPSEEK_V3_DIR_CONFIG``, ``GPT_OSS_20B_DIR_CONFIG``) and a checkpoint directory holding
   only a config (``write_config_dir``): enough for ``--load-format dummy``, the shape the
   benchmarks measure; a tokenizer of any vocabulary size for it (``write_wide_tokenizer``),
   for what needs one (structured output's grammars).
@@ -45,6 +45,22 @@ DEEPSEEK_V3_DIR_CONFIG = {
     "eos_token_id": 1, "attention_bias": False,
 }
 
+# gpt-oss-20b's config.json in its dequantized bf16 form (the release's MXFP4 quantization_config
+# left out), for dummy loads: 24 layers alternating a 128-token window and full attention, 64
+# heads of 64 over 8 kv heads, 32 experts of 2880 rows with biases, top-4.
+GPT_OSS_20B_DIR_CONFIG = {
+    "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "vocab_size": 201088, "hidden_size": 2880,
+    "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
+    "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4, "experts_per_token": 4,
+    "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072, "initial_context_length": 4096, "rms_norm_eps": 1e-5,
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                     "original_max_position_embeddings": 4096},
+    "rope_theta": 150000, "swiglu_limit": 7.0, "attention_bias": True, "tie_word_embeddings": False,
+    "hidden_act": "silu", "router_aux_loss_coef": 0.9, "output_router_logits": False, "eos_token_id": 200002,
+    "pad_token_id": 199999, "torch_dtype": "bfloat16", "use_cache": True,
+}
+
 
 def family_configs():
     """(name, config) pairs: each family, tied and untied heads, the family's own options."""
@@ -70,7 +86,27 @@ def family_configs():
                                                         shared_expert_intermediate_size=24, num_experts=8,
                                                         num_experts_per_tok=4, norm_topk_prob=True, mlp_only_layers=[1],
                                                         tie_word_embeddings=True, **COMMON)),
-    ] + deepseek_configs()
+    ] + deepseek_configs() + gpt_oss_configs()
+
+
+def gpt_oss_configs():
+    """(name, config) pairs of gpt-oss shapes: sliding-window layers (a window of 4, shorter
+    than the test prompts) alternating with full ones, sinks, biases on attention, router and
+    experts, YaRN; a SwiGLU limit low enough that the tiny experts clamp both ways (the released
+    7.0 with these weights would never clamp), and one with the released alpha and limit, tied
+    embeddings and the layers' order reversed (full first). Weights wider than COMMON's: at its
+    0.08 greedy decoding repeats two or three tokens, at 0.3 it wanders over 15-20."""
+    import transformers as T
+
+    base = dict(COMMON, initializer_range=0.3, num_hidden_layers=4, head_dim=8, intermediate_size=16, num_local_experts=8,
+                sliding_window=4, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                   "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                                                   "beta_slow": 1.0, "truncate": False})
+    return [
+        ("gpt_oss", T.GptOssConfig(num_experts_per_tok=2, swiglu_limit=0.4, tie_word_embeddings=False, **base)),
+        ("gpt_oss-full-first-tied", T.GptOssConfig(num_experts_per_tok=3, tie_word_embeddings=True,
+                                                   layer_types=["full_attention", "sliding_attention"] * 2, **base)),
+    ]
 
 
 def deepseek_configs():
@@ -105,13 +141,18 @@ def deepseek_configs():
 
 
 def _randomize_zero_buffers(model, seed: int) -> None:
-    """DeepSeek-V3's e_score_correction_bias starts at zero in transformers; random values make
-    the checks see it (it changes which experts are chosen, not their weights)."""
+    """DeepSeek-V3's e_score_correction_bias starts at zero in transformers, and gpt-oss's
+    attention and expert biases; random values make the checks see them (the correction bias
+    changes which experts are chosen, not their weights)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.randn(buf.shape, generator=gen) * 0.1)
+        if model.config.model_type == "gpt_oss":
+            for name, param in model.named_parameters():
+                if name.endswith("bias"):
+                    param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
 
 
 def make_checkpoint(config, out_dir: str, seed: int = 0, shards: bool = False):

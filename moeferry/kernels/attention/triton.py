@@ -13,6 +13,9 @@ Contract
   outside the table is read), a length of 0 gives a zero row (the reference gives NaN).
 - ``Hq % Hkv == 0``; q head ``h`` reads kv head ``h // (Hq // Hkv)``.
 - ``window``: None or 0 for full attention, else key ``t`` is seen iff ``seq_len - 1 - t < window``.
+- ``sinks``: None, or [Hq] float32 on q's device: a logit per query head joined to the softmax
+  denominator only (gpt-oss), added once where the row's sum is final: by the program with one
+  split, else by the merge.
 - Writes ``out`` [B, Hq, D] (dtype of q, allocated unless given; must not alias an input),
   every element. With more than one split it also writes a private fp32 workspace.
 - Fixed launch: grids come from (B, Hkv, Hq) and a split count chosen from B, Hkv, P and the
@@ -104,10 +107,10 @@ def _decode_kernel(
     q_ptr, k_ptr, v_ptr, pt_ptr, lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     qk_scale, window, max_tokens,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pb,
-    stride_ob, stride_oh, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
+    stride_ob, stride_oh, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, sinks_ptr,
     REP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
-    PDL: tl.constexpr,
+    SINKS: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     b = tl.program_id(0)
@@ -139,6 +142,9 @@ def _decode_kernel(
         v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
         s = _dot(q, tl.trans(k), IEEE) * qk_scale
         m_i, l_i, acc = _online_softmax_step(s, valid, v, m_i, l_i, acc, IEEE)
+    if SINKS and NUM_SPLITS == 1:  # base 2, as the scores: sink * log2(e)
+        sink = tl.load(sinks_ptr + heads, mask=h_mask, other=0.0) * 1.4426950408889634
+        l_i += tl.exp2(sink - m_i)
 
     _store_split(acc, m_i, l_i, out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  part_o_ptr + b64 * stride_pob + heads[:, None] * stride_poh + split * stride_pos + offs_d[None, :],
@@ -148,9 +154,9 @@ def _decode_kernel(
 @triton.jit
 def _merge_kernel(
     part_o_ptr, part_lse_ptr, lens_ptr, out_ptr, window, max_tokens,
-    stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_ob, stride_oh,
+    stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_ob, stride_oh, sinks_ptr,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
+    SINKS: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     b = tl.program_id(0)
@@ -169,6 +175,8 @@ def _merge_kernel(
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no live split: weights all 0
     w = tl.exp2(lse - lse_max)
     denom = tl.sum(w, 0)
+    if SINKS:
+        denom += tl.exp2(tl.load(sinks_ptr + h) * 1.4426950408889634 - lse_max)
     merged = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
     tl.store(out_ptr + b64 * stride_ob + h * stride_oh + offs_d, merged.to(out_ptr.dtype.element_ty), mask=d_mask)
 
@@ -197,8 +205,9 @@ def _workspace(batch: int, q_heads: int, splits: int, head_dim: int, device: tor
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-                     seq_lens: torch.Tensor, page_size: int, scale: float, window: int | None = None, *,
-                     num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                     seq_lens: torch.Tensor, page_size: int, scale: float, window: int | None = None,
+                     sinks: torch.Tensor | None = None, *, num_splits: int | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, D]; caches [slots, Hkv, D]; page_table [B, P]; seq_lens [B] -> out [B, Hq, D].
 
     See the module docstring for the full contract. ``num_splits`` (a power of two) overrides
@@ -213,6 +222,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError("q and the caches need a unit stride over head_dim")
     if page_table.stride(-1) != 1:
         page_table = page_table.contiguous()
+    if sinks is not None and (sinks.shape != (hq,) or sinks.dtype != torch.float32 or sinks.device != q.device):
+        raise ValueError(f"sinks must be float32 [{hq}] on q's device, got {sinks.dtype} {list(sinks.shape)}")
     rep = hq // hkv
     max_tokens = page_table.shape[1] * page_size
     if num_splits is None:
@@ -235,16 +246,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0), out.stride(0), out.stride(1),
         *(part_o.stride()[:3] if num_splits > 1 else (0, 0, 0)),
-        *(part_lse.stride()[:2] if num_splits > 1 else (0, 0)),
+        *(part_lse.stride()[:2] if num_splits > 1 else (0, 0)), q if sinks is None else sinks,
         REP=rep, HEAD_DIM=d, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
-        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, IEEE=exact_dot(q.dtype),
+        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, IEEE=exact_dot(q.dtype), SINKS=sinks is not None,
         num_warps=4, num_stages=2, **pdl_launch(q.device),
     )
     if num_splits > 1:
         _merge_kernel[(b, hq)](
             part_o, part_lse, seq_lens, out, window, max_tokens,
             *part_o.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1),
-            HEAD_DIM=d, NUM_SPLITS=num_splits, BLOCK_N=block_n, BLOCK_D=block_d,
+            q if sinks is None else sinks,
+            HEAD_DIM=d, NUM_SPLITS=num_splits, BLOCK_N=block_n, BLOCK_D=block_d, SINKS=sinks is not None,
             num_warps=4, **pdl_launch(q.device),
         )
     return out

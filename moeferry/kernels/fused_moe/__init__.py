@@ -17,12 +17,19 @@ and weight = fp8 value * scale (the checkpoints' `weight_scale_inv`). Int4 (W4A1
 int32 words of eight 4-bit values along the input dimension (w13 [S, 2I, H/8], w2 [S, H, I/8];
 value i of a word at bits 4i, stored + 8), block_shape (1, group): a scale per row and group.
 The kernels dequantize as they read; the activations stay in hidden's dtype.
+
+Expert biases (gpt-oss): w13_bias [S, 2I] (the gate rows' biases, then the up rows'), w2_bias
+[S, H], added in float32 to each GEMM's accumulator before the activation and before the
+route weight. `activation` says how a route's gate and up rows combine (`Activation`): silu(gate)
+* up (every family but one), or gpt-oss's clamped SwiGLU.
 """
+from dataclasses import dataclass
+
 import torch
 
 from moeferry.kernels import implementation
 
-__all__ = ["BLOCK_ASSIGNMENTS", "check_options", "fused_moe"]
+__all__ = ["BLOCK_ASSIGNMENTS", "SILU", "Activation", "check_options", "clamped_swiglu", "fused_moe"]
 
 # How routes are assigned to GEMM blocks (the Triton kernel's choice; the reference always
 # groups by expert, whatever it is told): "naive" gives each (token, expert) route its own
@@ -30,8 +37,34 @@ __all__ = ["BLOCK_ASSIGNMENTS", "check_options", "fused_moe"]
 BLOCK_ASSIGNMENTS = ("auto", "sorted", "naive")
 
 
-def check_options(block_assignment: str, out, sum_routes: bool, scales=(None, None), block_shape=None) -> None:
+@dataclass(frozen=True)
+class Activation:
+    """How a route's gate and up rows combine into the down GEMM's input.
+
+    "silu": silu(gate) * up. "clamped_swiglu" (gpt-oss): gate = min(gate, limit), up =
+    clamp(up, -limit, limit), then (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    name: str = "silu"
+    alpha: float = 1.0
+    limit: float = 0.0
+
+    def __post_init__(self):
+        if self.name not in ("silu", "clamped_swiglu"):
+            raise ValueError(f"activation {self.name!r} is not silu or clamped_swiglu")
+
+
+SILU = Activation()
+
+
+def clamped_swiglu(alpha: float, limit: float) -> Activation:
+    return Activation("clamped_swiglu", float(alpha), float(limit))
+
+
+def check_options(block_assignment: str, out, sum_routes: bool, scales=(None, None), block_shape=None,
+                  biases=(None, None)) -> None:
     """The checks every implementation makes of fused_moe's keyword arguments."""
+    if (biases[0] is None) != (biases[1] is None):
+        raise ValueError("w13_bias and w2_bias come together or not at all")
     if (scales[0] is None) != (scales[1] is None) or (scales[0] is None) != (block_shape is None):
         raise ValueError("w13_scale, w2_scale and block_shape come together (block-quantized banks) or not at all")
     if block_assignment not in BLOCK_ASSIGNMENTS:
@@ -54,14 +87,19 @@ def fused_moe(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     block_shape: tuple[int, int] | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: Activation = SILU,
     impl: str | None = None,
 ) -> torch.Tensor:
     """[T, H] (see the module). Triton runs when hidden is on CUDA (the weights may be pinned
     host memory). block_assignment applies to the Triton path. sum_routes=False: the weighted
     route outputs [T, K, H] instead of their sum (hidden's dtype on the Triton path, float32 on
     the reference's), for norm_rope.fused_add_rms_norm to sum with the residual add.
-    w13_scale, w2_scale, block_shape: the scales of block-quantized banks (see the module)."""
+    w13_scale, w2_scale, block_shape: the scales of block-quantized banks; w13_bias, w2_bias:
+    per-expert biases; activation: how gate and up combine (see the module)."""
     return implementation("fused_moe", hidden, impl).fused_moe(
         hidden, w13, w2, topk_weights, topk_ids, num_routed_experts=num_routed_experts,
         block_assignment=block_assignment, out=out, sum_routes=sum_routes,
-        w13_scale=w13_scale, w2_scale=w2_scale, block_shape=block_shape)
+        w13_scale=w13_scale, w2_scale=w2_scale, block_shape=block_shape,
+        w13_bias=w13_bias, w2_bias=w2_bias, activation=activation)

@@ -9,7 +9,8 @@ stream or a captured graph (moe/host_experts.py) with no Python and no GIL.
 
 `expert_routes` is the primitive: per-route outputs, routes with a negative id skipped (left
 zero) so that another channel may compute them. `fused_moe` is the op's contract
-(kernels/fused_moe/__init__.py) over it; a dtype other than bf16, or a machine without a
+(kernels/fused_moe/__init__.py) over it; a dtype other than bf16, expert biases or the clamped
+SwiGLU (gpt-oss: the C++ kernel computes silu experts without biases), or a machine without a
 compiler, takes the reference.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from moeferry.kernels.fused_moe import check_options, reference
+from moeferry.kernels.fused_moe import SILU, check_options, reference
 
 __all__ = ["VECTOR_ISAS", "HostKernelUnavailable", "MoEHostCall", "available", "default_threads", "expert_routes",
            "fused_moe", "has_avx512_bf16", "library", "make_call", "run", "timing"]
@@ -184,16 +185,19 @@ def expert_routes(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
 
 
 def fused_moe(hidden, w13, w2, topk_weights, topk_ids, *, num_routed_experts=None, block_assignment="auto",
-              out=None, sum_routes=True, w13_scale=None, w2_scale=None, block_shape=None) -> torch.Tensor:
+              out=None, sum_routes=True, w13_scale=None, w2_scale=None, block_shape=None, w13_bias=None,
+              w2_bias=None, activation=SILU) -> torch.Tensor:
     """The op's contract on the host: bf16 through the compiled kernel; other dtypes, quantized
-    banks (scales given) and a machine that cannot build it through the reference.
+    banks (scales given), expert biases or another activation than silu (gpt-oss), and a
+    machine that cannot build it through the reference.
     sum_routes=False gives the bf16 route outputs [T, K, H], as the Triton kernel does."""
-    check_options(block_assignment, out, sum_routes)
+    check_options(block_assignment, out, sum_routes, biases=(w13_bias, w2_bias))
     if (hidden.dtype != torch.bfloat16 or w13.dtype != torch.bfloat16 or w13_scale is not None
-            or not available()):
+            or w13_bias is not None or activation != SILU or not available()):
         return reference.fused_moe(hidden, w13, w2, topk_weights, topk_ids, num_routed_experts=num_routed_experts,
                                    block_assignment=block_assignment, out=out, sum_routes=sum_routes,
-                                   w13_scale=w13_scale, w2_scale=w2_scale, block_shape=block_shape)
+                                   w13_scale=w13_scale, w2_scale=w2_scale, block_shape=block_shape,
+                                   w13_bias=w13_bias, w2_bias=w2_bias, activation=activation)
     routes = expert_routes(hidden, w13, w2, topk_weights, topk_ids)
     if not sum_routes:
         return routes

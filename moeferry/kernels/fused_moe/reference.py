@@ -16,11 +16,14 @@ layer's bank and over a slot pool holding the same rows give bit-identical outpu
 Block-quantized banks (w13_scale, w2_scale, block_shape: kernels/fused_moe/__init__.py): each
 group's expert matrices are first dequantized to float32 (`dequantize_blocks`; int4 words
 unpacked by `unpack_int4`), then the same arithmetic runs.
+
+Biases (w13_bias [S, 2I], w2_bias [S, H]) join each GEMM in float32; `activation` is silu(gate)
+* up or gpt-oss's clamped SwiGLU (kernels/fused_moe/__init__.py: Activation).
 """
 import torch
 import torch.nn.functional as F
 
-from moeferry.kernels.fused_moe import check_options
+from moeferry.kernels.fused_moe import SILU, Activation, check_options
 
 __all__ = ["fused_moe"]
 
@@ -63,20 +66,31 @@ def dequantize_w13(w13: torch.Tensor, scales: torch.Tensor, block_shape: tuple[i
                       dequantize_blocks(up, up_scales, block_shape, cols)], dim=-2)
 
 
-def _expert_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate(x)) * up(x)) for rows x [n, H] float32 of one expert, in float32."""
-    gate_up = F.linear(x, w13.float())
+def activate(gate: torch.Tensor, up: torch.Tensor, activation: Activation) -> torch.Tensor:
+    """The down GEMM's input from a route's gate and up rows (float32)."""
+    if activation.name == "silu":
+        return F.silu(gate) * up
+    gate = gate.clamp(max=activation.limit)
+    up = up.clamp(-activation.limit, activation.limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * activation.alpha))
+
+
+def _expert_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, b13=None, b2=None,
+                 activation: Activation = SILU) -> torch.Tensor:
+    """down(act(gate(x), up(x))) for rows x [n, H] float32 of one expert, in float32."""
+    gate_up = F.linear(x, w13.float(), None if b13 is None else b13.float())
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w2.float())
+    return F.linear(activate(gate, up, activation), w2.float(), None if b2 is None else b2.float())
 
 
 def fused_moe(hidden, w13, w2, topk_weights, topk_ids, *, num_routed_experts=None, block_assignment="auto",
-              out=None, sum_routes=True, w13_scale=None, w2_scale=None, block_shape=None) -> torch.Tensor:
+              out=None, sum_routes=True, w13_scale=None, w2_scale=None, block_shape=None, w13_bias=None,
+              w2_bias=None, activation: Activation = SILU) -> torch.Tensor:
     """Reference fused MoE, the same signature as the Triton kernel's; num_routed_experts and
     block_assignment (validated) do not change its arithmetic: it has no tiles to size.
     sum_routes=False returns the weighted route outputs [T, K, H] in float32 instead, which
     ``sum_route_partials`` and a rounding to hidden's dtype turn into the [T, H] result."""
-    check_options(block_assignment, out, sum_routes, (w13_scale, w2_scale), block_shape)
+    check_options(block_assignment, out, sum_routes, (w13_scale, w2_scale), block_shape, (w13_bias, w2_bias))
     num_tokens, hidden_size = hidden.shape
     top_k = topk_ids.shape[1]
     if out is None and sum_routes:
@@ -97,7 +111,8 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids, *, num_routed_experts=Non
         if block_shape is not None:
             gate_up = dequantize_w13(gate_up, w13_scale[expert], block_shape, hidden_size)
             down = dequantize_blocks(down, w2_scale[expert], block_shape, w13.shape[1] // 2)
-        route_out[routes] = _expert_rows(x, gate_up, down) * route_weights[routes]
+        biases = (None, None) if w13_bias is None else (w13_bias[expert], w2_bias[expert])
+        route_out[routes] = _expert_rows(x, gate_up, down, *biases, activation) * route_weights[routes]
     per_token = route_out.view(num_tokens, top_k, hidden_size)
     if not sum_routes:
         return per_token

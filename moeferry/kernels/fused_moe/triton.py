@@ -23,8 +23,10 @@ Kernels and the buffers they write (N = T * K routes, route r = t * K + k):
     1. moe_align_block_size (sorted path only): routes grouped into blocks of BLOCK_M rows,
        each block one expert's, so each routed expert's weights are read once per step.
     2. _moe_gemm_kernel, GATED: act[r] = silu(x w13[e, :I]^T) * (x w13[e, I:]^T),
-       [N, I] dtype of hidden, fp32 accumulation.
-    3. _moe_gemm_kernel, weighted: route_out[r] = topk_weights[r] * act[r] w2[e]^T, [N, H].
+       [N, I] dtype of hidden, fp32 accumulation (CLAMPED: gpt-oss's clamped SwiGLU instead;
+       BIAS: w13_bias[e] joins the fp32 accumulators first).
+    3. _moe_gemm_kernel, weighted: route_out[r] = topk_weights[r] * (act[r] w2[e]^T + w2_bias[e]),
+       [N, H].
     4. _sum_topk_kernel: out[t] = sum over k = 0..K-1 of route_out[t * K + k], in fp32
        (skipped with sum_routes=False: the next residual add sums the partials itself).
 No atomics anywhere in the arithmetic, so output is reproducible run to run.
@@ -46,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeferry.kernels.fused_moe import check_options
+from moeferry.kernels.fused_moe import SILU, check_options
 from moeferry.kernels.moe_align.triton import moe_align_block_size
 from moeferry.kernels.triton_common import dot, exact_dot, pdl_launch, rounded, wait_for_previous_kernel
 
@@ -184,6 +186,17 @@ def _scaled_dot(a, b, acc, scale_ptrs, scale_offset, col_valid, QUANT: tl.conste
 
 
 @triton.jit
+def _activate(gate, up, alpha, limit, CLAMPED: tl.constexpr):
+    """silu(gate) * up, or (CLAMPED) gpt-oss's clamped SwiGLU; fp32 in and out."""
+    if CLAMPED:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        return (up + 1.0) * (gate / (1.0 + tl.exp(-gate * alpha)))
+    else:
+        return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, route_weight_ptr,
     sorted_route_ptr, block_expert_ptr, num_post_padded_ptr, ids_ptr,
@@ -196,6 +209,9 @@ def _moe_gemm_kernel(
     A_ROWS_PER_ROUTE_DIV: tl.constexpr,  # a row = route // this (K for hidden, 1 for act)
     GATED: tl.constexpr,  # b rows [0:n_out] gate, [n_out:2 n_out] up; c = silu(gate) * up
     WEIGHTED: tl.constexpr,  # c *= route_weight[route]
+    bias_ptr, stride_bias_e, alpha, limit,
+    BIAS: tl.constexpr,  # bias [S, n_out] (gated: [S, 2 n_out], gate then up) added to the accumulators
+    CLAMPED: tl.constexpr,  # gated: c = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
     NAIVE: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PDL: tl.constexpr,
@@ -237,8 +253,13 @@ def _moe_gemm_kernel(
                                  k0 // SCALE_BK * stride_sk, col_valid, QUANT, IEEE)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K // PACK * stride_bk
+    if BIAS:
+        bias_row = bias_ptr + expert.to(tl.int64) * stride_bias_e + offs_n
+        acc += tl.load(bias_row, mask=col_valid, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(bias_row + n_out, mask=col_valid, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        acc = _activate(acc, acc_up, alpha, limit, CLAMPED)
     if WEIGHTED:
         acc *= tl.load(route_weight_ptr + routes, mask=row_valid, other=0.0)[:, None]
     c_ptrs = c_ptr + routes.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
@@ -281,7 +302,7 @@ def quantized_block_k(block_k: int, scale_block_k: int) -> int:
 
 
 def _launch_gemm(a, b, c, route_weights, blocks, topk_ids, *, gated, weighted, a_div, naive,
-                 config, scales=None, block_shape=None):
+                 config, scales=None, block_shape=None, bias=None, activation=SILU):
     sorted_route_ids, block_expert, num_post_padded, num_m_blocks = blocks
     n_out = c.shape[1]
     k_in = a.shape[1]
@@ -298,7 +319,10 @@ def _launch_gemm(a, b, c, route_weights, blocks, topk_ids, *, gated, weighted, a
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         scales, *scale_strides, triton.cdiv(n_out, block_shape[0]),
         QUANT=quant, PACKED=b.dtype == torch.int32, PACK=_pack(b), SCALE_BN=block_shape[0], SCALE_BK=block_shape[1],
-        A_ROWS_PER_ROUTE_DIV=a_div, GATED=gated, WEIGHTED=weighted, NAIVE=naive,
+        A_ROWS_PER_ROUTE_DIV=a_div, GATED=gated, WEIGHTED=weighted,
+        bias_ptr=route_weights if bias is None else bias, stride_bias_e=0 if bias is None else bias.stride(0),
+        alpha=activation.alpha, limit=activation.limit, BIAS=bias is not None,
+        CLAMPED=activation.name == "clamped_swiglu", NAIVE=naive,
         IEEE=exact_dot(a.dtype),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.stages(gated),
@@ -328,6 +352,15 @@ def _check_scales(w13, w2, w13_scale, w2_scale, block_shape):
         raise ValueError(f"block columns {bk}: the K tile (a divisor of them) must be a multiple of 16 for tl.dot")
 
 
+def _check_biases(w13, w2, w13_bias, w2_bias):
+    """Per-expert biases: w13_bias [S, 2I], w2_bias [S, H], each with a unit last stride."""
+    if tuple(w13_bias.shape) != tuple(w13.shape[:2]) or tuple(w2_bias.shape) != tuple(w2.shape[:2]):
+        raise ValueError(f"biases {tuple(w13_bias.shape)}/{tuple(w2_bias.shape)}: want {tuple(w13.shape[:2])}/"
+                         f"{tuple(w2.shape[:2])}")
+    if w13_bias.stride(-1) != 1 or w2_bias.stride(-1) != 1:
+        raise ValueError("biases need a unit last stride")
+
+
 def _check_shapes(hidden, w13, w2, topk_weights, topk_ids, quantized: bool = False):
     num_tokens, hidden_size = hidden.shape
     intermediate_size, pack = w13.shape[1] // 2, _pack(w13)
@@ -344,11 +377,14 @@ def _check_shapes(hidden, w13, w2, topk_weights, topk_ids, quantized: bool = Fal
 
 
 def fused_moe(hidden, w13, w2, topk_weights, topk_ids, *, num_routed_experts: int, block_assignment="auto",
-              out=None, sum_routes=True, w13_scale=None, w2_scale=None, block_shape=None) -> torch.Tensor:
+              out=None, sum_routes=True, w13_scale=None, w2_scale=None, block_shape=None, w13_bias=None,
+              w2_bias=None, activation=SILU) -> torch.Tensor:
     """Triton fused MoE; see the module docstring for the contract. sum_routes=False skips
     kernel 4 and returns route_out as [T, K, H] (hidden's dtype): the caller sums it, as
     the residual add + RMSNorm after a MoE layer does (kernels/norm_rope/triton.py)."""
-    check_options(block_assignment, out, sum_routes, (w13_scale, w2_scale), block_shape)
+    check_options(block_assignment, out, sum_routes, (w13_scale, w2_scale), block_shape, (w13_bias, w2_bias))
+    if w13_bias is not None:
+        _check_biases(w13, w2, w13_bias, w2_bias)
     _check_shapes(hidden, w13, w2, topk_weights, topk_ids, quantized=block_shape is not None)
     if block_shape is not None:
         _check_scales(w13, w2, w13_scale, w2_scale, block_shape)
@@ -375,9 +411,10 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids, *, num_routed_experts: in
     route_out = torch.empty(flat_ids.numel(), hidden_size, dtype=hidden.dtype,
                             device=hidden.device)
     _launch_gemm(hidden, w13, act, route_weights, blocks, flat_ids, gated=True, weighted=False,
-                 a_div=top_k, naive=naive, config=config, scales=w13_scale, block_shape=block_shape)
+                 a_div=top_k, naive=naive, config=config, scales=w13_scale, block_shape=block_shape,
+                 bias=w13_bias, activation=activation)
     _launch_gemm(act, w2, route_out, route_weights, blocks, flat_ids, gated=False, weighted=True,
-                 a_div=1, naive=naive, config=config, scales=w2_scale, block_shape=block_shape)
+                 a_div=1, naive=naive, config=config, scales=w2_scale, block_shape=block_shape, bias=w2_bias)
     if not sum_routes:
         return route_out.view(num_tokens, top_k, hidden_size)
     block_h = min(1024, triton.next_power_of_2(hidden_size))

@@ -128,8 +128,8 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, page_table: torch
     if num_splits > 1:
         _merge_kernel[(b, h)](
             part_o, part_lse, seq_lens, out, 0, max_tokens,
-            *part_o.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1),
-            HEAD_DIM=rank, NUM_SPLITS=num_splits, BLOCK_N=block_n, BLOCK_D=block_r,
+            *part_o.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1), out,
+            HEAD_DIM=rank, NUM_SPLITS=num_splits, BLOCK_N=block_n, BLOCK_D=block_r, SINKS=False,
             num_warps=4, **pdl_launch(q.device),
         )
     return out

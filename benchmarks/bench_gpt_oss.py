@@ -1,0 +1,67 @@
+"""gpt-oss-20b shapes: decode tokens/s of a dummy model cut to a few layers.
+
+Section gpt-oss/decode: gpt-oss-20b's config in its bf16 form
+(moeferry.testing.fixtures.GPT_OSS_20B_DIR_CONFIG: hidden 2880, 64 heads of 64 over 8 kv heads
+with sinks, a 128-token window on every other layer, 32 experts of 2880 rows with biases and
+the clamped SwiGLU, top-4) with ``--layers`` layers (--hf-overrides num_hidden_layers), bf16,
+dummy weights; ``offload`` with ``--cache-fracs`` of the experts resident and ``gpu``. Rows,
+floor and hit rate as bench_deepseek's decode section (its decode_rows). The dummy router
+routes near-uniformly.
+
+GPU only: without CUDA it says so and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+from benchmarks.bench_deepseek import decode_rows
+from benchmarks.common import (add_results_flag, command_line, gpu_main, h2d_bandwidth, hbm_bandwidth,
+                               markdown_table, report)
+from moeferry.testing.fixtures import GPT_OSS_20B_DIR_CONFIG, write_config_dir
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--cache-fracs", type=float, nargs="+", default=[0.25, 1.0])
+    p.add_argument("--strategies", nargs="+", default=["gpu", "offload"])
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=2)
+    add_results_flag(p)
+    args = p.parse_args(argv)
+    if args.layers < 1 or args.steps < 1:
+        p.error("--layers and --steps must be positive")
+    return args
+
+
+def rows(config_dir: str, cfg: dict, args, h2d: float, hbm: float, device_type: str = "cuda") -> list[list]:
+    """The section's rows for the model of `config_dir` (its config.json `cfg`) cut to --layers."""
+    return decode_rows(config_dir, cfg, args, h2d, hbm, device_type, overrides={"num_hidden_layers": args.layers})
+
+
+@gpu_main("bench_gpt_oss", parse_args)
+def main(argv, args) -> int:
+    command = command_line("benchmarks.bench_gpt_oss", argv)
+    h2d, hbm = h2d_bandwidth(), hbm_bandwidth()
+    cfg_dir = write_config_dir(os.path.join(tempfile.mkdtemp(), "gpt-oss-20b"), GPT_OSS_20B_DIR_CONFIG)
+    header = ["strategy", "requests", "tok/s", "ms/step", "floor ms/step", "vs floor", "hit rate",
+              "distinct experts/step"]
+    notes = (f"gpt-oss-20b shapes (bf16 experts, the MXFP4 release dequantized) cut to {args.layers} layers of 32 "
+             f"experts (50 MB each in bf16, biases included), dummy weights, prompt {args.prompt_len} tokens, "
+             f"{args.steps} timed steps, the fastest of {args.repeats} runs. Measured H2D {h2d / 1e9:.1f} GB/s, HBM "
+             f"{hbm / 1e12:.2f} TB/s. Floor: missed bytes / H2D + (resident distinct experts + dense weights) / HBM, "
+             "with the misses and distinct experts of the offload run with statistics (the gpu row takes the "
+             "offload rows' distinct experts). The dummy router routes near-uniformly.")
+    report("gpt-oss/decode", "gpt-oss-20b-shaped decode tokens/s vs floor", command,
+           markdown_table(header, rows(cfg_dir, GPT_OSS_20B_DIR_CONFIG, args, h2d, hbm)), notes, args.results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

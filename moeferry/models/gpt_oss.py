@@ -1,0 +1,48 @@
+"""gpt-oss: grouped-query attention with biases on q/k/v/o and a learned sink logit per query
+head (kernels/attention), sliding-window and full layers alternating (`layer_types`,
+ModelConfig.sliding_window_of), YaRN rope (layers/rotary.py), no q/k norm; a router with a bias
+that takes the top-k logits and softmaxes over them (the renormalised softmax top-k, which is
+the same weights), named `router`; experts with biases on both GEMMs and the clamped SwiGLU
+(kernels/fused_moe: clamped_swiglu(swiglu_alpha, swiglu_limit)).
+
+The checkpoint stacks every expert of a layer, transposed, with gate and up interleaved along
+the last dimension: gate_up_proj [E, H, 2I] (gate = [..., ::2], up = [..., 1::2]),
+gate_up_proj_bias [E, 2I] alike, down_proj [E, I, H], down_proj_bias [E, H]; `_stacked`
+turns them into the banks' [gate; up] layout once, at load. MXFP4 experts (the released
+checkpoints' `*_blocks` / `*_scales`) are refused for now (moe/formats.py, engine/loader.py);
+their dequantized bf16 form loads.
+"""
+
+import torch
+
+from moeferry.kernels.fused_moe import clamped_swiglu
+from moeferry.layers.attention import Attention
+from moeferry.layers.linear import Linear
+from moeferry.models.registry import FamilySpec
+
+
+def _stacked(kind: str, t: torch.Tensor) -> torch.Tensor:
+    if kind == "gate_up":
+        t = t.transpose(1, 2)  # [E, 2I, H], rows interleaved
+        return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
+    if kind == "down":
+        return t.transpose(1, 2)
+    if kind == "gate_up_bias":
+        return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
+    return t
+
+
+SPEC = FamilySpec(
+    model_type="gpt_oss",
+    qk_norm=None,
+    qkv_bias=lambda hf: bool(getattr(hf, "attention_bias", True)),
+    renormalize=lambda hf: True,
+    attention=lambda mc, layer_id, rotary: Attention(mc, layer_id, None, bool(getattr(mc.hf, "attention_bias", True)),
+                                                     rotary, o_bias=bool(getattr(mc.hf, "attention_bias", True)),
+                                                     sinks=True),
+    router=lambda mc: Linear(mc.hidden_size, mc.num_experts, bias=True),
+    router_name="router",
+    expert_bias=True,
+    activation=lambda hf: clamped_swiglu(hf.swiglu_alpha, hf.swiglu_limit),
+    stacked_experts=_stacked,
+)

@@ -1,0 +1,38 @@
+"""benchmarks/bench_gpt_oss.py's logic on the CPU (its figures need a GPU): arguments, and the
+decode section's whole loop on a tiny dummy gpt-oss config."""
+
+import pytest
+import torch
+
+
+def test_bench_gpt_oss_arguments_and_no_gpu_exit(capsys):
+    from benchmarks import bench_gpt_oss
+
+    args = bench_gpt_oss.parse_args([])
+    assert (args.layers, args.cache_fracs, args.strategies) == (4, [0.25, 1.0], ["gpu", "offload"])
+    with pytest.raises(SystemExit):
+        bench_gpt_oss.parse_args(["--layers", "0"])
+    if not torch.cuda.is_available():
+        assert bench_gpt_oss.main([]) == 0
+        assert "no CUDA GPU" in capsys.readouterr().out
+
+
+def test_bench_gpt_oss_decode_runs_end_to_end_on_the_cpu(tmp_path):
+    """The decode loop (engines per strategy, statistics runs, floors, table rows) on a tiny
+    dummy gpt-oss config cut to 2 of its layers; the CPU runs the references."""
+    from benchmarks import bench_gpt_oss
+    from moeferry.testing.fixtures import GPT_OSS_20B_DIR_CONFIG, write_config_dir
+
+    tiny = dict(GPT_OSS_20B_DIR_CONFIG, vocab_size=128, hidden_size=64, intermediate_size=32, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, num_local_experts=8, sliding_window=8,
+                max_position_embeddings=256, eos_token_id=None, pad_token_id=None)
+    model_dir = write_config_dir(str(tmp_path / "tiny"), tiny)
+    args = bench_gpt_oss.parse_args(["--layers", "2", "--batch", "1", "2", "--steps", "2", "--warmup", "1",
+                                     "--prompt-len", "12", "--repeats", "1"])
+    rows = bench_gpt_oss.rows(model_dir, tiny, args, h2d=50e9, hbm=4e12, device_type="cpu")
+    assert [(r[0], r[1]) for r in rows] == [(s, b) for s in ("offload 100% (16 slots)", "offload 25% (8 slots)",
+                                                                "gpu") for b in (1, 2)]
+    by = {(r[0], r[1]): r for r in rows}
+    assert by["offload 100% (16 slots)", 1][6] == "1.00"
+    assert float(by["offload 25% (8 slots)", 2][6]) < 1.0
+    assert all(float(r[4]) > 0 for r in rows)

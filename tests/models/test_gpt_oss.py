@@ -1,0 +1,272 @@
+"""gpt-oss against transformers beyond the shared parity tests (tests/models/test_hf_parity.py
+runs logits and greedy tokens of both configs): every position through chunked prefill and
+batched decode past the sliding window, every strategy bit-identical (offload with a partial
+cache; cpu and hybrid on the CPU, through the reference), the de-interleaved expert banks, the
+loader's named errors (MXFP4 among them), the CLI on a tiny checkpoint, a dummy cut."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from moeferry import LLM, SamplingParams
+from moeferry.config import ConfigError
+from moeferry.scheduler.request import Request
+from moeferry.testing.fixtures import gpt_oss_configs, make_checkpoint
+
+CONFIGS = gpt_oss_configs()
+PROMPTS = [[5, 17, 33, 2, 9, 71, 40], [88, 3, 12, 60], [12, 60, 61, 62, 7, 1, 90, 45, 23, 30, 31, 8, 19]]
+
+
+@pytest.fixture(scope="module", params=CONFIGS, ids=[n for n, _ in CONFIGS])
+def family(request, tmp_path_factory):
+    name, config = request.param
+    path = str(tmp_path_factory.mktemp(name))
+    hf = make_checkpoint(config, path)
+    return name, config, hf, path
+
+
+def _run(runner, batch, rows):
+    batch.logits_rows = torch.arange(rows)
+    return runner.forward(batch)
+
+
+def test_logits_match_transformers_through_chunked_prefill_and_batched_decode(family):
+    """Request a's 13-token prompt in two chunks, the second batched with b's whole prompt; then
+    six decode steps of both in one batch: every position's fp32 logits within 1e-4 of
+    transformers', both requests running well past the window of 4 tokens."""
+    name, config, hf, path = family
+    runner = LLM(path, dtype="float32", device="cpu", max_running_requests=4).engine.runner
+    g = torch.Generator().manual_seed(1)
+    a = Request(torch.randint(0, 96, (13,), generator=g).tolist(), SamplingParams(max_tokens=8))
+    b = Request(torch.randint(0, 96, (7,), generator=g).tolist(), SamplingParams(max_tokens=8))
+    extra = {r: torch.randint(0, 96, (6,), generator=g).tolist() for r in (a, b)}
+    for r in (a, b):
+        r.pages = runner.kv.pool.allocate(runner.kv.pages_for(r.num_tokens + 6))
+    got = {a: [_run(runner, runner.prefill_batch([(a, 5)]), 5)], b: []}
+    a.num_computed = 5
+    both = _run(runner, runner.prefill_batch([(a, 8), (b, 7)]), 15)
+    got[a].append(both[:8])
+    got[b].append(both[8:])
+    a.num_computed, b.num_computed = 13, 7
+    for step in range(6):
+        for r in (a, b):
+            r.output_ids.append(extra[r][step])
+        logits = _run(runner, runner.decode_batch([a, b]), 2)
+        for i, r in enumerate((a, b)):
+            got[r].append(logits[i:i + 1])
+            r.num_computed += 1
+    for r in (a, b):
+        ours = torch.cat(got[r])
+        with torch.no_grad():
+            ref = hf(torch.tensor([r.tokens])).logits[0].float()
+        assert ours.shape == ref.shape
+        err = (ours - ref).abs().max().item()
+        assert err < 1e-4, f"{name}: max abs logit difference {err}"
+        assert ref.std() > 1e-3
+
+
+def test_the_window_sinks_and_clamp_each_change_the_output(family):
+    """What the parity checks rest on: with the layers' window, the sinks or the SwiGLU limit
+    taken away, transformers' own logits move (so matching them tests each)."""
+    name, config, hf, path = family
+    prompt = torch.tensor([PROMPTS[2]])
+    with torch.no_grad():
+        want = hf(prompt).logits
+        changed = {}
+        layer_types = hf.config.layer_types  # the model builds each layer's mask from them
+        hf.config.layer_types = ["full_attention"] * len(layer_types)
+        changed["window"] = hf(prompt).logits
+        hf.config.layer_types = layer_types
+        for attn in (layer.self_attn for layer in hf.model.layers):
+            attn.saved_sinks = attn.sinks.clone()
+            attn.sinks.fill_(-1e4)
+        changed["sinks"] = hf(prompt).logits
+        for attn in (layer.self_attn for layer in hf.model.layers):
+            attn.sinks.copy_(attn.saved_sinks)
+        for experts in (layer.mlp.experts for layer in hf.model.layers):
+            experts.saved, experts.limit = experts.limit, 1e9
+        changed["limit"] = hf(prompt).logits
+        for experts in (layer.mlp.experts for layer in hf.model.layers):
+            experts.limit = experts.saved
+        assert torch.equal(hf(prompt).logits, want)
+    moved = {k: (v - want).abs().max().item() for k, v in changed.items()}
+    assert moved["window"] > 1e-3 and moved["sinks"] > 1e-3, moved
+    if config.swiglu_limit < 1:
+        assert moved["limit"] > 1e-3, moved
+
+
+def _outputs(path, **options):
+    llm = LLM(path, dtype="float32", device="cpu", max_running_requests=4, **options)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
+    return [(o.token_ids, list(o.logprobs)) for o in llm.generate(PROMPTS, params)], llm
+
+
+def test_strategies_give_bit_identical_outputs(family):
+    """gpu, offload over a cache of a quarter of the experts (the bias banks copied with them),
+    uva, and cpu on the CPU (the reference computes gpt-oss's experts there) bit for bit;
+    hybrid gives the same tokens."""
+    name, config, hf, path = family
+    want, _ = _outputs(path)
+    total = config.num_local_experts * config.num_hidden_layers
+    offload, llm = _outputs(path, moe_strategy="offload", moe_cache_slots=total // 4, moe_collect_stats=True)
+    assert offload == want
+    assert llm.engine.runner.strategy.stats()["decode"]["total"]["misses"] > 0
+    assert _outputs(path, moe_strategy="uva")[0] == want
+    assert _outputs(path, moe_strategy="cpu")[0] == want
+    hybrid, llm = _outputs(path, moe_strategy="hybrid", moe_cache_slots=config.num_local_experts, moe_host_share=0.5,
+                           moe_collect_stats=True)
+    # hybrid's device share groups the host's routes (weight 0) with slot 0's rows, so a matmul
+    # of other rows may round its rows differently: its promise is gpu's tokens, not its bits
+    assert [tokens for tokens, _ in hybrid] == [tokens for tokens, _ in want]
+    assert llm.engine.runner.strategy.stats()["host_experts"] > 0
+
+
+def test_expert_banks_hold_gate_rows_then_up_rows(family):
+    """The checkpoint's [E, H, 2I] gate_up_proj with gate and up interleaved lands as [E, 2I, H]
+    gate rows then up rows, its bias alike; down_proj [E, I, H] as [E, H, I]."""
+    name, config, hf, path = family
+    llm = LLM(path, dtype="float32", device="cpu")
+    experts = hf.model.layers[1].mlp.experts
+    banks = llm.engine.runner.model.moe_block(1).banks
+    inter = config.intermediate_size
+    assert torch.equal(banks.w13[:, :inter], experts.gate_up_proj[..., ::2].transpose(1, 2))
+    assert torch.equal(banks.w13[:, inter:], experts.gate_up_proj[..., 1::2].transpose(1, 2))
+    assert torch.equal(banks.w13_bias, torch.cat([experts.gate_up_proj_bias[:, ::2],
+                                                  experts.gate_up_proj_bias[:, 1::2]], dim=1))
+    assert torch.equal(banks.w2, experts.down_proj.transpose(1, 2))
+    assert torch.equal(banks.w2_bias, experts.down_proj_bias)
+
+
+# ---- the loader's named errors --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("gpt_oss"))
+    make_checkpoint(dict(CONFIGS)["gpt_oss"], path)
+    return path
+
+
+def _copy_and_edit(path, tmp_path, edit):
+    d = str(tmp_path / "m")
+    shutil.copytree(path, d)
+    file = os.path.join(d, "model.safetensors")
+    tensors = load_file(file)
+    edit(tensors)
+    save_file(tensors, file, metadata={"format": "pt"})
+    return d
+
+
+def test_mxfp4_quantization_config_is_refused_in_one_line(tiny_path, tmp_path):
+    d = _copy_and_edit(tiny_path, tmp_path, lambda t: None)
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
+    with pytest.raises(ConfigError, match=r"quant_method 'mxfp4' \(gpt-oss's MXFP4 experts\) is not supported yet"
+                                          r": use the checkpoint's dequantized bf16 form") as err:
+        LLM(d, device="cpu")
+    assert "\n" not in str(err.value)
+
+
+def test_mxfp4_expert_blocks_are_named(tiny_path, tmp_path):
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+
+    def to_blocks(t):
+        t["model.layers.0.mlp.experts.gate_up_proj_blocks"] = torch.zeros(8, 32, 1, 16, dtype=torch.uint8)
+        t.pop(name)
+    d = _copy_and_edit(tiny_path, tmp_path, to_blocks)
+    with pytest.raises(ConfigError, match=r"'model.layers.0.mlp.experts.gate_up_proj_blocks' holds MXFP4 experts"):
+        LLM(d, device="cpu")
+
+
+@pytest.mark.parametrize("name", ["model.layers.2.mlp.experts.gate_up_proj_bias",
+                                  "model.layers.1.mlp.experts.down_proj_bias"])
+def test_a_missing_expert_bias_is_named(tiny_path, tmp_path, name):
+    d = _copy_and_edit(tiny_path, tmp_path, lambda t: t.pop(name))
+    layer = name.split(".")[2]
+    with pytest.raises(ConfigError, match=rf"layer {layer} lacks its expert biases"):
+        LLM(d, device="cpu")
+
+
+@pytest.mark.parametrize("name,says", [
+    ("model.layers.0.mlp.experts.down_proj_bias", r"has shape \(8, 31\), the model expects \(8, 32\)"),
+    ("model.layers.1.mlp.experts.gate_up_proj", r"has shape \(8, 32, 31\), the model expects \(8, 32, 32\)"),
+    ("model.layers.0.self_attn.sinks", r"has shape \(3,\), the model expects \(4,\)"),
+    ("model.layers.3.mlp.router.bias", r"has shape \(7,\), the model expects \(8,\)"),
+])
+def test_a_gpt_oss_tensor_of_the_wrong_shape_is_named(tiny_path, tmp_path, name, says):
+    d = _copy_and_edit(tiny_path, tmp_path, lambda t: t.__setitem__(name, t[name][..., :-1].contiguous()))
+    with pytest.raises(ConfigError, match=rf"tensor '{name}' {says}"):
+        LLM(d, device="cpu")
+
+
+def test_a_missing_sink_is_named(tiny_path, tmp_path):
+    name = "model.layers.1.self_attn.sinks"
+    d = _copy_and_edit(tiny_path, tmp_path, lambda t: t.pop(name))
+    with pytest.raises(ConfigError, match=rf"lacks 1 tensor.*{name}"):
+        LLM(d, device="cpu")
+
+
+def test_a_dummy_cut_of_the_config_runs(tiny_path, tmp_path):
+    d = str(tmp_path / "cfg")
+    os.makedirs(d)
+    shutil.copy(os.path.join(tiny_path, "config.json"), d)
+    llm = LLM(d, load_format="dummy", device="cpu", hf_overrides={"num_hidden_layers": 3})
+    assert llm.engine.mc.hf.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    banks = llm.engine.runner.model.moe_block(0).banks
+    assert banks.w13_bias.abs().sum() > 0 and banks.w2_bias.abs().sum() > 0  # dummy biases are filled too
+    assert len(llm.generate([4, 5, 6], SamplingParams(max_tokens=5, ignore_eos=True))[0].token_ids) == 5
+
+
+def test_moeferry_generate_runs_a_tiny_gpt_oss_checkpoint(tmp_path):
+    """`moeferry generate --model DIR` end to end on a tiny gpt-oss checkpoint carrying the
+    built-in model's tokenizer (its vocabulary sizes the checkpoint)."""
+    import subprocess
+    import sys
+
+    from moeferry.default_model import builtin_model_dir
+
+    tokenizer_dir = builtin_model_dir("moeferry-tiny-moe")
+    vocab = json.load(open(os.path.join(tokenizer_dir, "config.json")))["vocab_size"]
+    config = dict(CONFIGS)["gpt_oss"]
+    d = str(tmp_path / "g")
+    make_checkpoint(type(config)(**{**config.to_dict(), "vocab_size": vocab}), d)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(tokenizer_dir, name), d)
+    out = subprocess.run([sys.executable, "-m", "moeferry.cli", "generate", "--model", d, "--prompt", "Hello",
+                          "--max-tokens", "6", "--ignore-eos", "--device", "cpu"],
+                         capture_output=True, text=True, env={**os.environ, "MOEFERRY_CACHE": str(tmp_path)},
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "[6 tokens, finish_reason=length]" in out.stderr
+
+
+# ---- GPU: the Triton kernels (sinks, windows, biased clamped experts) in captured graphs ------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", ["gpu", "offload", "uva"])
+def test_greedy_tokens_match_transformers_on_cuda_with_graphs(family, strategy):
+    """fp32 on CUDA, decode through CUDA graphs: 24 greedy tokens of a mixed batch equal
+    transformers' generate, for every device strategy (offload over a partial cache)."""
+    name, config, hf, path = family
+    extra = {"moe_cache_slots": 8} if strategy == "offload" else {}
+    llm = LLM(path, dtype="float32", device="cuda", max_running_requests=4, moe_strategy=strategy, **extra)
+    assert llm.engine.runner.graphs is not None
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    got = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    for prompt, tokens in zip(PROMPTS, got):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                               pad_token_id=0)[0, len(prompt):].tolist()
+        assert tokens == want, f"{name} {strategy}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", ["cpu", "hybrid"])
+def test_host_strategies_refuse_gpt_oss_experts_on_a_gpu_in_one_line(family, strategy):
+    name, config, hf, path = family
+    with pytest.raises(ConfigError, match="only the reference computes on the host; use --moe-strategy offload"):
+        LLM(path, dtype="bfloat16", device="cuda", moe_strategy=strategy)

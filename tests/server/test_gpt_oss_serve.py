@@ -1,0 +1,43 @@
+"""`moeferry serve` of a tiny gpt-oss checkpoint: chat and a streamed completion through the
+OpenAI API (start-up, plan, prefill and decode with sinks, windows and biased experts behind it)."""
+
+import json
+import os
+import shutil
+
+import httpx
+
+from moeferry.testing.fixtures import gpt_oss_configs, make_checkpoint
+from tests.server.conftest import running_server
+
+
+def _tiny_gpt_oss_with_tokenizer(path: str) -> str:
+    from moeferry.default_model import builtin_model_dir
+
+    tokenizer_dir = builtin_model_dir("moeferry-tiny-moe")
+    vocab = json.load(open(os.path.join(tokenizer_dir, "config.json")))["vocab_size"]
+    config = dict(gpt_oss_configs())["gpt_oss"]
+    make_checkpoint(type(config)(**{**config.to_dict(), "vocab_size": vocab}), path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(os.path.join(tokenizer_dir, name), path)
+    return path
+
+
+def test_a_tiny_gpt_oss_checkpoint_serves_chat_and_streamed_completions(tmp_path):
+    model = _tiny_gpt_oss_with_tokenizer(str(tmp_path / "g"))
+    with running_server(model=model, max_running_requests=4, max_model_len=128) as server:
+        with httpx.Client(base_url=server.url, headers=server.headers(), timeout=120) as http:
+            chat = http.post("/v1/chat/completions", json={
+                "model": "g", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 5,
+                "temperature": 0, "ignore_eos": True}).json()
+            assert chat["usage"]["completion_tokens"] == 5, chat
+            assert chat["choices"][0]["finish_reason"] == "length"
+            with http.stream("POST", "/v1/completions", json={
+                    "model": "g", "prompt": "Once upon", "max_tokens": 4, "temperature": 0, "stream": True,
+                    "ignore_eos": True}) as response:
+                assert response.status_code == 200
+                events = [line for line in response.iter_lines() if line.startswith("data: ")]
+            assert events[-1] == "data: [DONE]"
+            chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert server.engine.mc.model_type == "gpt_oss"
