@@ -66,7 +66,8 @@ class ExpertBanks:
     """One MoE layer's routed experts (or a slot pool, or a stream buffer, of the same rows):
     w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]. In a quantized `format` the weights
     are its dtype (float8_e4m3fn; int32 words of eight int4 values along the last dimension,
-    which is then H/8 and I/8) and w13_scale / w2_scale hold their float32 block scales (layout:
+    which is then H/8 and I/8; uint8 bytes of two MXFP4 values, H/2 and I/2) and w13_scale /
+    w2_scale hold their block scales (float32; MXFP4's uint8 E8M0 exponents; layout:
     kernels/fused_moe/__init__.py); otherwise both are None.
 
     Invariant: dim 0 of every tensor is the expert (or slot) and row e of each belongs to the
@@ -94,8 +95,8 @@ class ExpertBanks:
         if fmt.quantized:
             gate_rows, h_cols = scale_grid(inter, hidden, fmt.block_shape)
             h_rows, i_cols = scale_grid(hidden, inter, fmt.block_shape)
-            banks.w13_scale = bank(rows, 2 * gate_rows, h_cols, dt=torch.float32)
-            banks.w2_scale = bank(rows, h_rows, i_cols, dt=torch.float32)
+            banks.w13_scale = bank(rows, 2 * gate_rows, h_cols, dt=fmt.scale_dtype)
+            banks.w2_scale = bank(rows, h_rows, i_cols, dt=fmt.scale_dtype)
         return banks
 
     def like(self, rows: int, device: torch.device, zero: bool = False) -> "ExpertBanks":

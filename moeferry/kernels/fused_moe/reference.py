@@ -15,12 +15,13 @@ layer's bank and over a slot pool holding the same rows give bit-identical outpu
 
 Block-quantized banks (w13_scale, w2_scale, block_shape: kernels/fused_moe/__init__.py): each
 group's expert matrices are first dequantized to float32 (`dequantize_blocks`; int4 words
-unpacked by `unpack_int4`), then the same arithmetic runs.
+unpacked by `unpack_int4`, MXFP4 bytes by `unpack_mxfp4` with their E8M0 scales as powers of two,
+`e8m0_to_float`: exact, as transformers' convert_moe_packed_tensors), then the same arithmetic runs.
 """
 import torch
 import torch.nn.functional as F
 
-from moeferry.kernels.fused_moe import check_options
+from moeferry.kernels.fused_moe import E2M1_VALUES, check_options
 
 __all__ = ["fused_moe"]
 
@@ -42,13 +43,32 @@ def unpack_int4(packed: torch.Tensor, cols: int) -> torch.Tensor:
     return (nibbles.flatten(-2)[..., :cols] - 8).to(torch.int32)
 
 
+def unpack_mxfp4(packed: torch.Tensor, cols: int) -> torch.Tensor:
+    """float32 values [..., R, cols] of MXFP4 bytes [..., R, ceil(cols / 2)]: two E2M1 codes a
+    byte, value 2j in the low nibble, 2j + 1 in the high one (E2M1_VALUES)."""
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)[..., :cols]
+    return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)[codes.long()]
+
+
+def e8m0_to_float(scales: torch.Tensor) -> torch.Tensor:
+    """float32 2^(s - E8M0_BIAS) of E8M0 bytes s, built from the bits (exact on any device): the
+    bias is float32's, so s is the float's exponent field, and s = 0 the subnormal 2^-127 (255,
+    E8M0's NaN, comes out infinite)."""
+    exponent = scales.to(torch.int32)
+    return torch.where(exponent == 0, 1 << 22, exponent << 23).view(torch.float32)
+
+
 def dequantize_blocks(weight: torch.Tensor, scales: torch.Tensor, block_shape: tuple[int, int],
                       cols: int | None = None) -> torch.Tensor:
     """float32 weight [..., R, C] * its block's scale: scales [..., ceil(R / bn), ceil(C / bk)]
     hold one value per (bn, bk) block, the last row and column of blocks possibly partial.
-    An int32 weight is packed int4 of `cols` columns (default: 8 per word), unpacked first."""
+    An int32 weight is packed int4 of `cols` columns (default: 8 per word), a uint8 weight MXFP4
+    bytes (default: 2 values each) with uint8 E8M0 scales; both are unpacked first."""
     if weight.dtype == torch.int32:
         weight = unpack_int4(weight, cols if cols is not None else 8 * weight.shape[-1])
+    elif weight.dtype == torch.uint8:
+        weight = unpack_mxfp4(weight, cols if cols is not None else 2 * weight.shape[-1])
+        scales = e8m0_to_float(scales)
     rows, cols = weight.shape[-2:]
     expanded = scales.float().repeat_interleave(block_shape[0], dim=-2).repeat_interleave(block_shape[1], dim=-1)
     return weight.float() * expanded[..., :rows, :cols]
