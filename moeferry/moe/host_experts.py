@@ -97,7 +97,7 @@ class HostExpertChannel:
 
     def __init__(self, banks: dict, max_tokens: int, top_k: int, device: torch.device, threads: int):
         sample = next(iter(banks.values()))
-        if sample.format.quantized:
+        if sample.format.quantized and device.type == "cuda":
             raise ConfigError(f"--moe-strategy cpu and hybrid compute bf16 experts on the host, not "
                               f"{sample.format.name} ones: use --moe-strategy offload for a quantized model")
         self.compiled = sample.w13.dtype == torch.bfloat16
@@ -153,7 +153,8 @@ class HostExpertChannel:
 
     def _run_here(self, layer_id, hidden, topk_weights, host_ids) -> torch.Tensor:
         """A CPU-only machine: the kernel in place (bf16), else the reference over the host's
-        routes (a float32 model in tests), zeros at the others as the kernel leaves them."""
+        routes (a float32 model in tests, quantized banks), zeros at the others as the kernel
+        leaves them."""
         num_tokens = hidden.shape[0]
         if self.compiled:
             self.x[:num_tokens].copy_(hidden)
@@ -163,7 +164,7 @@ class HostExpertChannel:
             return self.out[:num_tokens]
         bank, on_host = self.banks[layer_id], host_ids >= 0
         routes = reference.fused_moe(hidden, bank.w13, bank.w2, torch.where(on_host, topk_weights, 0.0),
-                                     host_ids.clamp(min=0), sum_routes=False)
+                                     host_ids.clamp(min=0), sum_routes=False, **bank.kernel_scales())
         return torch.where(on_host.unsqueeze(-1), routes, 0.0)
 
     def finish(self) -> torch.Tensor:

@@ -11,7 +11,11 @@ x = hidden[t] and the expert topk_ids[t, k]. Routes are grouped by id: each dist
 rows are computed with one matmul per bank, in float32, then the K route results of a
 token are summed in order k = 0..K-1 and cast once. A group's rows and their order depend
 on the routes only, not on which index an expert sits at, so the same routes over a
-layer's bank and over a slot pool holding the same rows give bit-identical output.
+layer's bank and over a slot pool holding the same rows give bit-identical output. A route of
+weight 0 joins no group (its output is 0): the routes a strategy masks for another channel
+(weight 0, id clamped) never change the rows of a group, so each expert's rows, and their
+float32 bits, are those of the unsplit call (a matmul's rows may round differently with the
+number of rows).
 
 Block-quantized banks (w13_scale, w2_scale, block_shape: kernels/fused_moe/__init__.py): each
 group's expert matrices are first dequantized to float32 (`dequantize_blocks`; int4 words
@@ -26,10 +30,11 @@ from moeferry.kernels.fused_moe import E2M1_VALUES, check_options
 __all__ = ["fused_moe"]
 
 
-def _route_groups(flat_ids: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
-    """Routes sorted by id (stable: ascending within a group), the distinct ids, and the
-    group sizes. Reads the group sizes back to the host: this is the CPU path."""
-    order = torch.argsort(flat_ids, stable=True)
+def _route_groups(flat_ids: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+    """The `live` routes sorted by id (stable: ascending within a group), the distinct ids, and
+    the group sizes. Reads the group sizes back to the host: this is the CPU path."""
+    routes = torch.nonzero(live).squeeze(1)
+    order = routes[torch.argsort(flat_ids[routes], stable=True)]
     distinct, counts = torch.unique_consecutive(flat_ids[order], return_counts=True)
     return order, distinct.tolist(), counts.tolist()
 
@@ -105,9 +110,9 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids, *, num_routed_experts=Non
         return out if sum_routes else hidden.new_zeros(0, top_k, hidden_size, dtype=torch.float32)
     flat_ids = topk_ids.reshape(-1)
     route_weights = topk_weights.reshape(-1, 1).float()
-    route_out = torch.empty(num_tokens * top_k, hidden_size, dtype=torch.float32,
+    route_out = torch.zeros(num_tokens * top_k, hidden_size, dtype=torch.float32,
                             device=hidden.device)
-    order, distinct, counts = _route_groups(flat_ids)
+    order, distinct, counts = _route_groups(flat_ids, route_weights.reshape(-1) != 0)
     start = 0
     for expert, count in zip(distinct, counts):
         routes = order[start:start + count]
