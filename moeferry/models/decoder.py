@@ -71,7 +71,7 @@ class DecoderBody(nn.Module):
 
 # A quantized linear's checkpoint tensors -> what they hold (engine/loader.py)
 _TENSOR_PARTS = {"weight": "weight", "weight_packed": "weight", "weight_scale_inv": "scale", "weight_scale": "scale",
-                 "weight_shape": "shape"}
+                 "weight_shape": "shape", "blocks": "weight", "scales": "scale"}
 
 
 class MoECausalLM(nn.Module):
@@ -89,7 +89,7 @@ class MoECausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self._expert_pattern = re.compile(
             rf"model\.layers\.(\d+)\.{re.escape(self.spec.moe_prefix)}\.experts\.(?:(\d+)\.)?([A-Za-z0-9_]+?)"
-            r"(?:\.(weight|weight_packed|weight_scale_inv|weight_scale|weight_shape))?$"
+            r"(?:\.(weight|weight_packed|weight_scale_inv|weight_scale|weight_shape)|_(blocks|scales))?$"
         )
 
     def forward(self, batch: ForwardBatch, kv) -> torch.Tensor:
@@ -104,13 +104,14 @@ class MoECausalLM(nn.Module):
     def expert_tensor_target(self, name: str):
         """Map a checkpoint tensor name onto an expert bank: (layer_id, expert or None, kind, part)
         where kind is gate/up/down (one expert) or gate_up/down (all experts stacked) and part is
-        "weight" (`weight`, int4's `weight_packed`), "scale" (FP8's `weight_scale_inv`, int4's
-        `weight_scale`) or "shape" (int4's `weight_shape`); None if not an expert."""
+        "weight" (`weight`, int4's `weight_packed`, MXFP4's stacked `*_blocks`), "scale" (FP8's
+        `weight_scale_inv`, int4's `weight_scale`, MXFP4's `*_scales`) or "shape" (int4's
+        `weight_shape`); None if not an expert."""
         m = self._expert_pattern.match(name)
         if m is None:
             return None
         layer_id, expert, leaf = int(m.group(1)), m.group(2), m.group(3)
-        part = _TENSOR_PARTS[m.group(4) or "weight"]
+        part = _TENSOR_PARTS[m.group(4) or m.group(5) or "weight"]
         gate, up, down = self.spec.expert_names
         if expert is not None:
             kind = {gate: "gate", up: "up", down: "down"}.get(leaf)

@@ -32,7 +32,9 @@ class FamilySpec:
     attention(mc, layer_id, rotary): the family's attention module, None for the shared
     grouped-query Attention (DeepSeek: layers/mla.py's MLAttention);
     router(mc): the family's router module, None for softmax top-k over a Linear gate;
-    shared_experts_size(hf): intermediate rows of ungated shared experts (DeepSeek), 0 for none.
+    shared_experts_size(hf): intermediate rows of ungated shared experts (DeepSeek), 0 for none;
+    gate_up_interleaved: a stacked gate_up tensor's rows alternate gate, up (gpt-oss) instead of
+    all gate rows, then all up rows (engine/loader.py: split_gate_up).
     """
 
     model_type: str
@@ -45,6 +47,7 @@ class FamilySpec:
     attention: Callable[..., object] | None = None
     router: Callable[[object], object] | None = None
     shared_experts_size: Callable[[object], int] = lambda hf: 0
+    gate_up_interleaved: bool = False
 
 
 def family_names() -> list[str]:
