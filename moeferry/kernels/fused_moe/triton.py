@@ -316,7 +316,7 @@ def _launch_gemm(a, b, c, route_weights, blocks, topk_ids, *, gated, weighted, a
     n_out = c.shape[1]
     k_in = a.shape[1]
     quant = scales is not None
-    mxfp4 = b.dtype == torch.uint8  # scales every weight before the dot: any K tile
+    mxfp4 = quant and b.dtype == torch.uint8  # scales every weight before the dot: any K tile
     if quant and not mxfp4:
         config = replace(config, block_k=quantized_block_k(config.block_k, block_shape[1]))
     if not quant:  # unread placeholders
