@@ -197,7 +197,7 @@ _BENCHMARKS = {
                 "(25%, 100% resident), and the MLA decode attention kernel against its HBM floor",
     "gpt_oss": "gpt-oss-20b shapes: decode tokens/s of a dummy model cut to a few layers under gpu and offload "
                "(25%, 100% resident)",
-    "quant": "offload decode tokens/s per expert format (bf16, fp8, int4) at 25-100% of the experts resident",
+    "quant": "offload decode tokens/s per expert format (bf16, fp8, int4, mxfp4) at 25-100% of the experts resident",
     "quant_accuracy": "per expert format: perplexity of the built-in model on held-out text and the largest logit error",
     "structured": "decode tokens/s with a JSON-schema grammar constraining every request against without",
     "hybrid": "the host channel: the host expert kernel's GB/s against torch, and decode tokens/s of cpu, offload, "

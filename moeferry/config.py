@@ -27,7 +27,7 @@ class ConfigError(ValueError):
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("fp8", "int4")  # moe/formats.py: the expert formats a bf16 checkpoint's experts can be quantized to
+QUANTIZATIONS = ("fp8", "int4", "mxfp4")  # moe/formats.py: the expert formats a bf16 checkpoint's experts can be quantized to
 
 
 def strategy_names() -> list[str]:
@@ -132,9 +132,11 @@ class EngineConfig:
                                                       "tokenizer's)")
     quantization: str | None = option(None, "model", "quantize the routed experts of a bf16 checkpoint at load: fp8 "
                                                      "(block FP8, 128x128 scales, as FP8 checkpoints store them; half "
-                                                     "the bytes per expert) or int4 (W4A16, groups of 128, "
-                                                     "compressed-tensors' layout; about a quarter); a quantized "
-                                                     "checkpoint is read in its own format without it")
+                                                     "the bytes per expert), int4 (W4A16, groups of 128, "
+                                                     "compressed-tensors' layout; about a quarter) or mxfp4 "
+                                                     "(FP4 E2M1 values with an E8M0 scale per 32, gpt-oss's layout; "
+                                                     "as many bytes as int4); a quantized checkpoint is read in its own "
+                                                     "format without it")
     dtype: str = option("auto", "runtime", "the weights' and activations' dtype; auto: bfloat16 on a GPU, float32 "
                                            "on the CPU")
     device: str = option("auto", "runtime", "auto: cuda when torch sees a GPU, else cpu")

@@ -7,7 +7,7 @@
 # the built-in model's routing, the simulator against the engine), deepseek (DeepSeek-V3-shaped decode
 # and the MLA kernel; 4 MoE layers of 22.5 GB: wants ~100 GB of host memory), gpt-oss (gpt-oss-20b-shaped
 # decode, 4 layers of 32 bf16 experts), quant (decode and accuracy
-# per expert format: bf16, fp8, int4), hybrid (the host channel: kernel GB/s, decode at 0-100% on the
+# per expert format: bf16, fp8, int4, mxfp4), hybrid (the host channel: kernel GB/s, decode at 0-100% on the
 # GPU), structured (decode with a JSON-schema grammar against without; needs .whl); default
 # tests,kernels,decode-quick.
 # Results: $OUT/results.md holds this call's benchmark sections alone; $OUT/RESULTS.md is

@@ -39,7 +39,7 @@ def _reader_of(name: str) -> dict:
     (dict(moe_strategy="gpu2"), "--moe-strategy 'gpu2' is unknown; choose one of: gpu, offload, uva"),
     (dict(moe_strategy="offload", moe_cache_policy="mru"), "--moe-cache-policy 'mru' is unknown"),
     (dict(dtype="int8"), "--dtype 'int8' is unknown"),
-    (dict(quantization="int3"), "--quantization 'int3' is unknown; choose one of: fp8, int4"),
+    (dict(quantization="int3"), "--quantization 'int3' is unknown; choose one of: fp8, int4, mxfp4"),
     (dict(moe_cache_gb=4.0), "read only by --moe-strategy offload or hybrid; under --moe-strategy gpu it would be ignored"),
     (dict(moe_strategy="uva", moe_cache_slots=8), "read only by --moe-strategy offload or hybrid; under --moe-strategy uva"),
     (dict(num_tokens=8), "less than one KV page"),

@@ -74,29 +74,50 @@ def _read_tensor(f, name: str, file: str) -> torch.Tensor:
 
 
 def _check_tensor(name: str, tensor: torch.Tensor, shape: tuple, file: str, packed: bool = False) -> None:
-    """`packed`: int32 words of int4 values are expected (an int4 checkpoint's weight_packed)."""
+    """`packed`: integer storage is expected (int4's int32 words, MXFP4's bytes and E8M0 scales)."""
     if tuple(tensor.shape) != tuple(shape):
         raise LoadError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(shape)}")
-    if not (tensor.dtype.is_floating_point or packed and tensor.dtype == torch.int32):
+    if not (tensor.dtype.is_floating_point or packed and tensor.dtype in (torch.int32, torch.uint8)):
         raise LoadError(f"{file}: tensor {name!r} has dtype {tensor.dtype}, the model expects a floating-point tensor")
 
 
 def _is_stored_quantized(tensor: torch.Tensor) -> bool:
-    """A weight already in a quantized format's storage (fp8, or int4 words)."""
-    return tensor.dtype in (torch.float8_e4m3fn, torch.int32)
+    """A weight already in a quantized format's storage (fp8, int4 words, MXFP4 bytes)."""
+    return tensor.dtype in (torch.float8_e4m3fn, torch.int32, torch.uint8)
+
+
+def split_gate_up(stacked: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate rows, up rows) of a stacked gate_up tensor [E, 2I, ...] (weights, or their scales
+    per row): the first I rows, then the last I; or, `interleaved` (gpt-oss), the even rows,
+    then the odd ones. Views: a row keeps its bytes, so quantized rows split exactly."""
+    if interleaved:
+        return stacked[:, 0::2], stacked[:, 1::2]
+    half = stacked.shape[1] // 2
+    return stacked[:, :half], stacked[:, half:]
+
+
+def mxfp4_rows(blocks: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's MXFP4 `*_blocks` [E, rows, K/32, 16] (16 bytes, 32 values, per scale) as the
+    banks' rows [E, rows, K/2]: the same bytes in the same order."""
+    if blocks.dtype != torch.uint8 or blocks.dim() != 4:
+        raise ValueError(f"MXFP4 blocks are uint8 [E, rows, K/32, 16], got {blocks.dtype} {list(blocks.shape)}")
+    return blocks.flatten(-2)
 
 
 class _ExpertWriter:
     """Copies checkpoint expert tensors into a layer's banks: gate -> w13[e, :I], up -> w13[e, I:],
-    down -> w2[e]; stacked gate_up [E, 2I, H] and down [E, H, I] land whole. In a quantized
-    format a stored weight (fp8, int4 words) lands as is and its scales in the scale bank (gate
-    blocks, then up blocks); an unquantized weight is quantized here (`--quantization`, or a
-    checkpoint that left some experts unquantized), on `device`.
+    down -> w2[e]; stacked gate_up [E, 2I, H] (its halves, or its even and odd rows where the
+    family interleaves them: `FamilySpec.gate_up_interleaved`) and down [E, H, I] land whole. In
+    a quantized format a stored weight (fp8, int4 words, MXFP4 bytes: gpt-oss's `*_blocks`) lands
+    as is and its scales in the scale bank (gate blocks, then up blocks); an unquantized weight
+    is quantized here (`--quantization`, or a checkpoint that left some experts unquantized), on
+    `device`.
 
     Invariant checked by `check_scales`: every stored weight copied as is got its scales."""
 
     def __init__(self, model, device: torch.device):
         self.model, self.device = model, device
+        self.interleaved = model.spec.gate_up_interleaved
         self.stored = 0  # quantized weights copied as is
         self.scales = 0  # scale tensors copied
         self.biases: dict[int, int] = {}  # layer -> expert biases written (gate_up's and down's)
@@ -147,22 +168,11 @@ class _ExpertWriter:
 
     def write(self, layer_id: int, expert, kind: str, part: str, src_of, name: str, file: str) -> int:
         """Copy the tensor `src_of()` reads; returns the expert weights it held (0 for scales and biases)."""
-        if part == "mxfp4":
-            raise LoadError(f"{file}: tensor {name!r} holds MXFP4 experts (gpt-oss's released format), which are not "
-                            f"supported yet: use the checkpoint's dequantized bf16 form")
         banks = self.banks(layer_id, expert, name, file)
         if part == "bias":
             return self._write_bias(banks, layer_id, kind, src_of(), name, file)
-        if kind == "gate_up":  # stacked: gate and up are blocked (quantized) each on its own
-            want = (banks.num_experts, banks.w13.shape[1], banks.w2.shape[1])
-            src = self._stacked(kind, src_of(), want, name, file) if part == "weight" else None
-            if src is None or _is_stored_quantized(src):
-                raise LoadError(f"{file}: tensor {name!r}: stacked quantized gate_up experts are not supported")
-            _check_tensor(name, src, (banks.num_experts, *banks.w13.shape[1:-1], banks.w2.shape[1]), file)
-            inter = banks.w13.shape[1] // 2
-            self._write_weight(banks, expert, "gate", src[:, :inter], name, file)
-            self._write_weight(banks, expert, "up", src[:, inter:], name, file)
-            return 2 * banks.num_experts
+        if expert is None and part != "shape":
+            return self._write_stacked(banks, kind, part, src_of(), name, file)
         if part == "shape":  # int4's logical [rows, cols]: must be the bank's
             dst, _, cols = self.target(banks, expert, kind)
             if src_of().tolist() != [*dst.shape[-2:-1], cols]:
@@ -170,20 +180,49 @@ class _ExpertWriter:
                                 f"{[*dst.shape[-2:-1], cols]}")
             return 0
         if part == "scale":
-            _, scale_dst, _ = self.target(banks, expert, kind)
-            if scale_dst is None:
-                raise LoadError(f"{file}: tensor {name!r} is a block scale, but the experts are not quantized "
-                                f"(config.json has no quantization_config)")
-            src = src_of()
-            _check_tensor(name, src, scale_dst.shape, file)
-            scale_dst.copy_(src)
-            self.scales += 1
+            self._write_scales(banks, expert, kind, src_of(), name, file)
             return 0
-        src = src_of()
-        if expert is None:
-            src = self._stacked(kind, src, (banks.num_experts, banks.w2.shape[1], banks.w13.shape[1] // 2), name, file)
-        self._write_weight(banks, expert, kind, src, name, file)
-        return 1 if expert is not None else banks.num_experts
+        self._write_weight(banks, expert, kind, src_of(), name, file)
+        return 1
+
+    def _write_stacked(self, banks, kind: str, part: str, src: torch.Tensor, name: str, file: str) -> int:
+        """Every expert's gate_up or down weights (or scales) at once; gate and up are blocked
+        (quantized) each on its own, so a stacked gate_up splits by rows before anything else."""
+        interleaved = self.interleaved
+        if part == "weight" and src.dtype == torch.uint8 and src.dim() == 4:
+            src = mxfp4_rows(src)
+        elif part == "weight" and not _is_stored_quantized(src) and self.model.spec.stacked_experts is not None:
+            # the family's own layout (gpt-oss: transposed, gate and up interleaved) into the banks'
+            dst, _, cols = self.target(banks, None, "gate" if kind == "gate_up" else "down")
+            want = (dst.shape[0], 2 * dst.shape[1], cols) if kind == "gate_up" else (*dst.shape[:-1], cols)
+            src, interleaved = self._stacked(kind, src, want, name, file), False
+        dst, scale_dst, cols = self.target(banks, None, "gate" if kind == "gate_up" else "down")
+        if part == "scale":
+            want = tuple(scale_dst.shape) if scale_dst is not None else None
+        else:
+            want = (*dst.shape[:-1], dst.shape[-1] if _is_stored_quantized(src) else cols)
+        if want is not None:
+            want = (want[0], 2 * want[1], *want[2:]) if kind == "gate_up" else want
+            _check_tensor(name, src, want, file, packed=True)
+        halves = zip(("gate", "up"), split_gate_up(src, interleaved)) if kind == "gate_up" else [(kind, src)]
+        for half_kind, half in halves:
+            if part == "scale":
+                self._write_scales(banks, None, half_kind, half, name, file)
+            else:
+                self._write_weight(banks, None, half_kind, half, name, file)
+        return 0 if part == "scale" else (2 if kind == "gate_up" else 1) * banks.num_experts
+
+    def _write_scales(self, banks, expert, kind: str, src: torch.Tensor, name: str, file: str) -> None:
+        _, scale_dst, _ = self.target(banks, expert, kind)
+        if scale_dst is None:
+            raise LoadError(f"{file}: tensor {name!r} is a block scale, but the experts are not quantized "
+                            f"(config.json has no quantization_config)")
+        if (src.dtype == torch.uint8) != (scale_dst.dtype == torch.uint8):
+            raise LoadError(f"{file}: tensor {name!r} is {src.dtype}, but the {banks.format.name} experts' scales are "
+                            f"{scale_dst.dtype}")
+        _check_tensor(name, src, scale_dst.shape, file, packed=scale_dst.dtype == torch.uint8)
+        scale_dst.copy_(src)
+        self.scales += 1 if expert is not None else banks.num_experts
 
     def _write_weight(self, banks, expert, kind: str, src: torch.Tensor, name: str, file: str) -> None:
         dst, scale_dst, cols = self.target(banks, expert, kind)
@@ -207,7 +246,7 @@ class _ExpertWriter:
     def check_scales(self, model_dir: str) -> None:
         if self.stored != self.scales:
             raise LoadError(f"checkpoint in {model_dir}: {self.stored} quantized expert weights but {self.scales} "
-                            f"scale tensors (weight_scale_inv, weight_scale): each needs its scales")
+                            f"scale tensors (weight_scale_inv, weight_scale, *_scales): each needs its scales")
 
 
 class _DenseQuantized:

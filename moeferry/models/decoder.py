@@ -72,14 +72,12 @@ class DecoderBody(nn.Module):
 
 # A stacked expert tensor of every expert -> (kind, part): gpt-oss adds biases, and its released
 # checkpoints MXFP4 blocks and scales (refused by the loader for now)
-_STACKED_LEAVES = {"gate_up_proj": ("gate_up", "weight"), "down_proj": ("down", "weight"),
-                   "gate_up_proj_bias": ("gate_up", "bias"), "down_proj_bias": ("down", "bias"),
-                   "gate_up_proj_blocks": ("gate_up", "mxfp4"), "gate_up_proj_scales": ("gate_up", "mxfp4"),
-                   "down_proj_blocks": ("down", "mxfp4"), "down_proj_scales": ("down", "mxfp4")}
+_STACKED_LEAVES = {"gate_up_proj": ("gate_up", None), "down_proj": ("down", None),
+                   "gate_up_proj_bias": ("gate_up", "bias"), "down_proj_bias": ("down", "bias")}
 
 # A quantized linear's checkpoint tensors -> what they hold (engine/loader.py)
 _TENSOR_PARTS = {"weight": "weight", "weight_packed": "weight", "weight_scale_inv": "scale", "weight_scale": "scale",
-                 "weight_shape": "shape"}
+                 "weight_shape": "shape", "blocks": "weight", "scales": "scale"}
 
 
 class MoECausalLM(nn.Module):
@@ -97,7 +95,7 @@ class MoECausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self._expert_pattern = re.compile(
             rf"model\.layers\.(\d+)\.{re.escape(self.spec.moe_prefix)}\.experts\.(?:(\d+)\.)?([A-Za-z0-9_]+?)"
-            r"(?:\.(weight|weight_packed|weight_scale_inv|weight_scale|weight_shape))?$"
+            r"(?:\.(weight|weight_packed|weight_scale_inv|weight_scale|weight_shape)|_(blocks|scales))?$"
         )
 
     def forward(self, batch: ForwardBatch, kv) -> torch.Tensor:
@@ -112,20 +110,20 @@ class MoECausalLM(nn.Module):
     def expert_tensor_target(self, name: str):
         """Map a checkpoint tensor name onto an expert bank: (layer_id, expert or None, kind, part)
         where kind is gate/up/down (one expert) or gate_up/down (all experts stacked) and part is
-        "weight" (`weight`, int4's `weight_packed`), "scale" (FP8's `weight_scale_inv`, int4's
-        `weight_scale`), "shape" (int4's `weight_shape`), "bias" (gpt-oss's stacked biases) or
-        "mxfp4" (gpt-oss's MXFP4 blocks and scales); None if not an expert."""
+        "weight" (`weight`, int4's `weight_packed`, MXFP4's stacked `*_blocks`), "scale" (FP8's
+        `weight_scale_inv`, int4's `weight_scale`, MXFP4's `*_scales`), "shape" (int4's
+        `weight_shape`) or "bias" (gpt-oss's stacked biases); None if not an expert."""
         m = self._expert_pattern.match(name)
         if m is None:
             return None
         layer_id, expert, leaf = int(m.group(1)), m.group(2), m.group(3)
-        part = _TENSOR_PARTS[m.group(4) or "weight"]
+        part = _TENSOR_PARTS[m.group(4) or m.group(5) or "weight"]
         gate, up, down = self.spec.expert_names
         if expert is not None:
             kind = {gate: "gate", up: "up", down: "down"}.get(leaf)
             return None if kind is None else (layer_id, int(expert), kind, part)
-        stacked = _STACKED_LEAVES.get(leaf)
-        return None if stacked is None else (layer_id, None, *stacked)
+        kind, stacked_part = _STACKED_LEAVES.get(leaf, (None, None))  # a bias, or the suffix's part
+        return None if kind is None else (layer_id, None, kind, stacked_part or part)
 
     def moe_block(self, layer_id: int) -> MoEBlock:
         return self.model.layers[layer_id].mlp_module

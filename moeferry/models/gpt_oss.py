@@ -8,9 +8,10 @@ the same weights), named `router`; experts with biases on both GEMMs and the cla
 The checkpoint stacks every expert of a layer, transposed, with gate and up interleaved along
 the last dimension: gate_up_proj [E, H, 2I] (gate = [..., ::2], up = [..., 1::2]),
 gate_up_proj_bias [E, 2I] alike, down_proj [E, I, H], down_proj_bias [E, H]; `_stacked`
-turns them into the banks' [gate; up] layout once, at load. MXFP4 experts (the released
-checkpoints' `*_blocks` / `*_scales`) are refused for now (moe/formats.py, engine/loader.py);
-their dequantized bf16 form loads.
+turns them into the banks' [gate; up] layout once, at load. The released checkpoints' MXFP4
+experts (`*_blocks` [E, rows, K/32, 16] bytes, `*_scales` [E, rows, K/32], not transposed)
+land in mxfp4 banks as they are, their interleaved gate and up rows split by
+`gate_up_interleaved` (engine/loader.py: split_gate_up).
 """
 
 import torch
@@ -45,4 +46,5 @@ SPEC = FamilySpec(
     expert_bias=True,
     activation=lambda hf: clamped_swiglu(hf.swiglu_alpha, hf.swiglu_limit),
     stacked_experts=_stacked,
+    gate_up_interleaved=True,
 )

@@ -42,6 +42,8 @@ class FamilySpec:
     stacked_experts(kind, tensor): a stacked checkpoint tensor of every expert (kind gate_up,
     down, gate_up_bias, down_bias) in the banks' layout ([E, 2I, H] gate rows then up rows,
     [E, H, I], [E, 2I], [E, H]); None when the checkpoint already stores that layout.
+    gate_up_interleaved: a stacked gate_up tensor's rows alternate gate, up (gpt-oss) instead of
+    all gate rows, then all up rows (engine/loader.py: split_gate_up).
     """
 
     model_type: str
@@ -58,6 +60,7 @@ class FamilySpec:
     expert_bias: bool = False
     activation: Callable[[object], Activation] = lambda hf: SILU
     stacked_experts: Callable[[str, object], object] | None = None
+    gate_up_interleaved: bool = False
 
 
 def family_names() -> list[str]:

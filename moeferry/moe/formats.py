@@ -7,9 +7,12 @@ block of `block_shape` (rows, columns) of each weight matrix, the checkpoint's
 `pack-quantized`, the format of most 4-bit MoE checkpoints on the hub, written by llm-compressor):
 symmetric signed 4-bit values in [-8, 7] stored + 8 as nibbles, eight to an int32 along each
 row (value i of a word at bits 4i..4i+3), `weight_packed`, with one scale per row and group of
-128 columns, `weight_scale`: weight = value * scale. A checkpoint says its format in
-config.json's `quantization_config`; `--quantization fp8|int4` quantizes a bf16 checkpoint's
-experts at load into the same layout. Only the routed experts keep the format: dense weights are
+128 columns, `weight_scale`: weight = value * scale. `mxfp4` (OCP microscaling, gpt-oss's
+experts, transformers' `quant_method: mxfp4`): FP4 E2M1 codes two to a byte along each row (the
+low nibble first), `*_blocks`, with one E8M0 exponent byte per row and 32 columns, `*_scales`:
+weight = E2M1 value * 2^(scale - 127). A checkpoint says its format in config.json's
+`quantization_config`; `--quantization fp8|int4|mxfp4` quantizes a bf16 checkpoint's experts at
+load into the same layout. Only the routed experts keep the format: dense weights are
 dequantized to the compute dtype at load (engine/loader.py).
 """
 
@@ -20,9 +23,12 @@ from dataclasses import dataclass
 import torch
 
 from moeferry.config import QUANTIZATIONS, ConfigError
+from moeferry.kernels.fused_moe import E2M1_VALUES, E8M0_BIAS, MXFP4_BLOCK
+from moeferry.kernels.fused_moe.reference import e8m0_to_float
 
 __all__ = ["FP8_MAX", "INT4_PACK", "QUANTIZATIONS", "ExpertFormat", "UNQUANTIZED", "checkpoint_format",
-           "expert_format", "quantize", "quantize_fp8_blocks", "quantize_int4_groups", "scale_grid"]
+           "expert_format", "pack_mxfp4", "quantize", "quantize_fp8_blocks", "quantize_int4_groups",
+           "quantize_mxfp4", "scale_grid"]
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448: the largest e4m3 magnitude
 DEFAULT_FP8_BLOCK = (128, 128)
@@ -34,13 +40,15 @@ INT4_PACK = 8  # 4-bit values per int32
 class ExpertFormat:
     """A storage format of expert weights. Invariant: `weight_dtype` None means the compute
     dtype and no scales (`block_shape` None); otherwise every weight matrix [R, C] is stored as
-    [R, ceil(C / pack)] elements of `weight_dtype` (`pack` values each) with float32 scales
-    [ceil(R / block_shape[0]), ceil(C / block_shape[1])]."""
+    [R, ceil(C / pack)] elements of `weight_dtype` (`pack` values each) with scales of
+    `scale_dtype` (float32; MXFP4's uint8 E8M0 exponents) [ceil(R / block_shape[0]),
+    ceil(C / block_shape[1])]."""
 
     name: str
     weight_dtype: torch.dtype | None = None
     block_shape: tuple[int, int] | None = None
     pack: int = 1
+    scale_dtype: torch.dtype = torch.float32
 
     @property
     def quantized(self) -> bool:
@@ -50,6 +58,8 @@ class ExpertFormat:
         """The format for the start-up plan and /v1/stats, e.g. 'fp8 e4m3, 128x128 blocks'."""
         if not self.quantized:
             return self.name
+        if self.name == "mxfp4":
+            return f"mxfp4 e2m1, e8m0 scales per {self.block_shape[1]}"
         if self.pack > 1:
             return f"{self.name} W4A16, groups of {self.block_shape[1]}"
         return f"{self.name} e4m3, {self.block_shape[0]}x{self.block_shape[1]} blocks"
@@ -70,7 +80,11 @@ def int4_format(group_size: int = DEFAULT_INT4_GROUP) -> ExpertFormat:
     return ExpertFormat("int4", torch.int32, (1, int(group_size)), pack=INT4_PACK)
 
 
-_FORMATS = {"fp8": fp8_format, "int4": int4_format}
+def mxfp4_format() -> ExpertFormat:
+    return ExpertFormat("mxfp4", torch.uint8, (1, MXFP4_BLOCK), pack=2, scale_dtype=torch.uint8)
+
+
+_FORMATS = {"fp8": fp8_format, "int4": int4_format, "mxfp4": mxfp4_format}
 
 
 def scale_grid(rows: int, cols: int, block_shape: tuple[int, int]) -> tuple[int, int]:
@@ -88,12 +102,11 @@ def checkpoint_format(hf_config) -> ExpertFormat | None:
     method = qc.get("quant_method")
     if method == "compressed-tensors":
         return _compressed_tensors_format(qc)
-    if method == "mxfp4":
-        raise ConfigError("config.json: quantization_config.quant_method 'mxfp4' (gpt-oss's MXFP4 experts) is not "
-                          "supported yet: use the checkpoint's dequantized bf16 form")
+    if method == "mxfp4":  # transformers' Mxfp4Config: no options that change the layout
+        return mxfp4_format()
     if method != "fp8":
         raise ConfigError(f"config.json: quantization_config.quant_method {method!r} is not supported; supported: fp8 "
-                          f"(block-scaled e4m3), compressed-tensors (pack-quantized int4 groups)")
+                          f"(block-scaled e4m3), compressed-tensors (pack-quantized int4 groups), mxfp4")
     if qc.get("fmt", "e4m3") != "e4m3":
         raise ConfigError(f"config.json: quantization_config.fmt {qc.get('fmt')!r}: only e4m3 FP8 is supported")
     block = qc.get("weight_block_size")
@@ -137,7 +150,9 @@ def expert_format(hf_config, quantization: str | None) -> ExpertFormat:
 
 
 def quantize(weight: torch.Tensor, fmt: ExpertFormat) -> tuple[torch.Tensor, torch.Tensor]:
-    """(stored weight, float32 scales) of `weight` [..., R, C] in the quantized format `fmt`."""
+    """(stored weight, scales) of `weight` [..., R, C] in the quantized format `fmt`."""
+    if fmt.name == "mxfp4":
+        return quantize_mxfp4(weight)
     if fmt.pack > 1:
         return quantize_int4_groups(weight, fmt.block_shape[1])
     return quantize_fp8_blocks(weight, fmt.block_shape)
@@ -190,3 +205,39 @@ def quantize_fp8_blocks(weight: torch.Tensor, block_shape: tuple[int, int]) -> t
     quantized = (blocks / scales[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     quantized = quantized.view(*lead, grid_r * br, grid_c * bc)[..., :rows, :cols].contiguous()
     return quantized, scales.contiguous()
+
+
+E2M1_MAX_EXPONENT = 2  # E2M1's largest value, 6, is 1.5 x 2^2
+
+
+@torch.no_grad()
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 bytes [..., R, ceil(C / 2)], uint8 E8M0 scales [..., R, ceil(C / 32)]) of `weight`
+    [..., R, C], as OCP's MX specification quantizes: per row and block of 32 values, the shared
+    scale is 2^(floor(log2(amax)) - 2) (E2M1's largest exponent), clamped to E8M0's 2^-127 ..
+    2^127 (2^0 for an all-zero block), and each value / scale rounds to the nearest E2M1 value
+    (ties to the even code), saturating at 6. Computed in float32; a code of zero is +0."""
+    *lead, rows, cols = weight.shape
+    groups = -(-cols // MXFP4_BLOCK)
+    padded = weight.new_zeros((*lead, rows, groups * MXFP4_BLOCK), dtype=torch.float32)
+    padded[..., :cols] = weight.float()
+    blocks = padded.view(*lead, rows, groups, MXFP4_BLOCK)
+    amax = blocks.abs().amax(dim=-1)
+    exponent = torch.frexp(amax).exponent - 1 - E2M1_MAX_EXPONENT  # frexp: amax = m 2^e, m in [0.5, 1)
+    scales = (torch.where(amax > 0, exponent, 0).clamp(-E8M0_BIAS, E8M0_BIAS) + E8M0_BIAS).to(torch.uint8)
+    scaled = (blocks / e8m0_to_float(scales)[..., None]).abs()  # exact: a power of two; in [0, 8)
+    step = torch.where(scaled < 2, 0.5, torch.where(scaled < 4, 1.0, 2.0))  # E2M1's spacing there
+    magnitude = (torch.round(scaled / step) * step).clamp(max=6.0)  # round half to even = to the even code
+    grid = torch.tensor(E2M1_VALUES[:8], device=weight.device)
+    codes = torch.searchsorted(grid, magnitude.contiguous()).to(torch.uint8)
+    codes = torch.where((blocks < 0) & (codes > 0), codes | 8, codes).view(*lead, rows, -1)[..., :cols]
+    return pack_mxfp4(codes), scales.contiguous()
+
+
+def pack_mxfp4(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., R, ceil(C / 2)]: E2M1 `codes` [..., R, C] two to a byte, code 2j in the low
+    nibble (transformers' and gpt-oss's order), a last odd code with a zero high nibble."""
+    *lead, rows, cols = codes.shape
+    padded = codes.new_zeros((*lead, rows, 2 * -(-cols // 2)), dtype=torch.uint8)
+    padded[..., :cols] = codes
+    return (padded[..., 0::2] | (padded[..., 1::2] << 4)).contiguous()

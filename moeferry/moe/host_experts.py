@@ -98,7 +98,7 @@ class HostExpertChannel:
 
     def __init__(self, banks: dict, max_tokens: int, top_k: int, device: torch.device, threads: int):
         sample = next(iter(banks.values()))
-        if sample.format.quantized:
+        if sample.format.quantized and device.type == "cuda":
             raise ConfigError(f"--moe-strategy cpu and hybrid compute bf16 experts on the host, not "
                               f"{sample.format.name} ones: use --moe-strategy offload for a quantized model")
         plain = sample.w13_bias is None and sample.activation == SILU
@@ -159,8 +159,8 @@ class HostExpertChannel:
 
     def _run_here(self, layer_id, hidden, topk_weights, host_ids) -> torch.Tensor:
         """A CPU-only machine: the kernel in place (bf16 silu experts without biases), else the
-        reference over the host's routes (a float32 model in tests, gpt-oss's experts), zeros at
-        the others as the kernel leaves them."""
+        reference over the host's routes (a float32 model in tests, quantized banks, gpt-oss's
+        experts), zeros at the others as the kernel leaves them."""
         num_tokens = hidden.shape[0]
         if self.compiled:
             self.x[:num_tokens].copy_(hidden)

@@ -66,7 +66,8 @@ class ExpertBanks:
     """One MoE layer's routed experts (or a slot pool, or a stream buffer, of the same rows):
     w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]. In a quantized `format` the weights
     are its dtype (float8_e4m3fn; int32 words of eight int4 values along the last dimension,
-    which is then H/8 and I/8) and w13_scale / w2_scale hold their float32 block scales (layout:
+    which is then H/8 and I/8; uint8 bytes of two MXFP4 values, H/2 and I/2) and w13_scale /
+    w2_scale hold their block scales (float32; MXFP4's uint8 E8M0 exponents; layout:
     kernels/fused_moe/__init__.py); otherwise both are None. Experts with biases (gpt-oss) add
     the bias banks w13_bias [E, 2I] (gate's, then up's) and w2_bias [E, H] in the compute dtype;
     `activation` is how their gate and up rows combine (the same for every layer of a model).
@@ -101,8 +102,8 @@ class ExpertBanks:
         if fmt.quantized:
             gate_rows, h_cols = scale_grid(inter, hidden, fmt.block_shape)
             h_rows, i_cols = scale_grid(hidden, inter, fmt.block_shape)
-            banks.w13_scale = bank(rows, 2 * gate_rows, h_cols, dt=torch.float32)
-            banks.w2_scale = bank(rows, h_rows, i_cols, dt=torch.float32)
+            banks.w13_scale = bank(rows, 2 * gate_rows, h_cols, dt=fmt.scale_dtype)
+            banks.w2_scale = bank(rows, h_rows, i_cols, dt=fmt.scale_dtype)
         if bias:
             banks.w13_bias = bank(rows, 2 * inter, dt=dtype)
             banks.w2_bias = bank(rows, hidden, dt=dtype)

@@ -296,3 +296,47 @@ def make_int4_checkpoint(config, out_dir: str, seed: int = 0, group_size: int = 
                          "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
                                                        "input_activations": None, "output_activations": None}}})
     return model
+
+
+def mxfp4_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's MXFP4 tensors of stacked expert weights [E, rows, K] (K a multiple of 32):
+    `*_blocks` uint8 [E, rows, K/32, 16] and `*_scales` uint8 [E, rows, K/32], as transformers'
+    Mxfp4 integration reads them."""
+    from moeferry.moe.formats import quantize_mxfp4
+
+    packed, scales = quantize_mxfp4(weight)
+    return packed.view(*scales.shape, 16), scales
+
+
+def _mxfp4_stacked(tensors: dict, interleaved: bool) -> dict:
+    """Every layer's routed experts (`mlp.experts.{e}.{gate,up,down}_proj.weight`) stacked in
+    gpt-oss's MXFP4 layout: `mlp.experts.gate_up_proj_blocks` / `_scales` (gate rows then up
+    rows, or alternating when `interleaved`) and `mlp.experts.down_proj_blocks` / `_scales`;
+    the rest as it is."""
+    import re
+
+    pattern = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+    out, experts = {}, {}
+    for name, tensor in tensors.items():
+        m = pattern.match(name)
+        if m is None:
+            out[name] = tensor
+        else:
+            experts.setdefault(m.group(1), {})[(m.group(3), int(m.group(2)))] = tensor
+    for prefix, parts in experts.items():
+        count = len(parts) // 3
+        gate, up, down = (torch.stack([parts[(kind, e)] for e in range(count)]) for kind in ("gate", "up", "down"))
+        gate_up = torch.stack([gate, up], dim=2).flatten(1, 2) if interleaved else torch.cat([gate, up], dim=1)
+        for proj, weight in (("gate_up_proj", gate_up), ("down_proj", down)):
+            out[f"{prefix}.{proj}_blocks"], out[f"{prefix}.{proj}_scales"] = mxfp4_blocks(weight)
+    return out
+
+
+def make_mxfp4_checkpoint(config, out_dir: str, seed: int = 0, interleaved: bool = False):
+    """A checkpoint whose routed experts are stacked in gpt-oss's MXFP4 layout (`*_blocks`,
+    `*_scales`; see `_mxfp4_stacked`) and config.json's `quantization_config` saying
+    `quant_method: mxfp4`: a random HF model of `config` saved by transformers, rewritten. The
+    experts' sizes must be multiples of 32. Returns the unquantized HF model (eval, float32)."""
+    model = make_checkpoint(config, out_dir, seed=seed)
+    _rewrite_checkpoint(out_dir, lambda tensors: _mxfp4_stacked(tensors, interleaved), {"quant_method": "mxfp4"})
+    return model

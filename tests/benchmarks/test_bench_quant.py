@@ -1,6 +1,7 @@
 """benchmarks/bench_quant.py's logic on the CPU (its figures need a GPU): arguments, and the
 whole measuring loop on a tiny dummy model: every format, share and batch gets a row, the FP8
-rows copy about half the bytes per expert, the hit rate follows the resident share."""
+rows copy about half the bytes per expert (int4 and mxfp4 about a quarter), the hit rate follows the
+resident share."""
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ def test_bench_quant_arguments_and_no_gpu_exit(capsys):
 
     args = bench_quant.parse_args([])
     assert (args.layers, args.batch, args.shares, args.formats) == (12, [1, 4], [0.25, 0.5, 0.75, 1.0],
-                                                                    ["bf16", "fp8", "int4"])
+                                                                    ["bf16", "fp8", "int4", "mxfp4"])
     with pytest.raises(SystemExit):
         bench_quant.parse_args(["--shares", "0"])
     with pytest.raises(SystemExit):
@@ -34,12 +35,13 @@ def test_bench_quant_runs_end_to_end_on_the_cpu(tmp_path):
                                    "--shares", "0.5", "1.0", "--repeats", "1", "--cache-gb", "0.001", "--batch", "4"])
     records = bench_quant.run(model_dir, args)
     assert [(r["format"], r["share"], r["batch"]) for r in records] == [
-        (f, s, 4) for f in ("bf16", "fp8", "int4") for s in (1.0, 0.5)]
+        (f, s, 4) for f in ("bf16", "fp8", "int4", "mxfp4") for s in (1.0, 0.5)]
     by_format = {r["format"]: r for r in records}
     unquantized = 3 * 64 * 32 * 4  # float32 on the CPU
     assert by_format["bf16"]["expert_bytes"] == unquantized
     assert by_format["fp8"]["expert_bytes"] == 3 * 64 * 32 + 4 * (2 * 1 * 1 + 1 * 1)  # 128x128 blocks: one each
     assert by_format["int4"]["expert_bytes"] == 3 * 64 * 32 // 2 + 4 * (2 * 32 * 1 + 64 * 1)  # groups of 128
+    assert by_format["mxfp4"]["expert_bytes"] == 3 * 64 * 32 // 2 + (2 * 32 * 2 + 64 * 1)  # a byte per 32 values
     assert by_format["fp8"]["experts_in_budget"] > 3.9 * by_format["bf16"]["experts_in_budget"]
     for r in records:
         assert r["slots"] == int(r["share"] * 2 * 16) and r["tok_s"] > 0
@@ -52,5 +54,6 @@ def test_bench_quant_runs_end_to_end_on_the_cpu(tmp_path):
     assert [row[4] for row in rows if row[0] == "float32"] == ["1.00x"] * 2
     table = markdown_table(bench_quant.HEADER, rows)
     assert "fp8 e4m3, 128x128 blocks" in table and "int4 W4A16, groups of 128" in table
+    assert "mxfp4 e2m1, e8m0 scales per 32" in table
     assert [row[2] for row in bench_quant.budget_rows(records, 0.001)] == [
-        by_format[f]["experts_in_budget"] for f in ("bf16", "fp8", "int4")]
+        by_format[f]["experts_in_budget"] for f in ("bf16", "fp8", "int4", "mxfp4")]

@@ -2,7 +2,7 @@
 runs logits and greedy tokens of both configs): every position through chunked prefill and
 batched decode past the sliding window, every strategy bit-identical (offload with a partial
 cache; cpu and hybrid on the CPU, through the reference), the de-interleaved expert banks, the
-loader's named errors (MXFP4 among them), the CLI on a tiny checkpoint, a dummy cut."""
+loader's named errors, a released-style MXFP4 checkpoint, the CLI on a tiny checkpoint, a dummy cut."""
 
 import json
 import os
@@ -160,26 +160,46 @@ def _copy_and_edit(path, tmp_path, edit):
     return d
 
 
-def test_mxfp4_quantization_config_is_refused_in_one_line(tiny_path, tmp_path):
-    d = _copy_and_edit(tiny_path, tmp_path, lambda t: None)
-    cfg = json.load(open(os.path.join(d, "config.json")))
-    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
-    with pytest.raises(ConfigError, match=r"quant_method 'mxfp4' \(gpt-oss's MXFP4 experts\) is not supported yet"
-                                          r": use the checkpoint's dequantized bf16 form") as err:
-        LLM(d, device="cpu")
-    assert "\n" not in str(err.value)
+def test_a_released_style_mxfp4_checkpoint_matches_transformers_dequantizing_it(tmp_path):
+    """gpt-oss as released: experts as MXFP4 `*_blocks` [E, rows, K/32, 16] / `*_scales`, gate
+    and up rows interleaved, `quant_method: mxfp4`, biases and attention in float. Our fp32
+    logits at every position within 1e-4 of transformers loading the same files with
+    Mxfp4Config(dequantize=True); the banks hold the bytes (mxfp4 format), not bf16."""
+    import transformers as T
 
+    from moeferry.testing.fixtures import mxfp4_blocks
 
-def test_mxfp4_expert_blocks_are_named(tiny_path, tmp_path):
-    name = "model.layers.0.mlp.experts.gate_up_proj"
+    config = T.GptOssConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                            num_experts_per_tok=2, max_position_embeddings=256, sliding_window=4,
+                            layer_types=["sliding_attention", "full_attention"], initializer_range=0.3,
+                            swiglu_limit=0.4, tie_word_embeddings=False)
+    torch.manual_seed(11)
+    T.AutoModelForCausalLM.from_config(config).float().save_pretrained(str(tmp_path))
+    file = str(tmp_path / "model.safetensors")
+    tensors = load_file(file)
+    for layer_id in range(2):
+        prefix = f"model.layers.{layer_id}.mlp.experts."
+        for proj in ("gate_up_proj", "down_proj"):  # transformers' [E, K, out]; the released files' [E, out, ...]
+            tensors[prefix + proj + "_blocks"], tensors[prefix + proj + "_scales"] = mxfp4_blocks(
+                tensors.pop(prefix + proj).transpose(1, 2))
+    save_file(tensors, file, metadata={"format": "pt"})
+    raw = json.load(open(tmp_path / "config.json"))
+    raw["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    json.dump(raw, open(tmp_path / "config.json", "w"))
+    hf = T.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32,
+                                                quantization_config=T.Mxfp4Config(dequantize=True)).eval()
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", max_running_requests=4)
+    banks = llm.engine.runner.strategy.banks[0]
+    assert banks.w13.dtype == torch.uint8 and banks.w13_scale.dtype == torch.uint8 and banks.w13_bias is not None
+    assert llm.engine.runner.plan.expert_format == "mxfp4 e2m1, e8m0 scales per 32"
+    from tests.models.test_hf_parity import _all_logits
 
-    def to_blocks(t):
-        t["model.layers.0.mlp.experts.gate_up_proj_blocks"] = torch.zeros(8, 32, 1, 16, dtype=torch.uint8)
-        t.pop(name)
-    d = _copy_and_edit(tiny_path, tmp_path, to_blocks)
-    with pytest.raises(ConfigError, match=r"'model.layers.0.mlp.experts.gate_up_proj_blocks' holds MXFP4 experts"):
-        LLM(d, device="cpu")
+    for prompt, got in zip(PROMPTS, _all_logits(llm, PROMPTS)):
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0].float()
+        assert ref.std() > 1e-3
+        assert (got - ref).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("name", ["model.layers.2.mlp.experts.gate_up_proj_bias",

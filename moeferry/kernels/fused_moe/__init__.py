@@ -16,6 +16,10 @@ scales, one per `block_shape` (bn rows, bk columns) block of each expert matrix:
 and weight = fp8 value * scale (the checkpoints' `weight_scale_inv`). Int4 (W4A16) banks are
 int32 words of eight 4-bit values along the input dimension (w13 [S, 2I, H/8], w2 [S, H, I/8];
 value i of a word at bits 4i, stored + 8), block_shape (1, group): a scale per row and group.
+MXFP4 banks (OCP microscaling, gpt-oss's expert format) are uint8 bytes of two FP4 E2M1 codes
+along the input dimension, the low nibble first (w13 [S, 2I, H/2], w2 [S, H, I/2]; a code is a
+sign bit, two exponent bits and one mantissa bit: `E2M1_VALUES`), block_shape (1, 32): a uint8
+E8M0 scale per row and 32 values, weight = value * 2^(scale - 127).
 The kernels dequantize as they read; the activations stay in hidden's dtype.
 
 Expert biases (gpt-oss): w13_bias [S, 2I] (the gate rows' biases, then the up rows'), w2_bias
@@ -29,12 +33,19 @@ import torch
 
 from moeferry.kernels import implementation
 
-__all__ = ["BLOCK_ASSIGNMENTS", "SILU", "Activation", "check_options", "clamped_swiglu", "fused_moe"]
+__all__ = ["BLOCK_ASSIGNMENTS", "E2M1_VALUES", "E8M0_BIAS", "MXFP4_BLOCK", "SILU", "Activation", "check_options",
+           "clamped_swiglu", "fused_moe"]
 
 # How routes are assigned to GEMM blocks (the Triton kernel's choice; the reference always
 # groups by expert, whatever it is told): "naive" gives each (token, expert) route its own
 # block, "sorted" groups the routes of each expert so it is read once per call.
 BLOCK_ASSIGNMENTS = ("auto", "sorted", "naive")
+
+# FP4 E2M1 code -> value (code bit 3 the sign), as transformers' FP4_VALUES; MXFP4's block of
+# values sharing one E8M0 scale, and that scale's exponent bias.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MXFP4_BLOCK = 32
+E8M0_BIAS = 127
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,16 @@ x = hidden[t] and the expert topk_ids[t, k]. Routes are grouped by id: each dist
 rows are computed with one matmul per bank, in float32, then the K route results of a
 token are summed in order k = 0..K-1 and cast once. A group's rows and their order depend
 on the routes only, not on which index an expert sits at, so the same routes over a
-layer's bank and over a slot pool holding the same rows give bit-identical output.
+layer's bank and over a slot pool holding the same rows give bit-identical output. A route of
+weight 0 joins no group (its output is 0): the routes a strategy masks for another channel
+(weight 0, id clamped) never change the rows of a group, so each expert's rows, and their
+float32 bits, are those of the unsplit call (a matmul's rows may round differently with the
+number of rows).
 
 Block-quantized banks (w13_scale, w2_scale, block_shape: kernels/fused_moe/__init__.py): each
 group's expert matrices are first dequantized to float32 (`dequantize_blocks`; int4 words
-unpacked by `unpack_int4`), then the same arithmetic runs.
+unpacked by `unpack_int4`, MXFP4 bytes by `unpack_mxfp4` with their E8M0 scales as powers of two,
+`e8m0_to_float`: exact, as transformers' convert_moe_packed_tensors), then the same arithmetic runs.
 
 Biases (w13_bias [S, 2I], w2_bias [S, H]) join each GEMM in float32; `activation` is silu(gate)
 * up or gpt-oss's clamped SwiGLU (kernels/fused_moe/__init__.py: Activation).
@@ -23,15 +28,16 @@ Biases (w13_bias [S, 2I], w2_bias [S, H]) join each GEMM in float32; `activation
 import torch
 import torch.nn.functional as F
 
-from moeferry.kernels.fused_moe import SILU, Activation, check_options
+from moeferry.kernels.fused_moe import E2M1_VALUES, SILU, Activation, check_options
 
 __all__ = ["fused_moe"]
 
 
-def _route_groups(flat_ids: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
-    """Routes sorted by id (stable: ascending within a group), the distinct ids, and the
-    group sizes. Reads the group sizes back to the host: this is the CPU path."""
-    order = torch.argsort(flat_ids, stable=True)
+def _route_groups(flat_ids: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+    """The `live` routes sorted by id (stable: ascending within a group), the distinct ids, and
+    the group sizes. Reads the group sizes back to the host: this is the CPU path."""
+    routes = torch.nonzero(live).squeeze(1)
+    order = routes[torch.argsort(flat_ids[routes], stable=True)]
     distinct, counts = torch.unique_consecutive(flat_ids[order], return_counts=True)
     return order, distinct.tolist(), counts.tolist()
 
@@ -45,13 +51,32 @@ def unpack_int4(packed: torch.Tensor, cols: int) -> torch.Tensor:
     return (nibbles.flatten(-2)[..., :cols] - 8).to(torch.int32)
 
 
+def unpack_mxfp4(packed: torch.Tensor, cols: int) -> torch.Tensor:
+    """float32 values [..., R, cols] of MXFP4 bytes [..., R, ceil(cols / 2)]: two E2M1 codes a
+    byte, value 2j in the low nibble, 2j + 1 in the high one (E2M1_VALUES)."""
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)[..., :cols]
+    return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)[codes.long()]
+
+
+def e8m0_to_float(scales: torch.Tensor) -> torch.Tensor:
+    """float32 2^(s - E8M0_BIAS) of E8M0 bytes s, built from the bits (exact on any device): the
+    bias is float32's, so s is the float's exponent field, and s = 0 the subnormal 2^-127 (255,
+    E8M0's NaN, comes out infinite)."""
+    exponent = scales.to(torch.int32)
+    return torch.where(exponent == 0, 1 << 22, exponent << 23).view(torch.float32)
+
+
 def dequantize_blocks(weight: torch.Tensor, scales: torch.Tensor, block_shape: tuple[int, int],
                       cols: int | None = None) -> torch.Tensor:
     """float32 weight [..., R, C] * its block's scale: scales [..., ceil(R / bn), ceil(C / bk)]
     hold one value per (bn, bk) block, the last row and column of blocks possibly partial.
-    An int32 weight is packed int4 of `cols` columns (default: 8 per word), unpacked first."""
+    An int32 weight is packed int4 of `cols` columns (default: 8 per word), a uint8 weight MXFP4
+    bytes (default: 2 values each) with uint8 E8M0 scales; both are unpacked first."""
     if weight.dtype == torch.int32:
         weight = unpack_int4(weight, cols if cols is not None else 8 * weight.shape[-1])
+    elif weight.dtype == torch.uint8:
+        weight = unpack_mxfp4(weight, cols if cols is not None else 2 * weight.shape[-1])
+        scales = e8m0_to_float(scales)
     rows, cols = weight.shape[-2:]
     expanded = scales.float().repeat_interleave(block_shape[0], dim=-2).repeat_interleave(block_shape[1], dim=-1)
     return weight.float() * expanded[..., :rows, :cols]
@@ -99,9 +124,9 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids, *, num_routed_experts=Non
         return out if sum_routes else hidden.new_zeros(0, top_k, hidden_size, dtype=torch.float32)
     flat_ids = topk_ids.reshape(-1)
     route_weights = topk_weights.reshape(-1, 1).float()
-    route_out = torch.empty(num_tokens * top_k, hidden_size, dtype=torch.float32,
+    route_out = torch.zeros(num_tokens * top_k, hidden_size, dtype=torch.float32,
                             device=hidden.device)
-    order, distinct, counts = _route_groups(flat_ids)
+    order, distinct, counts = _route_groups(flat_ids, route_weights.reshape(-1) != 0)
     start = 0
     for expert, count in zip(distinct, counts):
         routes = order[start:start + count]

@@ -12,6 +12,11 @@ Contract (the oracle is moeferry.kernels.fused_moe.reference):
                   is multiplied with the fp8 values converted exactly to hidden's dtype, and
                   the fp32 partial product is scaled per output column by its block's scale
                   before it joins the accumulator (W8A16; no weight is rounded).
+                  MXFP4 (banks uint8, two E2M1 codes a byte, uint8 E8M0 scales per row and 32
+                  values): each weight is decoded from its nibble's bits and multiplied by its
+                  scale's power of two in fp32, then converted to hidden's dtype (exact in
+                  bf16 and fp32, which share fp32's exponent range) before the dot, so the
+                  K tile is not bound to the 32-value blocks.
                   Either bank may be host-resident (pinned CPU memory while hidden is on
                   CUDA): the kernels read it in place over PCIe (UVA), never copying it.
     topk_weights  [T, K] float32; topk_ids [T, K] int32|int64, each in [0, S).
@@ -159,15 +164,49 @@ def _block_rows(pid_m, sorted_route_ptr, block_expert_ptr, num_post_padded_ptr, 
 
 
 @triton.jit
-def _load_b(b_ptrs, mask, PACKED: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A [BLOCK_K, BLOCK_N] tile of weights. PACKED: b_ptrs and mask are over the tile's
-    [BLOCK_K / 8, BLOCK_N] int32 words, each read once and split into its eight 4-bit values
-    (value i of a word at bits 4i, stored + 8, is row 8 * word + i of the tile), which come
-    back as signed values in float32 (exact; an integer converts to bf16 through it)."""
+def _e2m1_value(code):
+    """float32 value of FP4 E2M1 codes (int32 0..15: bit 3 the sign, bits 2-1 the exponent e,
+    bit 0 the mantissa m), built from the bits: e > 0 is (1 + m/2) 2^(e-1), a float32 biased
+    exponent of 126 + e; e = 0 is m/2, exponent 126 (0.5) or zero."""
+    exponent = (code >> 1) & 3
+    mantissa = code & 1
+    biased = tl.where(exponent == 0, 126 * mantissa, 126 + exponent)
+    fraction = tl.where(exponent == 0, 0, mantissa << 22)
+    return (((code >> 3) << 31) | (biased << 23) | fraction).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e8m0_value(scale):
+    """float32 2^(s - 127) of E8M0 bytes s (int32): s is float32's exponent field; s = 0 the
+    subnormal 2^-127."""
+    return tl.where(scale == 0, 1 << 22, scale << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _nibbles(b_ptrs, mask, PACK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The [BLOCK_K, BLOCK_N] 4-bit fields (int32 0..15) of a tile stored PACK to an element
+    along K ([BLOCK_K / PACK, BLOCK_N] elements, b_ptrs and mask over them): each element is
+    read once and split in registers, field i at bits 4i being row PACK * element + i."""
+    stored = tl.load(b_ptrs, mask=mask, other=0).to(tl.int32)
+    fields = (stored[:, None, :] >> (tl.arange(0, PACK) * 4)[None, :, None]) & 0xF
+    return tl.reshape(fields, (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
+def _load_b(b_ptrs, mask, mx_scale_ptrs, mx_mask, PACKED: tl.constexpr, MXFP4: tl.constexpr, PACK: tl.constexpr,
+            BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A [BLOCK_K, BLOCK_N] tile of weights; b_ptrs and mask are over the tile as stored
+    ([BLOCK_K / PACK, BLOCK_N] elements). PACKED: int4 in int32 words (value i of a word at bits
+    4i, stored + 8), back as the signed values in float32 (exact; an integer converts to bf16
+    through it). MXFP4: E2M1 codes two to a byte (even k the low nibble) times the E8M0 scale
+    of each value at `mx_scale_ptrs` ([BLOCK_K, BLOCK_N], masked by `mx_mask`), in float32
+    (exact)."""
     if PACKED:
-        words = tl.load(b_ptrs, mask=mask, other=0)
-        nibbles = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
-        return (tl.reshape(nibbles, (BLOCK_K, BLOCK_N)) - 8).to(tl.float32)
+        return (_nibbles(b_ptrs, mask, PACK, BLOCK_K, BLOCK_N) - 8).to(tl.float32)
+    elif MXFP4:
+        codes = _nibbles(b_ptrs, mask, PACK, BLOCK_K, BLOCK_N)
+        scales = tl.load(mx_scale_ptrs, mask=mx_mask, other=127).to(tl.int32)  # masked: 1, never 0 * inf
+        return _e2m1_value(codes) * _e8m0_value(scales)
     else:  # an else, not a fall-through: compiled Triton types every return of a function
         return tl.load(b_ptrs, mask=mask, other=0.0)
 
@@ -181,8 +220,8 @@ def _scaled_dot(a, b, acc, scale_ptrs, scale_offset, col_valid, QUANT: tl.conste
         scales = tl.load(scale_ptrs + scale_offset, mask=col_valid, other=0.0)
         partial = dot(a, b.to(a.dtype), tl.zeros(acc.shape, dtype=tl.float32), IEEE)
         return acc + partial * scales[None, :]
-    else:
-        return dot(a, b, acc, IEEE)
+    else:  # b in a's dtype, or MXFP4 values already scaled (exact in bf16 and fp32)
+        return dot(a, b.to(a.dtype), acc, IEEE)
 
 
 @triton.jit
@@ -205,6 +244,7 @@ def _moe_gemm_kernel(
     scale_ptr, stride_se, stride_sn, stride_sk, up_scale_row,
     QUANT: tl.constexpr,  # b is quantized with float32 scales per (SCALE_BN, SCALE_BK) block
     PACKED: tl.constexpr, PACK: tl.constexpr,  # b is int4, PACK = 8 values per int32 along k
+    MXFP4: tl.constexpr,  # b is MXFP4 (PACK = 2 E2M1 codes a byte), E8M0 scales per (1, SCALE_BK)
     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     A_ROWS_PER_ROUTE_DIV: tl.constexpr,  # a row = route // this (K for hidden, 1 for act)
     GATED: tl.constexpr,  # b rows [0:n_out] gate, [n_out:2 n_out] up; c = silu(gate) * up
@@ -245,10 +285,13 @@ def _moe_gemm_kernel(
         k_valid = offs_k < k_in - k0
         b_mask = (offs_kb * PACK < k_in - k0)[:, None] & col_valid[None, :]
         a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-        b = _load_b(b_ptrs, b_mask, PACKED, BLOCK_K, BLOCK_N)
+        mx_scale_ptrs = scale_ptrs[None, :] + ((k0 + offs_k) // SCALE_BK * stride_sk)[:, None]  # read if MXFP4
+        mx_mask = k_valid[:, None] & col_valid[None, :]
+        b = _load_b(b_ptrs, b_mask, mx_scale_ptrs, mx_mask, PACKED, MXFP4, PACK, BLOCK_K, BLOCK_N)
         acc = _scaled_dot(a, b, acc, scale_ptrs, k0 // SCALE_BK * stride_sk, col_valid, QUANT, IEEE)
         if GATED:
-            b_up = _load_b(b_ptrs + n_out * stride_bn, b_mask, PACKED, BLOCK_K, BLOCK_N)
+            b_up = _load_b(b_ptrs + n_out * stride_bn, b_mask, mx_scale_ptrs + up_scale_row * stride_sn, mx_mask,
+                           PACKED, MXFP4, PACK, BLOCK_K, BLOCK_N)
             acc_up = _scaled_dot(a, b_up, acc_up, scale_ptrs + up_scale_row * stride_sn,
                                  k0 // SCALE_BK * stride_sk, col_valid, QUANT, IEEE)
         a_ptrs += BLOCK_K * stride_ak
@@ -307,9 +350,10 @@ def _launch_gemm(a, b, c, route_weights, blocks, topk_ids, *, gated, weighted, a
     n_out = c.shape[1]
     k_in = a.shape[1]
     quant = scales is not None
-    if quant:
+    mxfp4 = quant and b.dtype == torch.uint8  # scales every weight before the dot: any K tile
+    if quant and not mxfp4:
         config = replace(config, block_k=quantized_block_k(config.block_k, block_shape[1]))
-    else:  # unread placeholders
+    if not quant:  # unread placeholders
         scales, block_shape = route_weights, (1, 1)
     scale_strides = scales.stride() if quant else (0, 0, 0)
     grid = (num_m_blocks * triton.cdiv(n_out, config.block_n),)
@@ -318,7 +362,8 @@ def _launch_gemm(a, b, c, route_weights, blocks, topk_ids, *, gated, weighted, a
         topk_ids.numel(), n_out, k_in, num_m_blocks,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         scales, *scale_strides, triton.cdiv(n_out, block_shape[0]),
-        QUANT=quant, PACKED=b.dtype == torch.int32, PACK=_pack(b), SCALE_BN=block_shape[0], SCALE_BK=block_shape[1],
+        QUANT=quant and not mxfp4, PACKED=b.dtype == torch.int32, PACK=_pack(b), MXFP4=mxfp4,
+        SCALE_BN=block_shape[0], SCALE_BK=block_shape[1],
         A_ROWS_PER_ROUTE_DIV=a_div, GATED=gated, WEIGHTED=weighted,
         bias_ptr=route_weights if bias is None else bias, stride_bias_e=0 if bias is None else bias.stride(0),
         alpha=activation.alpha, limit=activation.limit, BIAS=bias is not None,
@@ -331,14 +376,16 @@ def _launch_gemm(a, b, c, route_weights, blocks, topk_ids, *, gated, weighted, a
 
 
 def _pack(weight: torch.Tensor) -> int:
-    """Values per stored element along K: 8 for int4 packed in int32, else 1."""
-    return 8 if weight.dtype == torch.int32 else 1
+    """Values per stored element along K: 8 for int4 packed in int32, 2 for MXFP4 bytes, else 1."""
+    return {torch.int32: 8, torch.uint8: 2}.get(weight.dtype, 1)
 
 
 def _check_scales(w13, w2, w13_scale, w2_scale, block_shape):
-    """Quantized banks: fp8 or packed int4 weights and float32 scales of the layout in __init__.py."""
-    if w13.dtype != w2.dtype or w13.dtype not in (torch.float8_e4m3fn, torch.int32):
-        raise ValueError(f"quantized weights must both be float8_e4m3fn or int32 (int4), got {w13.dtype}/{w2.dtype}")
+    """Quantized banks: fp8 or packed int4 weights and float32 scales, or MXFP4 bytes and uint8
+    E8M0 scales, of the layout in __init__.py."""
+    if w13.dtype != w2.dtype or w13.dtype not in (torch.float8_e4m3fn, torch.int32, torch.uint8):
+        raise ValueError(f"quantized weights must both be float8_e4m3fn, int32 (int4) or uint8 (mxfp4), got "
+                         f"{w13.dtype}/{w2.dtype}")
     hidden_size, inter = w2.shape[1], w13.shape[1] // 2
     bn, bk = block_shape
     want13 = (w13.shape[0], 2 * triton.cdiv(inter, bn), triton.cdiv(hidden_size, bk))
@@ -346,8 +393,9 @@ def _check_scales(w13, w2, w13_scale, w2_scale, block_shape):
     if tuple(w13_scale.shape) != want13 or tuple(w2_scale.shape) != want2:
         raise ValueError(f"scales {tuple(w13_scale.shape)}/{tuple(w2_scale.shape)} do not match {block_shape} blocks: "
                          f"want {want13}/{want2}")
-    if w13_scale.dtype != torch.float32 or w2_scale.dtype != torch.float32:
-        raise ValueError("block scales must be float32")
+    scale_dtype = torch.uint8 if w13.dtype == torch.uint8 else torch.float32
+    if w13_scale.dtype != scale_dtype or w2_scale.dtype != scale_dtype:
+        raise ValueError(f"the block scales of {w13.dtype} weights must be {scale_dtype}")
     if bk % 16:
         raise ValueError(f"block columns {bk}: the K tile (a divisor of them) must be a multiple of 16 for tl.dot")
 

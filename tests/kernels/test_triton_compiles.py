@@ -1,0 +1,61 @@
+"""The fused MoE GEMM kernel compiles for an H100/H200 (sm_90) in every weight format, on a
+machine without a GPU (gpt-oss's biases and clamped SwiGLU too): Triton's compiler and ptxas ship with the triton wheel, and they type
+what TRITON_INTERPRET=1 never does (a return's type behind a constexpr, a bitcast, an integer
+width). Run in a subprocess, since this process' kernels were made for the interpreter."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+COMPILE = r"""
+import inspect, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moeferry.kernels.fused_moe.triton import _moe_gemm_kernel as kernel
+
+FORMATS = {  # weight, scale pointer, constexprs
+    "bf16": ("bf16", "fp32", dict(QUANT=False, PACKED=False, PACK=1, MXFP4=False, SCALE_BN=1, SCALE_BK=1)),
+    "fp8": ("fp8e4nv", "fp32", dict(QUANT=True, PACKED=False, PACK=1, MXFP4=False, SCALE_BN=128, SCALE_BK=128)),
+    "int4": ("i32", "fp32", dict(QUANT=True, PACKED=True, PACK=8, MXFP4=False, SCALE_BN=1, SCALE_BK=128)),
+    "mxfp4": ("u8", "u8", dict(QUANT=False, PACKED=False, PACK=2, MXFP4=True, SCALE_BN=1, SCALE_BK=32)),
+    "bf16-biased-clamped": ("bf16", "fp32", dict(QUANT=False, PACKED=False, PACK=1, MXFP4=False, SCALE_BN=1,
+                                                 SCALE_BK=1, BIAS=True, CLAMPED=True)),
+}
+SCALARS = dict(alpha="fp32", limit="fp32")
+params = list(inspect.signature(kernel.fn).parameters)
+for name in sys.argv[1:]:
+    weight, scale, constexprs = FORMATS[name]
+    for gated in (True, False):
+        values = dict(dict(BIAS=False, CLAMPED=False), **constexprs, A_ROWS_PER_ROUTE_DIV=8 if gated else 1, GATED=gated, WEIGHTED=not gated,
+                      NAIVE=False, IEEE=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, PDL=False)
+        pointers = dict(a_ptr="*bf16", b_ptr="*" + weight, c_ptr="*bf16", route_weight_ptr="*fp32",
+                        sorted_route_ptr="*i32", block_expert_ptr="*i32", num_post_padded_ptr="*i32", ids_ptr="*i32",
+                        scale_ptr="*" + scale, bias_ptr="*bf16", **SCALARS)
+        signature = {p: "constexpr" if p in values else pointers.get(p, "i32") for p in params}
+        source = ASTSource(kernel, signature, constexprs={(params.index(p),): v for p, v in values.items()})
+        triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+    print(name, "compiled")
+"""
+
+
+def _ptxas() -> bool:
+    import triton
+
+    return (pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weight_format", ["bf16", "fp8", "int4", "mxfp4", "bf16-biased-clamped"])
+def test_the_fused_moe_gemm_compiles_for_sm90(weight_format):
+    if not _ptxas():
+        pytest.skip("the triton wheel brings no ptxas here")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(pathlib.Path(__file__).resolve().parents[2])
+    done = subprocess.run([sys.executable, "-c", COMPILE, weight_format], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"{weight_format} compiled" in done.stdout
