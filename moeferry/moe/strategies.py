@@ -8,7 +8,7 @@ choices come from `strategy_names()`); `create_strategy` builds it lazily by nam
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -102,6 +102,10 @@ class ExpertBanks:
         """Banks of the same format and expert shape with `rows` rows on `device`."""
         hidden, inter = self.w2.shape[1], self.w13.shape[1] // 2
         return ExpertBanks.allocate(rows, hidden, inter, self.format, self.w13.dtype, device, zero=zero)
+
+    def head(self, rows: int) -> "ExpertBanks":
+        """The first `rows` rows of every bank, as views (a slot pool inside a larger allocation)."""
+        return replace(self, **{f: t[:rows] for f, t in vars(self).items() if isinstance(t, torch.Tensor)})
 
     def tensors(self) -> list[torch.Tensor]:
         """Every bank, in the order copies take them: weights, then scales."""
