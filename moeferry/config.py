@@ -162,8 +162,8 @@ class EngineConfig:
                                                        "at start-up)")
     moe_prefill_demand_tokens: int | str = option(0, "MoE", "offload, hybrid or cpu: a prefill chunk of at most this many tokens "
                                                             "loads only the experts it routes to, a longer one streams "
-                                                            "every expert; 0: always stream; auto: decided per chunk "
-                                                            "from the routing and the cache")
+                                                            "every expert not resident; 0: always stream; auto: decided "
+                                                            "per chunk from the routing and the cache")
     moe_record_routing: str | None = option(None, "MoE", "a file: every step's routed experts per MoE layer, "
                                                          "recorded under any strategy, for `moeferry routing "
                                                          "simulate` (docs/offload.md; at most 1 GiB)")

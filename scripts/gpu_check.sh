@@ -8,7 +8,8 @@
 # and the MLA kernel; 4 MoE layers of 22.5 GB: wants ~100 GB of host memory), gpt-oss (gpt-oss-20b-shaped
 # decode, 4 layers of 32 bf16 experts), quant (decode and accuracy
 # per expert format: bf16, fp8, int4, mxfp4), hybrid (the host channel: kernel GB/s, decode at 0-100% on the
-# GPU), structured (decode with a JSON-schema grammar against without; needs .whl); default
+# GPU), structured (decode with a JSON-schema grammar against without; needs .whl), prefill (prefill tok/s
+# by share of the experts resident, multi-turn TTFT with and without prefix caching); default
 # tests,kernels,decode-quick.
 # Results: $OUT/results.md holds this call's benchmark sections alone; $OUT/RESULTS.md is
 # benchmarks/RESULTS.md with those sections regenerated (every stage but decode-quick, a smoke
@@ -66,6 +67,7 @@ has decode-quick && run bench-decode python3 -m benchmarks.bench_decode --layers
 has decode && run bench-decode python3 -m benchmarks.bench_decode --results "$RESULTS" "$CURRENT"
 has sampling && run bench-sampling python3 -m benchmarks.bench_sampling --results "$RESULTS" "$CURRENT"
 has ttft && run bench-ttft python3 -m benchmarks.bench_ttft --results "$RESULTS" "$CURRENT"
+has prefill && run bench-prefill python3 -m benchmarks.bench_prefill --results "$RESULTS" "$CURRENT"
 has routing && run bench-routing python3 -m benchmarks.bench_routing --results "$RESULTS" "$CURRENT"
 has uva && run bench-uva python3 -m benchmarks.bench_uva --results "$RESULTS" "$CURRENT"
 has deepseek && run bench-deepseek python3 -m benchmarks.bench_deepseek --results "$RESULTS" "$CURRENT"

@@ -2,7 +2,8 @@
 
 `cpu`: every routed expert of a decode step (and of a prefill chunk taken on demand) is
 computed on the host from the pinned host banks; attention and the rest run on the GPU. Long
-prefill chunks stream layers through the double buffer, as `offload` does.
+prefill chunks stream layers through the double buffer, as `offload` does (every expert:
+`cpu` has no slot cache; `hybrid` reads its resident experts from their slots).
 
 `hybrid`: `offload`'s slot cache, plus the host as a second channel. Per layer and step, the
 resident routed experts run on the GPU; of the misses, a share set by the two channels'
@@ -81,8 +82,9 @@ class HostChannelMixin:
 
 class CpuStrategy(HostChannelMixin, OffloadStrategy):
     """Every routed expert computed on the host (decode and demand prefill chunks); long prefill
-    chunks streamed through the layer buffers. Invariants: no slot cache and no device copy
-    of any expert outside the stream buffers; the host banks are the only full copy."""
+    chunks streamed through the layer buffers, every expert of each layer (nothing is
+    resident). Invariants: no slot cache and no device copy of any expert outside the stream
+    buffers; the host banks are the only full copy."""
 
     name = "cpu"
 
@@ -90,8 +92,9 @@ class CpuStrategy(HostChannelMixin, OffloadStrategy):
         return dataclasses.replace(super().memory_needs(), wants_slots=False)
 
     def finalize(self, plan) -> None:
-        if self.device.type == "cuda":
-            self.stream = LayerStream(next(iter(self.banks.values())), self.model_config.num_experts, self.device)
+        num_experts = self.model_config.num_experts
+        buffers = next(iter(self.banks.values())).like(2 * num_experts, self.device)
+        self.stream = LayerStream(buffers, 0, num_experts, len(self.moe_layer_of))
         self._build_channel()
 
     def restart_cache(self) -> None:

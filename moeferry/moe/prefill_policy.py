@@ -1,15 +1,25 @@
-"""How an offloaded prefill chunk gets its experts: streamed (every expert of each layer
-through the double buffer) or on demand (only the experts it routes to, through the slot
-cache, as decode does).
+"""How an offloaded prefill chunk gets its experts: streamed (the resident ones read from
+their slots, every other expert of each layer copied through the double buffer) or on demand
+(only the experts it routes to, through the slot cache, as decode does).
 
 `--moe-prefill-demand-tokens N`: a chunk of at most N tokens goes on demand (0: never).
 `--moe-prefill-demand-tokens auto`: decided per chunk at its first MoE layer, from a cost
-model: the bytes the chunk would copy on demand (the first layer's distinct routed experts
-that are not resident, extrapolated to every layer by each layer's residency) against the
-bytes of streaming every layer. Streaming overlaps its copies with compute and demand does
-not, so demand must also win by `DEMAND_MARGIN`. The peers' fixed thresholds (a crossover
-near 700 tokens in background/pr-demand-prefill.txt) depend on the model and the card; the
-cost model reads both off the live routing and residency.
+model in bytes over the link: on demand, the chunk's distinct routed experts that are not
+resident (exact at the first layer, extrapolated to every other layer by its residency);
+streamed, every expert not resident in any layer (exact: streaming copies only those and
+reads the resident ones from their slots). Streaming overlaps its copies with compute and
+demand does not, and demand admits (its misses evict decode's slots), so demand must also win
+by `DEMAND_MARGIN`; a cache that holds every expert streams nothing and never goes on demand.
+The peers' fixed thresholds (a crossover near 700 tokens in background/pr-demand-prefill.txt)
+depend on the model and the card; the cost model reads both off the live routing and
+residency.
+
+The host strategies' third way (computing a chunk's missing experts on the host CPU) is not
+in this model: the channel speeds measured at start-up (moe/host_experts.py ChannelSpeeds)
+are those of one token per expert, where the host kernel reads weights at memory speed; a
+prefill chunk's many tokens per expert make it compute-bound, at a speed nothing measures
+yet. `cpu` under auto takes chunks of at most `AUTO_HOST_PREFILL_TOKENS` to the host
+(moe/hybrid.py); `hybrid` decides as `offload` does.
 """
 
 from __future__ import annotations
@@ -100,5 +110,5 @@ class PrefillPolicy:
         est_missing = missing_first + sum(distinct_first * (1 - r / num_experts)
                                           for i, r in enumerate(resident) if i != moe_layer)
         demand_bytes = int(est_missing * expert_bytes)
-        stream_bytes = num_layers * num_experts * expert_bytes
+        stream_bytes = (num_layers * num_experts - sum(resident)) * expert_bytes
         return self._record(PrefillDecision(demand_bytes < DEMAND_MARGIN * stream_bytes, demand_bytes, stream_bytes))

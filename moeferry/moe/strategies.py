@@ -8,7 +8,7 @@ choices come from `strategy_names()`); `create_strategy` builds it lazily by nam
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -116,6 +116,10 @@ class ExpertBanks:
         dtype = self.w13.dtype if self.w13_bias is None else self.w13_bias.dtype
         return ExpertBanks.allocate(rows, hidden, inter, self.format, dtype, device, zero=zero,
                                     bias=self.w13_bias is not None, activation=self.activation)
+
+    def head(self, rows: int) -> "ExpertBanks":
+        """The first `rows` rows of every bank, as views (a slot pool inside a larger allocation)."""
+        return replace(self, **{f: t[:rows] for f, t in vars(self).items() if isinstance(t, torch.Tensor)})
 
     def tensors(self) -> list[torch.Tensor]:
         """Every bank, in the order copies take them: weights, then scales, then biases."""

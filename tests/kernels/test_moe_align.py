@@ -132,3 +132,21 @@ def test_triton_align_is_graph_capturable():
     want = moe_align_block_size(topk_ids.cpu(), 16, 2100)
     for got, expected in zip(captured, want):
         assert torch.equal(got.cpu(), expected)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_max_groups_bounds_the_blocks_over_a_wide_id_range(impl):
+    """A layer's 16 experts mapped onto rows of a 2,100-row pool: blocks for 16 groups, not
+    2,100, and the same alignment as without the bound (its prefix)."""
+    rows = torch.randperm(2100, generator=torch.Generator().manual_seed(5))[:16]
+    topk_ids = rows[_random_ids(40, 4, 16, seed=6)].to(torch.int32)
+    bounded = moe_align_block_size(topk_ids, 8, 2100, 16, impl=impl)
+    assert bounded[0].shape == (padded_route_capacity(160, 2100, 8, 16),) == (160 + 16 * 7,)
+    wide = moe_align_block_size(topk_ids, 8, 2100, impl=impl)
+    total = int(bounded[2])
+    assert torch.equal(bounded[2], wide[2])
+    assert torch.equal(bounded[0][:total], wide[0][:total]) and (bounded[0][total:] == 160).all()
+    assert torch.equal(bounded[1], wide[1][:bounded[1].numel()]) and (wide[1][bounded[1].numel():] == -1).all()
+    if impl == "reference":
+        with pytest.raises(ValueError, match="max_groups"):
+            moe_align_block_size(topk_ids, 8, 2100, len(torch.unique(topk_ids)) - 1, impl=impl)

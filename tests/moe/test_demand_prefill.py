@@ -74,7 +74,7 @@ def test_a_96_token_chunk_goes_on_demand_and_a_97_token_chunk_streams(calls):
     hidden, weights, ids = _chunk(97, gen)
     strategy.begin_forward(False, 97)
     strategy.forward(1, hidden, weights, ids, is_decode=False)
-    assert calls[-1].w13 is strategy.banks[1].w13  # streamed: the layer's own bank
+    assert calls[-1].w13 is strategy.stream.banks.w13  # streamed: the pool's banks, slots and stream buffers
     assert strategy.stats()["prefill"]["per_layer"]["calls"] == [1, 0]
     assert strategy.stats()["prefill_chunks"] == {"demand": 1, "stream": 1}
 

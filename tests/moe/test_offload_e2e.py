@@ -106,3 +106,25 @@ def test_a_dense_model_resets_moe_flags_with_a_warning(tmp_path, caplog):
     assert llm.engine.ec.moe_strategy == "gpu" and llm.engine.ec.moe_cache_slots is None
     assert "dense model: ignoring MoE option(s) --moe-strategy, --moe-cache-slots" in caplog.text
     assert len(llm.generate([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_prefill_over_a_partly_resident_cache_matches_gpu_and_streams_only_the_rest(ckpt, dtype):
+    """The second batch's prefill finds the residency decode scattered over the layers: it reads
+    the resident experts from their slots, streams only the others, and gives gpu's tokens."""
+    name, config, path = ckpt
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    experts = getattr(config, "num_experts", None) or config.num_local_experts
+    slots = experts + experts // 2 + 1
+    gpu = LLM(path, dtype=dtype, device="cpu")
+    off = LLM(path, dtype=dtype, device="cpu", moe_strategy="offload", moe_cache_slots=slots, moe_collect_stats=True)
+    strategy = off.engine.runner.strategy
+    for prompts in (PROMPTS, [p[::-1] + [3, 4] for p in PROMPTS]):
+        want = [o.token_ids for o in gpu.generate(prompts, params)]
+        assert [o.token_ids for o in off.generate(prompts, params)] == want
+    resident = (strategy.cache.slot_of >= 0).sum(dim=1)
+    assert ((resident > 0) & (resident < experts)).sum() >= 1  # some layer partly resident
+    stats = strategy.stats()
+    assert stats["prefill"]["total"]["calls"] == 0  # streaming never admits
+    forwards = stats["prefill_chunks"]["stream"]
+    assert forwards >= 2 and stats["prefill_streamed_bytes"] == forwards * (stats["experts"] - slots) * stats["expert_bytes"]

@@ -147,3 +147,46 @@ def test_600_token_demand_chunk_equals_the_streamed_layer_bit_for_bit():
         stats = strategy.stats()
         assert stats["prefill"]["per_layer"]["calls"] == [1, 0, 0, 0]
         assert stats["decode"]["per_layer"]["calls"] == [0, 1, 1, 1]
+
+
+def test_streamed_chunks_over_a_scattered_cache_are_bit_identical_to_the_resident_layer():
+    """Decode left a scattered share of each layer resident; three streamed chunks in a row (the
+    copy stream's events order the buffers' reuse across layers and chunks) read the resident
+    experts from their slots and only the others from the copied buffers: the resident
+    layer's bits, nothing admitted, only the missing experts' bytes streamed."""
+    from types import SimpleNamespace
+
+    from moeferry.config import EngineConfig
+    from moeferry.moe.offload import OffloadStrategy
+
+    layers, slots = 6, 3 * E + 17
+    gen = torch.Generator().manual_seed(11)
+    ec = EngineConfig(moe_strategy="offload", moe_cache_slots=slots, moe_collect_stats=True, dtype="bfloat16")
+    mc = SimpleNamespace(num_experts=E, top_k=TOP_K, num_layers=layers, max_position_embeddings=1024)
+    strategy = OffloadStrategy(ec, mc)
+    for layer in range(layers):
+        banks = strategy.allocate_banks(layer, E, H, I)
+        banks.w13.copy_(torch.randn(banks.w13.shape, generator=gen) * 0.05)
+        banks.w2.copy_(torch.randn(banks.w2.shape, generator=gen) * 0.05)
+    strategy.finalize(plan_memory(strategy.engine_config, strategy.memory_needs()))
+    for _ in range(4):
+        for layer in range(layers):
+            hidden = torch.randn(8, H, generator=gen).to(torch.bfloat16).cuda()
+            weights, ids = _routes(gen, 8)
+            strategy.forward(layer, hidden, weights, ids, is_decode=True)
+    resident = (strategy.cache.slot_of >= 0).sum(dim=1).tolist()
+    assert sum(0 < r < E for r in resident) >= 2, resident
+    slot_of = strategy.cache.slot_of.clone()
+    device_banks = {layer: (b.w13.cuda(), b.w2.cuda()) for layer, b in strategy.banks.items()}
+    for chunk in range(3):
+        hidden = torch.randn(300, H, generator=gen).to(torch.bfloat16).cuda()
+        weights, ids = _routes(gen, 300)
+        strategy.begin_forward(False, 300)
+        outs = [strategy.forward(layer, hidden, weights, ids, is_decode=False) for layer in range(layers)]
+        for layer, got in enumerate(outs):
+            ref = fused_moe(hidden, *device_banks[layer], weights, ids, num_routed_experts=E)
+            assert torch.equal(got, ref), (chunk, layer)
+    assert torch.equal(strategy.cache.slot_of, slot_of)
+    stats = strategy.stats()
+    assert stats["prefill"]["total"]["calls"] == 0
+    assert stats["prefill_streamed_bytes"] == 3 * (layers * E - sum(resident)) * strategy.expert_bytes

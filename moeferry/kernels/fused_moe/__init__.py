@@ -5,7 +5,9 @@ then up rows) and w2 [S, H, I].
 The banks may be a layer's own experts, a slot pool shared by every layer, or pinned host memory
 read in place (the Triton path over unified addressing). The tiles follow the routed layer's
 expert count (`num_routed_experts`), not the bank's row count, so the same routes over a
-layer's bank and over a slot pool holding the same rows give bit-identical output. Full
+layer's bank and over a slot pool holding the same rows give bit-identical output. A call's
+ids name at most `num_routed_experts` distinct rows (one per expert of the layer), which
+bounds the sorted path's grid however many rows the banks have. Full
 contract: kernels/fused_moe/triton.py; the oracle: kernels/fused_moe/reference.py.
 
 Block-quantized banks (FP8): w13 and w2 hold float8_e4m3fn values and come with float32

@@ -22,7 +22,8 @@ Contract (the oracle is moeferry.kernels.fused_moe.reference):
     topk_weights  [T, K] float32; topk_ids [T, K] int32|int64, each in [0, S).
     out           [T, H] dtype of hidden, written whole; must not alias any input.
     num_routed_experts: the routed layer's expert count E (S may be a slot pool shared by
-                  many layers, S >> E).
+                  many layers, S >> E). The ids name at most E distinct rows (each of the
+                  layer's experts one row): the sorted path's grid is sized by E, not S.
 
 Kernels and the buffers they write (N = T * K routes, route r = t * K + k):
     1. moe_align_block_size (sorted path only): routes grouped into blocks of BLOCK_M rows,
@@ -325,16 +326,20 @@ def _sum_topk_kernel(route_out_ptr, out_ptr, hidden_size, stride_rm, stride_om,
     tl.store(out_ptr + token * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=valid)
 
 
-def _route_blocks(topk_ids: torch.Tensor, num_weight_rows: int, assignment: str, block_m: int):
+def _route_blocks(topk_ids: torch.Tensor, num_weight_rows: int, num_routed_experts: int, assignment: str,
+                  block_m: int):
     """(sorted_route_ids, block_expert, num_post_padded, num_m_blocks) for the GEMM grid.
 
-    The naive path has no alignment: block b is route b; the kernel reads topk_ids."""
+    The naive path has no alignment: block b is route b; the kernel reads topk_ids. The
+    sorted path's grid is sized by the routed layer's experts, not the bank's rows: a call's
+    ids name at most `num_routed_experts` rows (one row per expert of the layer), so over a
+    pool of S slots the grid has no blocks for the slots the layer cannot route to."""
     num_routes = topk_ids.numel()
     if assignment == "naive":
         return topk_ids, topk_ids, topk_ids, num_routes
     # Looked up as a module global at call time, so a test can observe the call.
     sorted_route_ids, block_expert, num_post_padded = moe_align_block_size(
-        topk_ids, block_m, num_weight_rows)
+        topk_ids, block_m, num_weight_rows, num_routed_experts)
     return sorted_route_ids, block_expert, num_post_padded, block_expert.numel()
 
 
@@ -454,7 +459,7 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids, *, num_routed_experts: in
     flat_ids = topk_ids.reshape(-1).contiguous()
     route_weights = topk_weights.reshape(-1).contiguous().float()
     naive = block_assignment == "naive"
-    blocks = _route_blocks(flat_ids, w13.shape[0], block_assignment, config.block_m)
+    blocks = _route_blocks(flat_ids, w13.shape[0], num_routed_experts, block_assignment, config.block_m)
     act = torch.empty(flat_ids.numel(), intermediate_size, dtype=hidden.dtype, device=hidden.device)
     route_out = torch.empty(flat_ids.numel(), hidden_size, dtype=hidden.dtype,
                             device=hidden.device)

@@ -14,18 +14,24 @@ from moeferry.kernels import implementation
 __all__ = ["moe_align_block_size", "padded_route_capacity"]
 
 
-def padded_route_capacity(num_routes: int, num_experts: int, block_size: int) -> int:
+def padded_route_capacity(num_routes: int, num_experts: int, block_size: int, max_groups: int | None = None) -> int:
     """Upper bound P on the padded route count: every route, plus at most block_size - 1
-    padding slots for each expert that can appear (at most min(num_experts, num_routes)),
-    rounded up to whole blocks."""
-    groups = min(num_experts, num_routes)
+    padding slots for each expert that can appear (at most min(num_experts, num_routes), and
+    at most `max_groups` when the caller knows the ids name no more distinct experts: a
+    routed layer's E experts mapped one to one onto the rows of a larger slot pool), rounded
+    up to whole blocks."""
+    groups = min(num_experts, num_routes, num_experts if max_groups is None else max_groups)
     bound = num_routes + groups * (block_size - 1)
     return -(-bound // block_size) * block_size
 
 
 def moe_align_block_size(
-    topk_ids: torch.Tensor, block_size: int, num_experts: int, *, impl: str | None = None
+    topk_ids: torch.Tensor, block_size: int, num_experts: int, max_groups: int | None = None, *,
+    impl: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted_route_ids [P], block_expert [P // block_size], num_routes_post_padded [1]), all
-    int32, on topk_ids' device."""
-    return implementation("moe_align", topk_ids, impl).moe_align_block_size(topk_ids, block_size, num_experts)
+    int32, on topk_ids' device. `max_groups`: the most distinct ids topk_ids may hold (it
+    bounds P; None: num_experts). The reference refuses ids over that bound; the Triton kernel
+    never writes past P, but its result is then wrong."""
+    return implementation("moe_align", topk_ids, impl).moe_align_block_size(topk_ids, block_size, num_experts,
+                                                                             max_groups)

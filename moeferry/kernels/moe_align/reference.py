@@ -8,7 +8,7 @@ __all__ = ["moe_align_block_size"]
 
 
 def moe_align_block_size(
-    topk_ids: torch.Tensor, block_size: int, num_experts: int
+    topk_ids: torch.Tensor, block_size: int, num_experts: int, max_groups: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the routes of topk_ids[T, K] (int32|int64, each id in [0, num_experts)) by expert.
 
@@ -19,7 +19,7 @@ def moe_align_block_size(
     device = topk_ids.device
     flat_ids = topk_ids.reshape(-1).to(torch.int64)
     num_routes = flat_ids.numel()
-    capacity = padded_route_capacity(num_routes, num_experts, block_size)
+    capacity = padded_route_capacity(num_routes, num_experts, block_size, max_groups)
     sorted_route_ids = torch.full((capacity,), num_routes, dtype=torch.int32, device=device)
     block_expert = torch.full((capacity // block_size,), -1, dtype=torch.int32, device=device)
     if num_routes == 0:
@@ -29,6 +29,8 @@ def moe_align_block_size(
     order = torch.argsort(flat_ids, stable=True)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
     counts.index_add_(0, flat_ids, torch.ones_like(flat_ids))
+    if max_groups is not None and int((counts > 0).sum()) > max_groups:
+        raise ValueError(f"topk_ids name {int((counts > 0).sum())} distinct ids, more than max_groups={max_groups}")
     padded_counts = (counts + block_size - 1) // block_size * block_size
     padded_starts = torch.cumsum(padded_counts, 0) - padded_counts
     sorted_starts = torch.cumsum(counts, 0) - counts

@@ -108,7 +108,7 @@ def _expert_start_kernel(expert_counts_ptr, block_padded_ptr, expert_start_ptr,
 
 @triton.jit
 def _place_routes_kernel(ids_ptr, chunk_counts_ptr, expert_start_ptr, sorted_route_ptr,
-                         block_expert_ptr, num_routes, num_experts, block_size,
+                         block_expert_ptr, num_routes, num_experts, block_size, capacity,
                          ROUTE_CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
     first = tl.program_id(0) * BLOCK_R
@@ -128,14 +128,15 @@ def _place_routes_kernel(ids_ptr, chunk_counts_ptr, expert_start_ptr, sorted_rou
                              mask=valid, other=0)
     start = tl.load(expert_start_ptr + safe_experts, mask=valid, other=0)
     position = start + earlier_chunks + rank
-    tl.store(sorted_route_ptr + position, routes.to(tl.int32), mask=valid)
+    inside = valid & (position < capacity)  # only ids past the caller's max_groups reach beyond
+    tl.store(sorted_route_ptr + position, routes.to(tl.int32), mask=inside)
     # Every block of a group holds at least one route (padding < block_size sits at the
     # end), so the routes alone name every block's expert; equal writes to one block agree.
-    tl.store(block_expert_ptr + position // block_size, experts, mask=valid)
+    tl.store(block_expert_ptr + position // block_size, experts, mask=inside)
 
 
 def moe_align_block_size(
-    topk_ids: torch.Tensor, block_size: int, num_experts: int
+    topk_ids: torch.Tensor, block_size: int, num_experts: int, max_groups: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton moe_align_block_size; see the module docstring for the contract."""
     device = topk_ids.device
@@ -143,7 +144,7 @@ def moe_align_block_size(
     if not flat_ids.is_contiguous():
         flat_ids = flat_ids.contiguous()
     num_routes = flat_ids.numel()
-    capacity = padded_route_capacity(num_routes, num_experts, block_size)
+    capacity = padded_route_capacity(num_routes, num_experts, block_size, max_groups)
     if num_routes == 0:
         return (torch.full((capacity,), num_routes, dtype=torch.int32, device=device),
                 torch.full((capacity // block_size,), -1, dtype=torch.int32, device=device),
@@ -176,6 +177,6 @@ def moe_align_block_size(
                                                expert_blocks)),
                                            **pdl)
     _place_routes_kernel[route_grid](flat_ids, chunk_counts, expert_start, sorted_route_ids,
-                                     block_expert, num_routes, num_experts, block_size,
+                                     block_expert, num_routes, num_experts, block_size, capacity,
                                      ROUTE_CHUNK=ROUTE_CHUNK, BLOCK_R=ROUTE_BLOCK, **pdl)
     return sorted_route_ids, block_expert, num_post_padded
