@@ -208,14 +208,15 @@ def write_wide_tokenizer(path: str, vocab_size: int, seed: int = 0) -> str:
 
 
 def _fp8_quantized(tensors: dict, block_shape) -> dict:
-    """Every projection weight (`*_proj.weight`, 2-D: attention, dense MLP, experts) as float8
-    with its `weight_scale_inv`; embeddings, norms, the router and the head stay as they are,
-    as Qwen3's and DeepSeek-V3's FP8 releases leave them."""
+    """Every projection weight (2-D `*_proj*.weight`: attention, DeepSeek's
+    `kv_a_proj_with_mqa` included, dense MLP, shared and routed experts) as float8 with its
+    `weight_scale_inv`; embeddings, norms, the router and the head stay as they are, as Qwen3's
+    and DeepSeek-V3's FP8 releases leave them."""
     from moeferry.moe.formats import quantize_fp8_blocks
 
     out = {}
     for name, tensor in tensors.items():
-        if name.endswith("_proj.weight") and tensor.dim() == 2:
+        if "_proj" in name.rsplit(".", 2)[-2] and name.endswith(".weight") and tensor.dim() == 2:
             out[name], out[name + "_scale_inv"] = quantize_fp8_blocks(tensor, block_shape)
         else:
             out[name] = tensor

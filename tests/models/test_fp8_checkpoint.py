@@ -74,6 +74,34 @@ def test_logits_match_transformers_loading_the_fp8_checkpoint_dequantized(fp8_ch
             assert (unquantized(torch.tensor([prompt])).logits[0] - ref).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2-lite"])
+def test_a_deepseek_fp8_release_matches_transformers_loading_it_dequantized(tmp_path, family):
+    """DeepSeek-V3's FP8 release layout (every projection block-scaled, MLA's kv_a_proj_with_mqa,
+    the dense first layer and the shared experts included; the router, norms and head as they
+    are): our fp32 logits within 1e-4 of transformers dequantizing the same files; the routed
+    experts stay fp8 in the banks."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    from moeferry.testing.fixtures import deepseek_configs
+
+    # 4x4 blocks divide every MLA width of the tiny configs (20, 24, 48, 56): transformers'
+    # dequantizer assumes whole blocks (the real kv_a_proj_with_mqa, 576 rows, has a partial
+    # one; the loader follows DeepSeek's row // 128, tests/kernels: dequantize_blocks)
+    make_fp8_checkpoint(dict(deepseek_configs())[family], str(tmp_path), seed=6, block_shape=(4, 4))
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert tensors["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"].dtype == torch.float8_e4m3fn
+    assert tensors["model.layers.1.mlp.shared_experts.down_proj.weight"].dtype == torch.float8_e4m3fn
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32,
+                                              quantization_config=FineGrainedFP8Config(dequantize=True)).eval()
+    llm = LLM(str(tmp_path), **ENGINE)
+    assert llm.engine.runner.strategy.banks[1].w13.dtype == torch.float8_e4m3fn
+    for prompt, got in zip(PROMPTS, _all_logits(llm, PROMPTS)):
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0].float()
+        assert ref.std() > 1e-3
+        assert (got - ref).abs().max().item() < 1e-4
+
+
 def _run(path, strategy, **kwargs):
     """(prefill logits of PROMPTS, greedy tokens and their log-probs decoding them together)."""
     llm = LLM(path, moe_strategy=strategy, **ENGINE, **kwargs)
