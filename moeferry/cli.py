@@ -189,6 +189,8 @@ _BENCHMARKS = {
                  "bandwidth over batch sizes and contexts",
     "linear": "decode-sized linear layers, the skinny Triton kernel against cuBLAS: time per call beside the floor",
     "ttft": "time to first token against prompt length under offload, for each --moe-prefill-demand-tokens",
+    "prefill": "prefill tokens/s of offload at 25-100% of the experts resident beside gpu and each row's floor, and "
+               "multi-turn chat TTFT with and without prefix caching",
     "uva": "uva's naive and sorted expert reads: output tokens/s at 1 to 16 requests, beside offload's",
     "serve": "through the HTTP API: decode tokens/s at 1, 4 and 16 streaming clients and TTFT, with and without "
              "CUDA graphs",
