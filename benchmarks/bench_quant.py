@@ -20,7 +20,7 @@ import tempfile
 
 from benchmarks.common import (add_results_flag, command_line, free_engine_memory, gpu_main, h2d_bandwidth,
                                markdown_table, report, timed_decode, uniform_routing)
-from moeferry.config import QUANTIZATIONS
+from moeferry.moe.formats import QUANTIZATIONS
 from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 UNQUANTIZED = "bf16"  # the --formats name of the checkpoint's own dtype (float32 on a CPU run)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import add_results_flag, command_line, markdown_table, report
-from moeferry.config import QUANTIZATIONS
+from moeferry.moe.formats import QUANTIZATIONS
 
 HELD_OUT = pathlib.Path(__file__).resolve().parent.parent / "tests" / "data" / "austen_heldout.txt"
 HEADER = ["format", "bytes/expert", "held-out perplexity", "vs unquantized", "max abs logit diff", "mean abs logit diff"]

@@ -16,18 +16,15 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, NamedTuple
 
+from moeferry.errors import ConfigError
+
 logger = logging.getLogger(__name__)
-
-
-class ConfigError(ValueError):
-    """A user-facing configuration mistake; its message says what to change."""
 
 
 # ---- choices: every list of names comes from where the names are defined -------------------
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("fp8", "int4", "mxfp4")  # moe/formats.py: the expert formats a bf16 checkpoint's experts can be quantized to
 
 
 def strategy_names() -> list[str]:
@@ -35,6 +32,13 @@ def strategy_names() -> list[str]:
     from moeferry.moe.strategies import strategy_names as names
 
     return names()
+
+
+def quantizations() -> tuple[str, ...]:
+    """The expert formats a bf16 checkpoint's experts can be quantized to (moe/formats.py)."""
+    from moeferry.moe.formats import QUANTIZATIONS
+
+    return QUANTIZATIONS
 
 
 def cache_policies() -> tuple[str, ...]:
@@ -45,7 +49,7 @@ def cache_policies() -> tuple[str, ...]:
 
 
 CHOICES = {"load_format": lambda: LOAD_FORMATS, "device": lambda: DEVICES, "dtype": lambda: DTYPES,
-           "quantization": lambda: QUANTIZATIONS,
+           "quantization": quantizations,
            "moe_strategy": strategy_names, "moe_cache_policy": cache_policies}
 
 

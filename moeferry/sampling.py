@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from moeferry.config import ConfigError
+from moeferry.errors import ConfigError, InvalidRequest
 
 SAMPLING_EPS = 1e-5  # a temperature below it is greedy (vLLM's _SAMPLING_EPS): 1/T would overflow
 TOP_P_FLOOR = 1e-8  # a smaller top_p is raised to it: float32 rounds 1e-46 to 0.0, which keeps no token;
@@ -36,15 +36,6 @@ MAX_N = 16  # samples of one prompt per request
 # The fields a checkpoint's generation_config.json may give defaults for, with the value a
 # request that leaves one unset gets when the checkpoint gives none (the OpenAI API's: off).
 MODEL_DEFAULTED = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
-
-
-class InvalidRequest(ValueError):
-    """A request refused before it joins a batch; `param` names the field at fault (OpenAI's
-    `param`: "temperature", "prompt", "max_tokens", ...)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeferry.config import ConfigError
+from moeferry.errors import ConfigError
 from moeferry.moe.strategies import ExpertNeeds
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeferry.config import QUANTIZATIONS, ConfigError
+from moeferry.errors import ConfigError
 from moeferry.kernels.fused_moe import E2M1_VALUES, E8M0_BIAS, MXFP4_BLOCK
 from moeferry.kernels.fused_moe.reference import e8m0_to_float
 
@@ -30,6 +30,7 @@ __all__ = ["FP8_MAX", "INT4_PACK", "QUANTIZATIONS", "ExpertFormat", "UNQUANTIZED
            "expert_format", "pack_mxfp4", "quantize", "quantize_fp8_blocks", "quantize_int4_groups",
            "quantize_mxfp4", "scale_grid"]
 
+QUANTIZATIONS = ("fp8", "int4", "mxfp4")  # what --quantization may quantize a bf16 checkpoint's experts to
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448: the largest e4m3 magnitude
 DEFAULT_FP8_BLOCK = (128, 128)
 DEFAULT_INT4_GROUP = 128

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeferry.config import ConfigError
+from moeferry.errors import ConfigError
 from moeferry.kernels.fused_moe import SILU
 from moeferry.kernels.fused_moe import host as host_kernel
 from moeferry.kernels.fused_moe import reference

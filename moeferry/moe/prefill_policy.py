@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeferry.config import ConfigError
+from moeferry.errors import ConfigError
 
 AUTO = "auto"
 DEMAND_MARGIN = 0.8  # demand must copy under 80% of the stream's bytes to be taken

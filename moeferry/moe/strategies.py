@@ -10,18 +10,15 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 import torch
 
-from moeferry.config import ConfigError
+from moeferry.errors import ConfigError
 from moeferry.kernels.fused_moe import SILU, Activation, fused_moe
 from moeferry.kernels.gather_copy import row_bytes
 from moeferry.moe import formats
 from moeferry.moe.formats import UNQUANTIZED, ExpertFormat, scale_grid
 
-if TYPE_CHECKING:
-    from moeferry.engine.planner import MemoryPlan
 
 # name -> "module:Class"; imported only when chosen.
 _REGISTRY: dict[str, str] = {
@@ -203,9 +200,11 @@ class MoEStrategy:
     def total_experts(self) -> int:
         return self.model_config.num_experts * len(self.banks)
 
-    def finalize(self, plan: "MemoryPlan") -> None:
-        """Called once after every bank is filled, with the engine's memory plan: the strategy
-        allocates what the plan gave it (slots, buffers) and nothing else."""
+    def finalize(self, plan) -> None:
+        """Called once after every bank is filled, with the engine's memory plan
+        (engine/planner.py: MemoryPlan, which reads this strategy's ExpertNeeds; not imported
+        here, so moe/ never imports the engine): the strategy allocates what the plan gave it
+        (slots, buffers) and nothing else."""
 
     def begin_forward(self, is_decode: bool, num_tokens: int) -> None:
         """Called at the start of every model forward, before the first layer."""

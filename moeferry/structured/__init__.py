@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeferry.sampling import InvalidRequest
+from moeferry.errors import InvalidRequest
 
 __all__ = ["KINDS", "Constraint", "json_schema_constraint", "GrammarCompiler", "GrammarMatcher", "TokenMasks"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moeferry.sampling import InvalidRequest
+from moeferry.errors import InvalidRequest
 from moeferry.structured import Constraint, json_schema_constraint
 
 __all__ = ["constraint_from_request"]
