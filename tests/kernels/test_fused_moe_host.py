@@ -114,7 +114,8 @@ def test_bad_calls_are_refused_in_one_line():
 # Quantized banks: (format, block_shape, the rows' random stored elements). fp8 blocks of 16x16
 # leave partial blocks at the shapes below; int4 and mxfp4 rows of odd or non-multiple-of-8
 # widths end in a partly used word or byte.
-QUANT_FORMATS = {"fp8": (torch.float8_e4m3fn, (16, 16)), "int4": (torch.int32, (1, 16)), "mxfp4": (torch.uint8, (1, 32))}
+QUANT_FORMATS = {"fp8": (torch.float8_e4m3fn, (16, 16)), "int4": (torch.int32, (1, 16)),
+                 "mxfp4": (torch.uint8, (1, 32))}
 
 
 def quantized_banks(name, w13, w2):
@@ -164,9 +165,9 @@ def test_the_kernel_dequantizes_every_weight_to_the_references_bits(name, sizes)
     hidden_size, inter = sizes
     w13, w2, s13, s2, block = random_stored_banks(name, 3, hidden_size, inter, seed=hidden_size + inter)
     hidden = torch.zeros(1, hidden_size, dtype=torch.bfloat16)
-    call = host.make_call(hidden, torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, 1), torch.empty(1, 1, hidden_size,
-                          dtype=torch.bfloat16), w13, w2, torch.empty(1, inter, dtype=torch.bfloat16), 1,
-                          w13_scale=s13, w2_scale=s2, block_shape=block)
+    out = torch.empty(1, 1, hidden_size, dtype=torch.bfloat16)
+    call = host.make_call(hidden, torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, 1), out, w13, w2,
+                          torch.empty(1, inter, dtype=torch.bfloat16), 1, w13_scale=s13, w2_scale=s2, block_shape=block)
     for e in range(3):
         want13 = dequantize_w13(w13[e], s13[e], block, hidden_size)
         want2 = dequantize_blocks(w2[e], s2[e], block, inter)

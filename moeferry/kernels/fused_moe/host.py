@@ -238,7 +238,7 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids, *, num_routed_experts=Non
     and a machine that cannot build it through the reference.
     sum_routes=False gives the bf16 route outputs [T, K, H], as the Triton kernel does."""
     check_options(block_assignment, out, sum_routes, (w13_scale, w2_scale), block_shape, (w13_bias, w2_bias))
-    if not compiles(hidden.dtype, w13.dtype, w13_bias is not None, activation):
+    if not (compiles(hidden.dtype, w13.dtype, w13_bias is not None, activation) and available()):
         return reference.fused_moe(hidden, w13, w2, topk_weights, topk_ids, num_routed_experts=num_routed_experts,
                                    block_assignment=block_assignment, out=out, sum_routes=sum_routes,
                                    w13_scale=w13_scale, w2_scale=w2_scale, block_shape=block_shape,
@@ -256,6 +256,5 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids, *, num_routed_experts=Non
 
 def compiles(dtype: torch.dtype, weight_dtype: torch.dtype, biases: bool, activation=SILU) -> bool:
     """Whether the compiled kernel computes these experts: bf16 tokens, weights in one of
-    `FORMATS`, silu without biases, and a kernel that builds here."""
-    return (dtype == torch.bfloat16 and weight_dtype in FORMATS and not biases and activation == SILU
-            and available())
+    `FORMATS`, silu without biases (`available` says whether it builds here)."""
+    return dtype == torch.bfloat16 and weight_dtype in FORMATS and not biases and activation == SILU
