@@ -13,10 +13,10 @@
 // each on its own), int4 (int32 words of eight values stored + 8, value i at bits 4i, a float32
 // scale per row and bk values) or MXFP4 (E2M1 codes two a byte, low nibble first, an E8M0 byte
 // per row and bk = 32 values). A work unit first dequantizes its rows into a thread-local float32
-// tile, weight = float(value) * scale, one float32 multiply with the table values below, which
-// are exact: the reference's (reference.py: dequantize_blocks) bits. Then the same dots run
-// with float32 weight rows. No quantized weight is rounded to bf16: an e4m3 or int4 value times
-// a float32 scale generally has more significant bits than bf16 holds.
+// tile, weight = float(value) * scale: one float32 multiply of the exact value of the code, the
+// bits of the reference's dequantize_blocks (reference.py). Then the same dots run with float32
+// weight rows. No quantized weight is rounded to bf16: an e4m3 or int4 value times a float32
+// scale generally has more significant bits than bf16 holds.
 //
 // Work: routes are grouped by expert (counting sort); phase A splits (group, block of I rows)
 // over the threads, so each gate/up row is read once per call and multiplied against all of
@@ -228,36 +228,48 @@ inline void dots(bool avx512, const float* const* w, int R, const uint16_t* cons
     dots_portable(w, R, x, NT, L, acc);
 }
 
-// Exact float values of the stored codes (the reference's conversions, bit for bit).
-struct ValueTables {
-  float fp8[256];   // float8_e4m3fn byte: sign, 4 exponent bits (bias 7), 3 mantissa bits; no inf
-  float int4[16];   // nibble n: n - 8
-  float e2m1[16];   // kernels/fused_moe/__init__.py: E2M1_VALUES
-  ValueTables() {
-    for (int b = 0; b < 256; ++b) {
-      int exponent = (b >> 3) & 15, mantissa = b & 7;
-      float v = exponent == 0 ? std::ldexp(static_cast<float>(mantissa), -9)  // subnormal: m / 8 * 2^-6
-                              : std::ldexp(static_cast<float>(8 + mantissa), exponent - 10);
-      if (exponent == 15 && mantissa == 7) v = std::numeric_limits<float>::quiet_NaN();
-      fp8[b] = (b & 0x80) ? -v : v;
-    }
-    const float e2m1_magnitudes[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-    for (int n = 0; n < 16; ++n) {
-      int4[n] = static_cast<float>(n - 8);
-      e2m1[n] = (n & 8) ? -e2m1_magnitudes[n & 7] : e2m1_magnitudes[n & 7];
-    }
-  }
-};
-
-const ValueTables kValues;
-
-// 2^(s - 127) of an E8M0 byte from the bits, as reference.py's e8m0_to_float (s = 0: 2^-127).
-inline float e8m0_to_f32(uint8_t s) {
-  uint32_t bits = s == 0 ? (1u << 22) : static_cast<uint32_t>(s) << 23;
+inline float bits_to_f32(uint32_t bits) {
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
 }
+
+// Exact float values of the stored codes, built from their bits without branches or tables (the
+// loops below vectorise); tests compare every code with the reference's conversion.
+// float8_e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities, 0x7f a NaN.
+inline float fp8_value(uint8_t b) {
+  const uint32_t em = b & 0x7fu;
+  uint32_t bits = (em << 20) + (120u << 23);  // 2^(e - 7) (1 + m / 8)
+  const float subnormal = static_cast<float>(b & 7u) * 0.001953125f;  // m / 8 * 2^-6 = m * 2^-9
+  uint32_t subnormal_bits;
+  std::memcpy(&subnormal_bits, &subnormal, 4);
+  bits = (em >> 3) == 0 ? subnormal_bits : bits;
+  bits = em == 0x7fu ? 0x7fc00000u : bits;
+  return bits_to_f32(bits | (static_cast<uint32_t>(b & 0x80u) << 24));
+}
+
+// fp8_value of every byte: a table lookup per weight is cheaper than the bit arithmetic, which
+// the compiler does not vectorise well from bytes.
+struct Fp8Table {
+  float value[256];
+  Fp8Table() {
+    for (int b = 0; b < 256; ++b) value[b] = fp8_value(static_cast<uint8_t>(b));
+  }
+};
+const Fp8Table kFp8Values;
+
+// int4: the nibble n stores n - 8.
+inline float int4_value(uint32_t n) { return static_cast<float>(static_cast<int32_t>(n) - 8); }
+
+// FP4 E2M1 (kernels/fused_moe/__init__.py: E2M1_VALUES): sign, 2 exponent bits, 1 mantissa bit.
+inline float e2m1_value(uint32_t c) {
+  const uint32_t e = (c >> 1) & 3u, m = c & 1u;
+  const uint32_t magnitude = e ? ((e + 126u) << 23) | (m << 22) : (m ? 0x3f000000u : 0u);  // e = 0: 0, 0.5
+  return bits_to_f32(magnitude | ((c & 8u) << 28));
+}
+
+// 2^(s - 127) of an E8M0 byte from the bits, as reference.py's e8m0_to_float (s = 0: 2^-127).
+inline float e8m0_to_f32(uint8_t s) { return bits_to_f32(s == 0 ? (1u << 22) : static_cast<uint32_t>(s) << 23); }
 
 // One stored weight matrix of one expert: `rows` x `cols` values, its scale rows and columns.
 struct QuantMatrix {
@@ -266,27 +278,36 @@ struct QuantMatrix {
   int64_t cols, row_bytes, scale_cols;
 };
 
-// dst[k] = value(row r, column k) * its scale for k < cols, with scale row `scale_row`.
+// The values of a row of nibbles (int4 words and MXFP4 bytes alike: value k in byte k / 2, the
+// low nibble first), unscaled. Values first, then scales: each loop runs over whole rows.
+template <float (*value)(uint32_t)>
+void nibble_values(const uint8_t* w, int64_t cols, float* dst) {
+  for (int64_t j = 0; j < cols / 2; ++j) {
+    const uint32_t b = w[j];
+    dst[2 * j] = value(b & 15u);
+    dst[2 * j + 1] = value(b >> 4);
+  }
+  if (cols & 1) dst[cols - 1] = value(w[cols / 2] & 15u);
+}
+
+// dst[k] = value(row r, column k) * its scale for k < cols, with scale row `scale_row`: one
+// float32 multiply of exact values, the reference's rounding.
 void dequantize_row(const MoEHostCall& c, const QuantMatrix& m, int64_t r, int64_t scale_row, float* dst) {
   const uint8_t* w = m.weights + r * m.row_bytes;
   const int64_t bk = c.block_k, cols = m.cols;
-  if (c.format == kMxfp4) {
-    const uint8_t* s = m.scales + scale_row * m.scale_cols;
-    for (int64_t k = 0; k < cols; ++k) {
-      uint8_t code = (k & 1) ? (w[k >> 1] >> 4) : (w[k >> 1] & 15);
-      dst[k] = kValues.e2m1[code] * e8m0_to_f32(s[k / bk]);
-    }
-    return;
+  if (c.format == kFp8) {
+    for (int64_t k = 0; k < cols; ++k) dst[k] = kFp8Values.value[w[k]];
+  } else if (c.format == kInt4) {
+    nibble_values<int4_value>(w, cols, dst);
+  } else {
+    nibble_values<e2m1_value>(w, cols, dst);
   }
-  const float* s = reinterpret_cast<const float*>(m.scales) + scale_row * m.scale_cols;
+  const int64_t first = scale_row * m.scale_cols;
   for (int64_t k0 = 0; k0 < cols; k0 += bk) {
-    const float scale = s[k0 / bk];
+    const float scale = c.format == kMxfp4 ? e8m0_to_f32(m.scales[first + k0 / bk])
+                                           : reinterpret_cast<const float*>(m.scales)[first + k0 / bk];
     const int64_t k1 = std::min(cols, k0 + bk);
-    if (c.format == kFp8) {
-      for (int64_t k = k0; k < k1; ++k) dst[k] = kValues.fp8[w[k]] * scale;
-    } else {  // int4: little-endian int32 words, value i of a word at bits 4i
-      for (int64_t k = k0; k < k1; ++k) dst[k] = kValues.int4[(w[k >> 1] >> ((k & 1) * 4)) & 15] * scale;
-    }
+    for (int64_t k = k0; k < k1; ++k) dst[k] *= scale;
   }
 }
 
