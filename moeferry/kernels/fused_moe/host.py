@@ -3,10 +3,10 @@
 The arithmetic lives in host_experts.cpp (its header is the contract): bf16 tokens, bf16
 weights or quantized ones (fp8, int4, mxfp4: dequantized to float32 exactly as the reference
 dequantizes them), float32 dots, the activation and each weighted route output rounded to
-bf16, as the Triton kernel rounds them. It is compiled on first use with the system C++ compiler into a
-cache folder keyed by the source and the compiler flags (`library()`), and called through
-ctypes with raw pointers, so the same function also runs as a CUDA host function inside a
-stream or a captured graph (moe/host_experts.py) with no Python and no GIL.
+bf16, as the Triton kernel rounds them. It is compiled on first use with the system C++
+compiler into a cache folder keyed by the source and the compiler flags (`library()`), and
+called through ctypes with raw pointers, so the same function also runs as a CUDA host
+function inside a stream or a captured graph (moe/host_experts.py) with no Python and no GIL.
 
 `expert_routes` is the primitive: per-route outputs, routes with a negative id skipped (left
 zero) so that another channel may compute them. `fused_moe` is the op's contract
@@ -201,9 +201,12 @@ def make_call(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ou
                        code, bn, bk, *scales)
 
 
-def dequantized(call: MoEHostCall, bank: int, expert: int, rows: int, cols: int) -> torch.Tensor:
-    """float32 [rows, cols]: the rows of expert `expert`'s w13 (bank 0) or w2 (bank 1) as the
-    kernel dequantizes them for its dots (a quantized call)."""
+def dequantized(call: MoEHostCall, bank: int, expert: int) -> torch.Tensor:
+    """float32 w13 [2I, H] (bank 0) or w2 [H, I] (bank 1) of expert `expert` of a quantized
+    call, as the kernel dequantizes its rows for the dots."""
+    if call.format == 0 or bank not in (0, 1) or not 0 <= expert < call.E:
+        raise ValueError(f"dequantized: a quantized call's bank 0 or 1 and expert < {call.E}")
+    rows, cols = (2 * call.I, call.H) if bank == 0 else (call.H, call.I)
     out = torch.empty(rows, cols, dtype=torch.float32)
     library().moe_host_dequantize(ctypes.byref(call), bank, expert, 0, rows, _ptr(out))
     return out
