@@ -1,7 +1,7 @@
 """The host strategies on the CPU: `cpu` and `hybrid` generate what `gpu` generates, for each
 family, in float32 (the reference computes the host's routes) and bfloat16 (the compiled host
-kernel); the device-side split gives the host exactly its share of a step's misses; flags and
-statistics."""
+kernel), and on fp8, int4 and mxfp4 experts (the kernel reads them as stored); the device-side
+split gives the host exactly its share of a step's misses; flags and statistics."""
 import pytest
 import torch
 

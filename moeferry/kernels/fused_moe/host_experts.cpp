@@ -39,7 +39,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <limits>
 #include <vector>
 #include <omp.h>
 #include <immintrin.h>
