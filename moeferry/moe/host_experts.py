@@ -94,25 +94,25 @@ class HostExpertChannel:
     captured graph's host nodes hold their addresses; one layer's host work is joined back
     into the main stream (`finish`) before the next layer's begins, so the buffers are never
     shared by two calls in flight. Routes not given to the host come back as zeros.
+    `dtype` is the model's compute dtype: the kernel computes a bf16 model's silu experts without
+    biases, their banks bf16 or quantized (fp8, int4, mxfp4); on a GPU nothing else runs here.
     """
 
-    def __init__(self, banks: dict, max_tokens: int, top_k: int, device: torch.device, threads: int):
+    def __init__(self, banks: dict, max_tokens: int, top_k: int, device: torch.device, threads: int,
+                 dtype: torch.dtype = torch.bfloat16):
         sample = next(iter(banks.values()))
-        if sample.format.quantized and device.type == "cuda":
-            raise ConfigError(f"--moe-strategy cpu and hybrid compute bf16 experts on the host, not "
-                              f"{sample.format.name} ones: use --moe-strategy offload for a quantized model")
         plain = sample.w13_bias is None and sample.activation == SILU
-        self.compiled = sample.w13.dtype == torch.bfloat16 and plain
+        self.compiled = host_kernel.compiles(dtype, sample.w13.dtype, not plain, sample.activation)
         if not plain and device.type == "cuda":
             raise ConfigError("--moe-strategy cpu and hybrid: the host expert kernel computes silu experts without "
                               f"biases, not these ({sample.activation.name} with biases: gpt-oss), which only the "
                               "reference computes on the host; use --moe-strategy offload")
         if not self.compiled and device.type == "cuda":
-            raise ConfigError(f"the host expert kernel computes bfloat16 experts, not {sample.w13.dtype}: "
+            raise ConfigError(f"the host expert kernel computes bfloat16 experts, not {dtype}: "
                               "use --dtype bfloat16 with --moe-strategy cpu or hybrid")
         self.banks = banks
         self.max_tokens, self.top_k = max_tokens, top_k
-        self.hidden, self.inter = sample.w2.shape[1], sample.w2.shape[2]
+        self.hidden, self.inter = sample.w2.shape[1], sample.w13.shape[1] // 2
         self.device, self.threads = device, threads
         on_gpu = device.type == "cuda"
         self.x = torch.empty(max_tokens, self.hidden, dtype=torch.bfloat16, pin_memory=on_gpu)
@@ -133,7 +133,7 @@ class HostExpertChannel:
             bank = self.banks[layer_id]
             self.calls[key] = host_kernel.make_call(
                 self.x[:num_tokens], self.ids[:num_tokens], self.weights[:num_tokens], self.out[:num_tokens],
-                bank.w13, bank.w2, self.act, self.threads)
+                bank.w13, bank.w2, self.act, self.threads, **bank.kernel_args())
         return self.calls[key]
 
     def begin(self, layer_id: int, hidden: torch.Tensor, topk_weights: torch.Tensor, host_ids: torch.Tensor) -> None:
@@ -158,9 +158,9 @@ class HostExpertChannel:
             self.out_device[:num_tokens].copy_(self.out[:num_tokens], non_blocking=True)
 
     def _run_here(self, layer_id, hidden, topk_weights, host_ids) -> torch.Tensor:
-        """A CPU-only machine: the kernel in place (bf16 silu experts without biases), else the
-        reference over the host's routes (a float32 model in tests, quantized banks, gpt-oss's
-        experts), zeros at the others as the kernel leaves them."""
+        """A CPU-only machine: the kernel in place (a bf16 model's silu experts without biases, in
+        any format it reads), else the reference over the host's routes (a float32 model in tests,
+        gpt-oss's experts), zeros at the others as the kernel leaves them."""
         num_tokens = hidden.shape[0]
         if self.compiled:
             self.x[:num_tokens].copy_(hidden)
@@ -217,7 +217,8 @@ def measure_speeds(banks: dict, channel: HostExpertChannel, top_k: int, device: 
     copying `top_k` experts of one layer to the compute device (PCIe on a GPU, a memory copy
     on a CPU-only machine); the host kernel by one token routed to 1 and to `top_k` distinct
     experts (median times; the slope is its bytes per second, the rest its cost per call).
-    A bank the kernel does not compute (not bf16) measures 0 for the host."""
+    A bank the kernel does not compute (a float32 model, gpt-oss's experts) measures 0 for the
+    host."""
     layers = sorted(banks)
     bank = banks[layers[0]]
     count = min(top_k, bank.num_experts)
@@ -261,8 +262,9 @@ def _host_call_time(banks: dict, channel: HostExpertChannel, experts: int, repea
     for run in range(repeats + 1):
         layer = layers[run % len(layers)]
         ids = ((torch.arange(experts) + run * experts) % sample.num_experts).to(torch.int32).reshape(1, experts)
-        call = host_kernel.make_call(hidden, ids, weights, out, banks[layer].w13, banks[layer].w2, channel.act,
-                                     channel.threads)
+        bank = banks[layer]
+        call = host_kernel.make_call(hidden, ids, weights, out, bank.w13, bank.w2, channel.act, channel.threads,
+                                     **bank.kernel_args())
         start = time.perf_counter()
         host_kernel.run(call)
         times.append(time.perf_counter() - start)

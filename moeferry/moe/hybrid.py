@@ -58,7 +58,7 @@ class HostChannelMixin:
             widest_chunk = demand
         threads = ec.moe_host_threads or host_kernel.default_threads()
         self.channel = HostExpertChannel(self.banks, max(ec.max_running_requests, widest_chunk, 1), mc.top_k,
-                                         self.device, threads)
+                                         self.device, threads, self.dtype)
         self.speeds = measure_speeds(self.banks, self.channel, mc.top_k, self.device)
         if ec.moe_host_share is not None:
             self.speeds = dataclasses.replace(self.speeds, share=ec.moe_host_share)

@@ -2,7 +2,9 @@
 model of its arithmetic: bf16 weights and tokens, float32 dots, the activation and the
 weighted route output rounded to bf16. Every vector path this CPU has is checked (the
 AVX512-BF16 one where the CPU has it: the GPU machine's host); routes with a negative id are
-left zero; the op's contract (`fused_moe` on the host) against the reference."""
+left zero; the op's contract (`fused_moe` on the host) against the reference. Quantized banks
+(fp8, int4, mxfp4): every weight the kernel dequantizes has the reference's bits, and the routes
+are the same arithmetic over the dequantized weights, for any thread count."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -107,3 +109,125 @@ def test_bad_calls_are_refused_in_one_line():
         host.make_call(hidden, ids, weights, out, w13, w2, act[:1], 1)
     with pytest.raises(ValueError, match="vector_isa"):
         host.make_call(hidden, ids, weights, out, w13, w2, act, 1, vector_isa="sse")
+
+
+# Quantized banks: (format, block_shape, the rows' random stored elements). fp8 blocks of 16x16
+# leave partial blocks at the shapes below; int4 and mxfp4 rows of odd or non-multiple-of-8
+# widths end in a partly used word or byte.
+QUANT_FORMATS = {"fp8": (torch.float8_e4m3fn, (16, 16)), "int4": (torch.int32, (1, 16)),
+                 "mxfp4": (torch.uint8, (1, 32))}
+
+
+def quantized_banks(name, w13, w2):
+    """(w13, w2, w13_scale, w2_scale, block_shape) of float banks in format `name`, as the loader
+    quantizes them (w13's gate and up halves blocked each on its own)."""
+    from moeferry.moe.formats import quantize_fp8_blocks, quantize_int4_groups, quantize_mxfp4
+
+    block = QUANT_FORMATS[name][1]
+    quantize = {"fp8": lambda w: quantize_fp8_blocks(w, block), "int4": lambda w: quantize_int4_groups(w, block[1]),
+                "mxfp4": quantize_mxfp4}[name]
+    halves = [quantize(half) for half in w13.float().chunk(2, dim=1)]
+    down, down_scale = quantize(w2.float())
+    return (torch.cat([h[0] for h in halves], dim=1), down, torch.cat([h[1] for h in halves], dim=1), down_scale,
+            block)
+
+
+def random_stored_banks(name, num_experts, hidden_size, inter, seed):
+    """Banks of uniformly random stored elements and scales: every code of the format appears
+    (fp8 but its two NaN codes), scales over a wide range of magnitudes."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype, block = QUANT_FORMATS[name]
+    pack = {"fp8": 1, "int4": 8, "mxfp4": 2}[name]
+
+    def stored(rows, cols):
+        if dtype == torch.int32:
+            return torch.randint(-2**31, 2**31 - 1, (num_experts, rows, -(-cols // pack)), generator=gen,
+                                 dtype=torch.int32)
+        raw = torch.randint(0, 256, (num_experts, rows, -(-cols // pack)), generator=gen, dtype=torch.uint8)
+        return raw if dtype == torch.uint8 else torch.where((raw & 0x7F) == 0x7F, 0, raw).view(torch.float8_e4m3fn)
+
+    def scales(rows, cols):
+        shape = (num_experts, -(-rows // block[0]), -(-cols // block[1]))
+        if dtype == torch.uint8:
+            return torch.randint(0, 255, shape, generator=gen, dtype=torch.uint8)  # 0 (2^-127) .. 254
+        return torch.exp2(torch.randint(-60, 60, shape, generator=gen).float()) * (1 + torch.rand(shape, generator=gen))
+
+    gate_scale, up_scale = scales(inter, hidden_size), scales(inter, hidden_size)
+    return (stored(2 * inter, hidden_size), stored(hidden_size, inter), torch.cat([gate_scale, up_scale], dim=1),
+            scales(hidden_size, inter), block)
+
+
+@pytest.mark.parametrize("name", QUANT_FORMATS)
+@pytest.mark.parametrize("sizes", [(100, 40), (64, 33), (96, 64)], ids=["ragged-h", "odd-i", "whole"])
+def test_the_kernel_dequantizes_every_weight_to_the_references_bits(name, sizes):
+    from moeferry.kernels.fused_moe.reference import dequantize_blocks, dequantize_w13
+
+    hidden_size, inter = sizes
+    w13, w2, s13, s2, block = random_stored_banks(name, 3, hidden_size, inter, seed=hidden_size + inter)
+    hidden = torch.zeros(1, hidden_size, dtype=torch.bfloat16)
+    out = torch.empty(1, 1, hidden_size, dtype=torch.bfloat16)
+    call = host.make_call(hidden, torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, 1), out, w13, w2,
+                          torch.empty(1, inter, dtype=torch.bfloat16), 1, w13_scale=s13, w2_scale=s2, block_shape=block)
+    for e in range(3):
+        want13 = dequantize_w13(w13[e], s13[e], block, hidden_size)
+        want2 = dequantize_blocks(w2[e], s2[e], block, inter)
+        for got, want in ((host.dequantized(call, 0, e), want13), (host.dequantized(call, 1, e), want2)):
+            same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
+            assert bool(same.all()), f"{int((~same).sum())} weights differ"
+
+
+@pytest.mark.parametrize("name", QUANT_FORMATS)
+@pytest.mark.parametrize("vector_isa", vector_isas())
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 5, 8, 16])
+def test_quantized_banks_match_the_arithmetic_on_their_dequantized_weights(name, vector_isa, num_tokens):
+    from moeferry.kernels.fused_moe.reference import dequantize_blocks, dequantize_w13
+
+    hidden_size, inter, experts, top_k = (100, 40, 8, 4) if num_tokens % 2 else (96, 33, 6, 3)
+    hidden, w13, w2, weights, ids = make_case(num_tokens, top_k, hidden_size, inter, experts, seed=num_tokens)
+    q13, q2, s13, s2, block = quantized_banks(name, w13, w2)
+    deq13 = torch.stack([dequantize_w13(q13[e], s13[e], block, hidden_size) for e in range(experts)])
+    deq2 = dequantize_blocks(q2, s2, block, inter)
+    want = rounded_model(hidden, deq13, deq2, weights, ids)
+    runs = [host.expert_routes(hidden, q13, q2, weights, ids, threads=threads, vector_isa=vector_isa,
+                               w13_scale=s13, w2_scale=s2, block_shape=block) for threads in (1, 2, 3)]
+    assert_close_in_bf16(runs[0], want)
+    assert all(torch.equal(run, runs[0]) for run in runs[1:])  # the thread count does not change the bits
+
+
+@pytest.mark.parametrize("name", QUANT_FORMATS)
+def test_quantized_routes_with_a_negative_id_are_zero_and_the_others_unchanged(name):
+    hidden, w13, w2, weights, ids = make_case(6, 4, 128, 48, 16, seed=9)
+    q13, q2, s13, s2, block = quantized_banks(name, w13, w2)
+    scales = dict(w13_scale=s13, w2_scale=s2, block_shape=block)
+    full = host.expert_routes(hidden, q13, q2, weights, ids, threads=2, **scales)
+    skip = torch.rand(ids.shape, generator=torch.Generator().manual_seed(10)) < 0.5
+    part = host.expert_routes(hidden, q13, q2, weights, torch.where(skip, -1, ids), threads=2, **scales)
+    assert bool((part[skip] == 0).all())
+    assert torch.equal(part[~skip], full[~skip])
+
+
+@pytest.mark.parametrize("name", QUANT_FORMATS)
+def test_the_host_op_computes_quantized_banks_in_the_kernel(name, monkeypatch):
+    hidden, w13, w2, weights, ids = make_case(9, 4, 128, 64, 16, seed=11)
+    q13, q2, s13, s2, block = quantized_banks(name, w13, w2)
+    args = (hidden, q13, q2, weights, ids)
+    scales = dict(w13_scale=s13, w2_scale=s2, block_shape=block, num_routed_experts=16)
+    want = reference.fused_moe(*args, **scales)
+    monkeypatch.setattr(reference, "fused_moe", lambda *a, **k: pytest.fail("took the reference"))
+    got = host.fused_moe(*args, **scales)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    err = (got.float() - want.float()).norm() / want.float().norm()
+    assert float(err) < 1e-2  # bf16 rounding of the activation and of each route output
+
+
+def test_bad_quantized_calls_are_refused_in_one_line():
+    hidden, w13, w2, weights, ids = make_case(2, 2, 64, 32, 8, seed=12)
+    q13, q2, s13, s2, block = quantized_banks("int4", w13, w2)
+    out, act = torch.empty(2, 2, 64, dtype=torch.bfloat16), torch.empty(4, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="take w13_scale, w2_scale and block_shape"):
+        host.make_call(hidden, ids, weights, out, q13, q2, act, 1)
+    with pytest.raises(ValueError, match="w2_scale must be a contiguous CPU torch.float32"):
+        host.make_call(hidden, ids, weights, out, q13, q2, act, 1, w13_scale=s13, w2_scale=s2[:, :1],
+                       block_shape=block)
+    with pytest.raises(ValueError, match="not a format the kernel reads"):
+        host.make_call(hidden, ids, weights, out, w13.float(), w2.float(), act, 1)

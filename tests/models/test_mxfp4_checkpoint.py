@@ -231,17 +231,19 @@ def test_quantization_mxfp4_with_dummy_weights(tmp_path):
     assert len(out[0].token_ids) == 4
 
 
-def test_a_quantized_model_runs_the_host_strategies_only_on_a_cpu_only_machine():
-    """On a GPU the host kernel computes bf16 experts; the CPU's reference path reads any format."""
+def test_the_host_channel_computes_a_bf16_models_mxfp4_experts_in_the_kernel():
+    """The compiled host kernel reads MXFP4 banks for a bf16 model (on a GPU too); a float32
+    model's host routes take the reference on a CPU-only machine and are refused on a GPU."""
     from moeferry.config import ConfigError
     from moeferry.moe.host_experts import HostExpertChannel
     from moeferry.moe.formats import mxfp4_format
     from moeferry.moe.strategies import ExpertBanks
 
-    banks = {0: ExpertBanks.allocate(4, 32, 32, mxfp4_format(), torch.float32, torch.device("cpu"), zero=True)}
-    HostExpertChannel(banks, 4, 2, torch.device("cpu"), 1)
-    with pytest.raises(ConfigError, match="use --moe-strategy offload"):
-        HostExpertChannel(banks, 4, 2, torch.device("cuda"), 1)
+    banks = {0: ExpertBanks.allocate(4, 32, 32, mxfp4_format(), torch.bfloat16, torch.device("cpu"), zero=True)}
+    assert HostExpertChannel(banks, 4, 2, torch.device("cpu"), 1, torch.bfloat16).compiled
+    assert not HostExpertChannel(banks, 4, 2, torch.device("cpu"), 1, torch.float32).compiled
+    with pytest.raises(ConfigError, match="computes bfloat16 experts, not torch.float32"):
+        HostExpertChannel(banks, 4, 2, torch.device("cuda"), 1, torch.float32)
 
 
 # --- GPU: the Triton path, CUDA graphs, pinned host banks ---------------------------------

@@ -1,7 +1,7 @@
 """The host strategies on the CPU: `cpu` and `hybrid` generate what `gpu` generates, for each
 family, in float32 (the reference computes the host's routes) and bfloat16 (the compiled host
-kernel); the device-side split gives the host exactly its share of a step's misses; flags and
-statistics."""
+kernel), and on fp8, int4 and mxfp4 experts (the kernel reads them as stored); the device-side
+split gives the host exactly its share of a step's misses; flags and statistics."""
 import pytest
 import torch
 
@@ -109,3 +109,53 @@ def test_cpu_prefill_streams_long_chunks_and_computes_short_ones_on_the_host(ckp
     want = tokens(LLM(path, dtype="float32", device="cpu"))
     assert tokens(llm) == want
     assert strategy.stats()["prefill_chunks"]["stream"] > 0  # the default: every chunk streamed
+
+
+@pytest.fixture(scope="module", params=["fp8", "int4", "mxfp4"])
+def quantized_ckpt(request, tmp_path_factory):
+    """(path, engine options, experts) of a tiny Qwen3-MoE in each quantized expert format: the
+    fp8 and int4 checkpoint layouts (tests/models), mxfp4 by --quantization at load."""
+    from moeferry.testing.fixtures import make_fp8_checkpoint, make_int4_checkpoint
+
+    config = dict(FAMILIES)["qwen3_moe"]
+    path = str(tmp_path_factory.mktemp(request.param))
+    make = {"fp8": lambda: make_fp8_checkpoint(config, path, seed=3, block_shape=(16, 16)),
+            "int4": lambda: make_int4_checkpoint(config, path, seed=5, group_size=16),
+            "mxfp4": lambda: make_checkpoint(config, path, seed=7)}[request.param]
+    make()
+    return path, {"quantization": "mxfp4"} if request.param == "mxfp4" else {}, config.num_experts
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_and_hybrid_compute_quantized_experts_as_gpu_does(quantized_ckpt, dtype):
+    """Decode steps through the host channel: a bf16 model's quantized experts in the compiled
+    kernel (on this machine `gpu` runs the same kernel: the same bits), a float32 model's
+    through the reference (each step's top log-probs within 1e-5 of `gpu`'s reference path)."""
+    from moeferry.kernels.fused_moe import host as host_kernel
+
+    path, options, experts = quantized_ckpt
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+
+    def run(llm):
+        outs = llm.generate(PROMPTS, params)
+        return [o.token_ids for o in outs], [[[v for _, v in lp.top] for lp in o.logprobs] for o in outs]
+
+    want_tokens, want_top = run(LLM(path, dtype=dtype, device="cpu", **options))
+    for strategy, kwargs in (("cpu", {}), ("hybrid", dict(moe_cache_slots=experts, moe_host_share=0.5,
+                                                           moe_collect_stats=True))):
+        llm = LLM(path, dtype=dtype, device="cpu", moe_strategy=strategy, **options, **kwargs)
+        channel = llm.engine.runner.strategy.channel
+        assert channel.compiled == (dtype == "bfloat16")
+        calls = host_kernel.timing()["calls"]
+        got_tokens, got_top = run(llm)
+        assert got_tokens == want_tokens, strategy
+        got, want = torch.tensor(got_top), torch.tensor(want_top)
+        if dtype == "float32":
+            assert (got - want).abs().max().item() <= 1e-5, strategy
+        else:
+            assert torch.equal(got, want), strategy
+        stats = llm.engine.runner.strategy.stats()
+        assert stats["host_experts"] > 0
+        assert (host_kernel.timing()["calls"] > calls) == channel.compiled  # the kernel ran the host's routes
+        if strategy == "hybrid":
+            assert stats["decode"]["total"]["misses"] > 0  # both channels carried experts

@@ -1,5 +1,6 @@
 """GPU: `cpu` and `hybrid` generate what `gpu` generates on the built-in model, through CUDA
-graphs whose host nodes run the host kernel, eager too; the host channel's outputs inside a
+graphs whose host nodes run the host kernel, eager too, and on quantized experts (fp8, int4,
+mxfp4: the host kernel dequantizes them as it reads); the host channel's outputs inside a
 captured graph equal the same call run eagerly."""
 import pytest
 import torch
@@ -78,3 +79,31 @@ def test_the_host_channel_replays_in_a_graph_as_it_runs_eagerly():
     for layer in range(3):
         assert torch.equal(outs[layer], eager[layer])
         assert bool((outs[layer][host_ids < 0] == 0).all()) and bool((outs[layer][host_ids >= 0] != 0).any())
+
+
+@pytest.mark.parametrize("fmt, strategy", [("fp8", "hybrid"), ("int4", "hybrid"), ("mxfp4", "cpu")])
+def test_host_strategies_generate_what_gpu_generates_on_quantized_experts(tmp_path, fmt, strategy):
+    """A tiny Qwen3-MoE in each quantized format (the fp8 and int4 checkpoint layouts; mxfp4 by
+    --quantization): the host kernel computes its share of the misses inside the decode graph."""
+    from moeferry import LLM, SamplingParams
+    from moeferry.testing.fixtures import family_configs, make_checkpoint, make_fp8_checkpoint, make_int4_checkpoint
+
+    config = dict(family_configs())["qwen3_moe"]
+    make = {"fp8": lambda p: make_fp8_checkpoint(config, p, seed=3, block_shape=(16, 16)),
+            "int4": lambda p: make_int4_checkpoint(config, p, seed=5, group_size=16),
+            "mxfp4": lambda p: make_checkpoint(config, p, seed=7)}[fmt]
+    make(str(tmp_path))
+    common = dict(dtype="bfloat16", device="cuda", max_running_requests=4, num_tokens=4096,
+                  **({"quantization": "mxfp4"} if fmt == "mxfp4" else {}))
+    options = dict(moe_cache_slots=10, moe_host_share=0.5, moe_collect_stats=True) if strategy == "hybrid" else {}
+    prompts = [[5, 17, 33, 2, 9, 71, 40], [88, 3], list(range(10, 50))]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    ref = LLM(str(tmp_path), **common).generate(prompts, params)
+    llm = LLM(str(tmp_path), moe_strategy=strategy, **common, **options)
+    assert llm.engine.runner.strategy.channel.compiled
+    for want, got in zip(ref, llm.generate(prompts, params)):
+        assert_same_until_a_near_tie(want, got)
+    stats = llm.engine.runner.strategy.stats()
+    assert stats["host_experts"] > 0 and stats["host_kernel"]["calls"] > 0
+    if strategy == "hybrid":
+        assert stats["decode"]["total"]["misses"] > 0

@@ -1,17 +1,18 @@
 """The fused MoE op on the host CPU: routed experts computed from (pinned) host banks.
 
-The arithmetic lives in host_experts.cpp (its header is the contract): bf16 weights and
-tokens, float32 dots, the activation and each weighted route output rounded to bf16, as the
-Triton kernel rounds them. It is compiled on first use with the system C++ compiler into a
-cache folder keyed by the source and the compiler flags (`library()`), and called through
-ctypes with raw pointers, so the same function also runs as a CUDA host function inside a
-stream or a captured graph (moe/host_experts.py) with no Python and no GIL.
+The arithmetic lives in host_experts.cpp (its header is the contract): bf16 tokens, bf16
+weights or quantized ones (fp8, int4, mxfp4: dequantized to float32 exactly as the reference
+dequantizes them), float32 dots, the activation and each weighted route output rounded to
+bf16, as the Triton kernel rounds them. It is compiled on first use with the system C++
+compiler into a cache folder keyed by the source and the compiler flags (`library()`), and
+called through ctypes with raw pointers, so the same function also runs as a CUDA host
+function inside a stream or a captured graph (moe/host_experts.py) with no Python and no GIL.
 
 `expert_routes` is the primitive: per-route outputs, routes with a negative id skipped (left
 zero) so that another channel may compute them. `fused_moe` is the op's contract
-(kernels/fused_moe/__init__.py) over it; a dtype other than bf16, expert biases or the clamped
-SwiGLU (gpt-oss: the C++ kernel computes silu experts without biases), or a machine without a
-compiler, takes the reference.
+(kernels/fused_moe/__init__.py) over it; tokens in another dtype than bf16, unquantized weights in
+another dtype, expert biases or the clamped SwiGLU (gpt-oss: the C++ kernel computes silu
+experts without biases), or a machine without a compiler, take the reference.
 """
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ import torch
 
 from moeferry.kernels.fused_moe import SILU, check_options, reference
 
-__all__ = ["VECTOR_ISAS", "HostKernelUnavailable", "MoEHostCall", "available", "default_threads", "expert_routes",
-           "fused_moe", "has_avx512_bf16", "library", "make_call", "run", "timing"]
+__all__ = ["FORMATS", "VECTOR_ISAS", "HostKernelUnavailable", "MoEHostCall", "available", "compiles",
+           "default_threads", "dequantized", "expert_routes", "fused_moe", "has_avx512_bf16", "library", "make_call",
+           "run", "timing"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +52,15 @@ class MoEHostCall(ctypes.Structure):
                 ("out", ctypes.c_void_p), ("w13", ctypes.c_void_p), ("w2", ctypes.c_void_p),
                 ("act", ctypes.c_void_p), ("T", ctypes.c_int64), ("K", ctypes.c_int64),
                 ("H", ctypes.c_int64), ("I", ctypes.c_int64), ("E", ctypes.c_int64),
-                ("threads", ctypes.c_int32), ("use_avx512", ctypes.c_int32)]
+                ("threads", ctypes.c_int32), ("use_avx512", ctypes.c_int32), ("format", ctypes.c_int32),
+                ("block_n", ctypes.c_int32), ("block_k", ctypes.c_int32), ("w13_scale", ctypes.c_void_p),
+                ("w2_scale", ctypes.c_void_p)]
+
+
+# host_experts.cpp's MoEHostFormat by the weight banks' dtype: (code, values per stored
+# element, the scales' dtype); the layouts are kernels/fused_moe/__init__.py's.
+FORMATS = {torch.bfloat16: (0, 1, None), torch.float8_e4m3fn: (1, 1, torch.float32),
+           torch.int32: (2, 8, torch.float32), torch.uint8: (3, 2, torch.uint8)}
 
 
 def _cache_dir() -> Path:
@@ -91,6 +101,9 @@ def library() -> ctypes.CDLL:
     lib.moe_host_has_avx512_bf16.restype = ctypes.c_int
     lib.moe_host_timing.argtypes = [ctypes.POINTER(ctypes.c_int64)]
     lib.moe_host_timing.restype = None
+    lib.moe_host_dequantize.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64,
+                                        ctypes.c_int64, ctypes.c_void_p]
+    lib.moe_host_dequantize.restype = None
     return lib
 
 
@@ -137,22 +150,43 @@ def _use_avx512(vector_isa: str) -> int:
     return int(vector_isa != "portable" and has_avx512_bf16())
 
 
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def make_call(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
               w13: torch.Tensor, w2: torch.Tensor, act: torch.Tensor, threads: int,
-              vector_isa: str = "auto") -> MoEHostCall:
+              vector_isa: str = "auto", w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+              block_shape: tuple[int, int] | None = None) -> MoEHostCall:
     """The call over these CPU tensors (see host_experts.cpp): hidden [T, H] bf16, ids [T, K]
     int32, weights [T, K] float32, out [T, K, H] bf16, w13 [E, 2I, H], w2 [E, H, I] bf16, act
-    scratch [>= T * K, I] bf16; all contiguous. Checks shapes, dtypes and placement once.
+    scratch [>= T * K, I] bf16; all contiguous. Quantized banks (the dtype says the format,
+    `FORMATS`) come with their scales and block_shape, in fused_moe's layout: w13 [E, 2I,
+    ceil(H / pack)], w2 [E, H, ceil(I / pack)], w13_scale [E, 2 ceil(I / bn), ceil(H / bk)], w2_scale
+    [E, ceil(H / bn), ceil(I / bk)]. Checks shapes, dtypes and placement once.
     `vector_isa`: auto (AVX512-BF16 where the CPU has it), or one named path (tests)."""
+    if w13.dtype not in FORMATS:
+        raise ValueError(f"host expert call: weights of {w13.dtype} are not a format the kernel reads "
+                         f"({', '.join(map(str, FORMATS))})")
+    code, pack, scale_dtype = FORMATS[w13.dtype]
+    if (scale_dtype is None) != (block_shape is None) or (w13_scale is None) != (block_shape is None):
+        raise ValueError(f"host expert call: {w13.dtype} weights {'take' if scale_dtype else 'take no'} "
+                         "w13_scale, w2_scale and block_shape")
     num_tokens, hidden_size = hidden.shape
-    num_experts, inter = w2.shape[0], w2.shape[2]
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
     top_k = ids.shape[1]
     expected = {"hidden": (hidden, torch.bfloat16, (num_tokens, hidden_size)),
                 "ids": (ids, torch.int32, (num_tokens, top_k)),
                 "weights": (weights, torch.float32, (num_tokens, top_k)),
                 "out": (out, torch.bfloat16, (num_tokens, top_k, hidden_size)),
-                "w13": (w13, torch.bfloat16, (num_experts, 2 * inter, hidden_size)),
-                "w2": (w2, torch.bfloat16, (num_experts, hidden_size, inter))}
+                "w13": (w13, w13.dtype, (num_experts, 2 * inter, _ceil(hidden_size, pack))),
+                "w2": (w2, w13.dtype, (num_experts, hidden_size, _ceil(inter, pack)))}
+    bn, bk = block_shape or (1, 1)
+    if block_shape is not None:
+        if code == 3 and bn != 1:
+            raise ValueError(f"host expert call: mxfp4 scales are per row (block_shape (1, bk)), got {block_shape}")
+        expected["w13_scale"] = (w13_scale, scale_dtype, (num_experts, 2 * _ceil(inter, bn), _ceil(hidden_size, bk)))
+        expected["w2_scale"] = (w2_scale, scale_dtype, (num_experts, _ceil(hidden_size, bn), _ceil(inter, bk)))
     for name, (t, dtype, shape) in expected.items():
         if t.device.type != "cpu" or t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
             raise ValueError(f"host expert call: {name} must be a contiguous CPU {dtype} {list(shape)}, got "
@@ -161,8 +195,21 @@ def make_call(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ou
         raise ValueError(f"host expert call: act scratch must hold {num_tokens * top_k} x {inter} bf16")
     if threads < 1:
         raise ValueError(f"host expert call: threads must be >= 1, got {threads}")
+    scales = (0, 0) if block_shape is None else (_ptr(w13_scale), _ptr(w2_scale))
     return MoEHostCall(_ptr(hidden), _ptr(ids), _ptr(weights), _ptr(out), _ptr(w13), _ptr(w2), _ptr(act),
-                       num_tokens, top_k, hidden_size, inter, num_experts, threads, _use_avx512(vector_isa))
+                       num_tokens, top_k, hidden_size, inter, num_experts, threads, _use_avx512(vector_isa),
+                       code, bn, bk, *scales)
+
+
+def dequantized(call: MoEHostCall, bank: int, expert: int) -> torch.Tensor:
+    """float32 w13 [2I, H] (bank 0) or w2 [H, I] (bank 1) of expert `expert` of a quantized
+    call, as the kernel dequantizes its rows for the dots."""
+    if call.format == 0 or bank not in (0, 1) or not 0 <= expert < call.E:
+        raise ValueError(f"dequantized: a quantized call's bank 0 or 1 and expert < {call.E}")
+    rows, cols = (2 * call.I, call.H) if bank == 0 else (call.H, call.I)
+    out = torch.empty(rows, cols, dtype=torch.float32)
+    library().moe_host_dequantize(ctypes.byref(call), bank, expert, 0, rows, _ptr(out))
+    return out
 
 
 def run(call: MoEHostCall) -> None:
@@ -171,7 +218,8 @@ def run(call: MoEHostCall) -> None:
 
 
 def expert_routes(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, threads: int | None = None, vector_isa: str = "auto") -> torch.Tensor:
+                  topk_ids: torch.Tensor, threads: int | None = None, vector_isa: str = "auto",
+                  w13_scale=None, w2_scale=None, block_shape=None) -> torch.Tensor:
     """The weighted per-route outputs [T, K, H] bf16 of the routes whose id is >= 0; routes
     with a negative id are zero (another channel computes them)."""
     num_tokens, top_k = topk_ids.shape
@@ -179,26 +227,27 @@ def expert_routes(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     ids = topk_ids.to(torch.int32).contiguous()
     weights = topk_weights.float().contiguous()
     out = torch.empty(num_tokens, top_k, hidden.shape[1], dtype=torch.bfloat16)
-    act = torch.empty(num_tokens * top_k, w2.shape[2], dtype=torch.bfloat16)
-    run(make_call(hidden, ids, weights, out, w13, w2, act, threads or default_threads(), vector_isa))
+    act = torch.empty(num_tokens * top_k, w13.shape[1] // 2, dtype=torch.bfloat16)
+    run(make_call(hidden, ids, weights, out, w13, w2, act, threads or default_threads(), vector_isa,
+                  w13_scale, w2_scale, block_shape))
     return out
 
 
 def fused_moe(hidden, w13, w2, topk_weights, topk_ids, *, num_routed_experts=None, block_assignment="auto",
               out=None, sum_routes=True, w13_scale=None, w2_scale=None, block_shape=None, w13_bias=None,
               w2_bias=None, activation=SILU) -> torch.Tensor:
-    """The op's contract on the host: bf16 through the compiled kernel; other dtypes, quantized
-    banks (scales given), expert biases or another activation than silu (gpt-oss), and a
-    machine that cannot build it through the reference.
+    """The op's contract on the host: bf16 tokens over bf16 or quantized banks through the
+    compiled kernel; other dtypes, expert biases or another activation than silu (gpt-oss),
+    and a machine that cannot build it through the reference.
     sum_routes=False gives the bf16 route outputs [T, K, H], as the Triton kernel does."""
-    check_options(block_assignment, out, sum_routes, biases=(w13_bias, w2_bias))
-    if (hidden.dtype != torch.bfloat16 or w13.dtype != torch.bfloat16 or w13_scale is not None
-            or w13_bias is not None or activation != SILU or not available()):
+    check_options(block_assignment, out, sum_routes, (w13_scale, w2_scale), block_shape, (w13_bias, w2_bias))
+    if not (compiles(hidden.dtype, w13.dtype, w13_bias is not None, activation) and available()):
         return reference.fused_moe(hidden, w13, w2, topk_weights, topk_ids, num_routed_experts=num_routed_experts,
                                    block_assignment=block_assignment, out=out, sum_routes=sum_routes,
                                    w13_scale=w13_scale, w2_scale=w2_scale, block_shape=block_shape,
                                    w13_bias=w13_bias, w2_bias=w2_bias, activation=activation)
-    routes = expert_routes(hidden, w13, w2, topk_weights, topk_ids)
+    routes = expert_routes(hidden, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale, w2_scale=w2_scale,
+                           block_shape=block_shape)
     if not sum_routes:
         return routes
     total = reference.sum_route_partials(routes)
@@ -206,3 +255,9 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids, *, num_routed_experts=Non
         return total.to(hidden.dtype)
     out.copy_(total)
     return out
+
+
+def compiles(dtype: torch.dtype, weight_dtype: torch.dtype, biases: bool, activation=SILU) -> bool:
+    """Whether the compiled kernel computes these experts: bf16 tokens, weights in one of
+    `FORMATS`, silu without biases (`available` says whether it builds here)."""
+    return dtype == torch.bfloat16 and weight_dtype in FORMATS and not biases and activation == SILU

@@ -5,8 +5,18 @@
 //     act[r]  = bf16( silu(x[t] . w13[e, i]) * (x[t] . w13[e, I + i]) )      i < I
 //     out[r]  = bf16( weights[r] * (act[r] . w2[e, n]) )                      n < H
 // and writes out[r] = 0 for every other route (ids[r] < 0: a route another channel computes).
-// bf16 weights and activations, float32 accumulation: the arithmetic of the Triton kernel
+// bf16 activations, float32 accumulation: the arithmetic of the Triton kernel
 // (kernels/fused_moe/triton.py), which also rounds act and the weighted route output to bf16.
+//
+// Weights: bf16, or a quantized format (kernels/fused_moe/__init__.py has the layouts): block
+// FP8 (e4m3 bytes, a float32 scale per (bn, bk) block, the gate and up halves of w13 blocked
+// each on its own), int4 (int32 words of eight values stored + 8, value i at bits 4i, a float32
+// scale per row and bk values) or MXFP4 (E2M1 codes two a byte, low nibble first, an E8M0 byte
+// per row and bk = 32 values). A work unit first dequantizes its rows into a thread-local float32
+// tile, weight = float(value) * scale: one float32 multiply of the exact value of the code, the
+// bits of the reference's dequantize_blocks (reference.py). Then the same dots run with float32
+// weight rows. No quantized weight is rounded to bf16: an e4m3 or int4 value times a float32
+// scale generally has more significant bits than bf16 holds.
 //
 // Work: routes are grouped by expert (counting sort); phase A splits (group, block of I rows)
 // over the threads, so each gate/up row is read once per call and multiplied against all of
@@ -15,8 +25,9 @@
 // never on which other routes share the call: any split of a step's routes between channels
 // gives the same per-route bits.
 //
-// Dot products: AVX512-BF16 (vdpbf16ps, 4 weight rows x up to 4 tokens in registers) when the
-// CPU has it, checked at run time; otherwise a portable float loop the compiler vectorises.
+// Dot products: AVX512-BF16 (vdpbf16ps, 4 weight rows x up to 4 tokens in registers; float32
+// weight tiles: AVX-512 fused multiply-adds) when the CPU has it, checked at run time; otherwise
+// a portable float loop the compiler vectorises.
 //
 // `moe_host_run` is also a CUDA host function (CUhostFn: void(void*)): a stream (and a
 // captured CUDA graph) runs it when the work before it is done; it touches no CUDA API.
@@ -40,13 +51,20 @@ struct MoEHostCall {
   const int32_t* ids;       // [T, K] expert ids; < 0: not this call's route
   const float* weights;     // [T, K] route weights
   uint16_t* out;            // [T, K, H] bf16, written whole
-  const uint16_t* w13;      // [E, 2I, H] bf16, gate rows then up rows
-  const uint16_t* w2;       // [E, H, I] bf16
+  const void* w13;          // [E, 2I, H] bf16, gate rows then up rows (quantized: see format)
+  const void* w2;           // [E, H, I] bf16 (quantized: see format)
   uint16_t* act;            // scratch [T * K, I] bf16
   int64_t T, K, H, I, E;
   int32_t threads;
   int32_t use_avx512;       // 1: AVX512-BF16 dots (host.py sets it from moe_host_has_avx512_bf16)
+  int32_t format;           // MoEHostFormat
+  int32_t block_n, block_k; // quantized: a scale per (block_n rows, block_k columns) block
+  const void* w13_scale;    // [E, 2 ceil(I / bn), ceil(H / bk)] float32 (mxfp4: uint8 E8M0)
+  const void* w2_scale;     // [E, ceil(H / bn), ceil(I / bk)]
 };
+
+// How the weight banks are stored (host.py: FORMATS).
+enum MoEHostFormat { kBf16 = 0, kFp8 = 1, kInt4 = 2, kMxfp4 = 3 };
 
 }  // extern "C"
 
@@ -142,6 +160,196 @@ inline void dots(bool avx512, const uint16_t* const* w, int R, const uint16_t* c
     dots_portable(w, R, x, NT, L, acc);
 }
 
+// acc[r * NT + t] = w[r] . x[t] for float32 weight rows (a dequantized tile), portable.
+void dots_portable(const float* const* w, int R, const uint16_t* const* x, int NT, int64_t L, float* acc) {
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < NT; ++t) {
+      const float* wr = w[r];
+      const uint16_t* xt = x[t];
+      float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t k = 0; k < L; ++k) s += wr[k] * bf16_to_f32(xt[k]);
+      acc[r * NT + t] = s;
+    }
+  }
+}
+
+#define AVX512_F32 __attribute__((target("avx512f,avx512bw,avx512vl")))
+
+AVX512_F32 inline __m512 bf16x16_to_f32(__m256i v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// Float32 weight rows against bf16 tokens: 16 lanes of fused multiply-adds; L % 16 tail masked.
+template <int R, int NT>
+AVX512_F32 void dots_avx512_f32_tile(const float* const* w, const uint16_t* const* x, int64_t L, float* acc) {
+  __m512 a[R][NT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) a[r][t] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < L; k += 16) {
+    __mmask16 m = L - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (L - k)) - 1);
+    __m512 xv[NT];
+    for (int t = 0; t < NT; ++t) xv[t] = bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, x[t] + k));
+    for (int r = 0; r < R; ++r) {
+      __m512 wv = _mm512_maskz_loadu_ps(m, w[r] + k);
+      for (int t = 0; t < NT; ++t) a[r][t] = _mm512_fmadd_ps(wv, xv[t], a[r][t]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) acc[r * NT + t] = _mm512_reduce_add_ps(a[r][t]);
+}
+
+template <int R>
+AVX512_F32 void dots_avx512_f32_rows(const float* const* w, const uint16_t* const* x, int NT, int64_t L, float* acc) {
+  switch (NT) {
+    case 1: dots_avx512_f32_tile<R, 1>(w, x, L, acc); break;
+    case 2: dots_avx512_f32_tile<R, 2>(w, x, L, acc); break;
+    case 3: dots_avx512_f32_tile<R, 3>(w, x, L, acc); break;
+    default: dots_avx512_f32_tile<R, 4>(w, x, L, acc); break;
+  }
+}
+
+AVX512_F32 void dots_avx512_f32(const float* const* w, int R, const uint16_t* const* x, int NT, int64_t L,
+                                float* acc) {
+  switch (R) {
+    case 1: dots_avx512_f32_rows<1>(w, x, NT, L, acc); break;
+    case 2: dots_avx512_f32_rows<2>(w, x, NT, L, acc); break;
+    case 3: dots_avx512_f32_rows<3>(w, x, NT, L, acc); break;
+    default: dots_avx512_f32_rows<4>(w, x, NT, L, acc); break;
+  }
+}
+
+inline void dots(bool avx512, const float* const* w, int R, const uint16_t* const* x, int NT, int64_t L,
+                 float* acc) {
+  if (avx512)
+    dots_avx512_f32(w, R, x, NT, L, acc);
+  else
+    dots_portable(w, R, x, NT, L, acc);
+}
+
+inline float bits_to_f32(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Exact float values of the stored codes, built from their bits without branches or tables (the
+// loops below vectorise); tests compare every code with the reference's conversion.
+// float8_e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities, 0x7f a NaN.
+inline float fp8_value(uint8_t b) {
+  const uint32_t em = b & 0x7fu;
+  uint32_t bits = (em << 20) + (120u << 23);  // 2^(e - 7) (1 + m / 8)
+  const float subnormal = static_cast<float>(b & 7u) * 0.001953125f;  // m / 8 * 2^-6 = m * 2^-9
+  uint32_t subnormal_bits;
+  std::memcpy(&subnormal_bits, &subnormal, 4);
+  bits = (em >> 3) == 0 ? subnormal_bits : bits;
+  bits = em == 0x7fu ? 0x7fc00000u : bits;
+  return bits_to_f32(bits | (static_cast<uint32_t>(b & 0x80u) << 24));
+}
+
+// fp8_value of every byte: a table lookup per weight is cheaper than the bit arithmetic, which
+// the compiler does not vectorise well from bytes.
+struct Fp8Table {
+  float value[256];
+  Fp8Table() {
+    for (int b = 0; b < 256; ++b) value[b] = fp8_value(static_cast<uint8_t>(b));
+  }
+};
+const Fp8Table kFp8Values;
+
+// int4: the nibble n stores n - 8.
+inline float int4_value(uint32_t n) { return static_cast<float>(static_cast<int32_t>(n) - 8); }
+
+// FP4 E2M1 (kernels/fused_moe/__init__.py: E2M1_VALUES): sign, 2 exponent bits, 1 mantissa bit.
+inline float e2m1_value(uint32_t c) {
+  const uint32_t e = (c >> 1) & 3u, m = c & 1u;
+  const uint32_t magnitude = e ? ((e + 126u) << 23) | (m << 22) : (m ? 0x3f000000u : 0u);  // e = 0: 0, 0.5
+  return bits_to_f32(magnitude | ((c & 8u) << 28));
+}
+
+// 2^(s - 127) of an E8M0 byte from the bits, as reference.py's e8m0_to_float (s = 0: 2^-127).
+inline float e8m0_to_f32(uint8_t s) { return bits_to_f32(s == 0 ? (1u << 22) : static_cast<uint32_t>(s) << 23); }
+
+// One stored weight matrix of one expert: `rows` x `cols` values, its scale rows and columns.
+struct QuantMatrix {
+  const uint8_t* weights;  // the expert's first row
+  const uint8_t* scales;   // the expert's first scale row
+  int64_t cols, row_bytes, scale_cols;
+};
+
+// The values of a row of nibbles (int4 words and MXFP4 bytes alike: value k in byte k / 2, the
+// low nibble first), unscaled. Values first, then scales: each loop runs over whole rows.
+template <float (*value)(uint32_t)>
+void nibble_values(const uint8_t* w, int64_t cols, float* dst) {
+  for (int64_t j = 0; j < cols / 2; ++j) {
+    const uint32_t b = w[j];
+    dst[2 * j] = value(b & 15u);
+    dst[2 * j + 1] = value(b >> 4);
+  }
+  if (cols & 1) dst[cols - 1] = value(w[cols / 2] & 15u);
+}
+
+// dst[k] = value(row r, column k) * its scale for k < cols, with scale row `scale_row`: one
+// float32 multiply of exact values, the reference's rounding.
+void dequantize_row(const MoEHostCall& c, const QuantMatrix& m, int64_t r, int64_t scale_row, float* dst) {
+  const uint8_t* w = m.weights + r * m.row_bytes;
+  const int64_t bk = c.block_k, cols = m.cols;
+  if (c.format == kFp8) {
+    for (int64_t k = 0; k < cols; ++k) dst[k] = kFp8Values.value[w[k]];
+  } else if (c.format == kInt4) {
+    nibble_values<int4_value>(w, cols, dst);
+  } else {
+    nibble_values<e2m1_value>(w, cols, dst);
+  }
+  const int64_t first = scale_row * m.scale_cols;
+  for (int64_t k0 = 0; k0 < cols; k0 += bk) {
+    const float scale = c.format == kMxfp4 ? e8m0_to_f32(m.scales[first + k0 / bk])
+                                           : reinterpret_cast<const float*>(m.scales)[first + k0 / bk];
+    const int64_t k1 = std::min(cols, k0 + bk);
+    for (int64_t k = k0; k < k1; ++k) dst[k] *= scale;
+  }
+}
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Bytes a stored row of `cols` values takes in this format.
+inline int64_t row_bytes(const MoEHostCall& c, int64_t cols) {
+  switch (c.format) {
+    case kFp8: return cols;
+    case kInt4: return 4 * ceil_div(cols, 8);
+    default: return ceil_div(cols, 2);
+  }
+}
+
+// w13 (bank 0) or w2 (bank 1) of expert e as a quantized matrix.
+QuantMatrix quant_matrix(const MoEHostCall& c, int bank, int64_t e) {
+  const int64_t rows = bank == 0 ? 2 * c.I : c.H, cols = bank == 0 ? c.H : c.I;
+  const int64_t scale_rows = bank == 0 ? 2 * ceil_div(c.I, c.block_n) : ceil_div(c.H, c.block_n);
+  const int64_t scale_cols = ceil_div(cols, c.block_k), scale_bytes = c.format == kMxfp4 ? 1 : 4;
+  const uint8_t* weights = static_cast<const uint8_t*>(bank == 0 ? c.w13 : c.w2);
+  const uint8_t* scales = static_cast<const uint8_t*>(bank == 0 ? c.w13_scale : c.w2_scale);
+  return {weights + e * rows * row_bytes(c, cols), scales + e * scale_rows * scale_cols * scale_bytes, cols,
+          row_bytes(c, cols), scale_cols};
+}
+
+// The scale row of matrix row r: w13's gate and up halves are blocked each on its own.
+inline int64_t scale_row_of(const MoEHostCall& c, int bank, int64_t r) {
+  if (bank == 1 || r < c.I) return r / c.block_n;
+  return ceil_div(c.I, c.block_n) + (r - c.I) / c.block_n;
+}
+
+void dequantize_rows(const MoEHostCall& c, int bank, int64_t e, int64_t r0, int64_t r1, float* dst) {
+  const QuantMatrix m = quant_matrix(c, bank, e);
+  for (int64_t r = r0; r < r1; ++r) dequantize_row(c, m, r, scale_row_of(c, bank, r), dst + (r - r0) * m.cols);
+}
+
+// The thread's tile of dequantized rows, grown to `floats` and kept between calls.
+float* thread_tile(int64_t floats) {
+  thread_local std::vector<float> tile;
+  if (static_cast<int64_t>(tile.size()) < floats) tile.resize(floats);
+  return tile.data();
+}
+
 struct Group {
   int64_t expert, start, count;  // routes order[start .. start + count) go to `expert`
 };
@@ -149,28 +357,66 @@ struct Group {
 constexpr int64_t kRowsA = 8;   // phase A work unit: this many gate rows (and their up rows)
 constexpr int64_t kRowsB = 16;  // phase B work unit: this many output rows
 
-// Phase A, one unit: act rows [i0, i1) of every route of group g.
-void gate_up_unit(const MoEHostCall& c, const Group& g, const int32_t* order, int64_t i0, int64_t i1, bool avx512) {
+// Phase A, one unit: act rows [i0, i1) of every route of group g, from the gate rows
+// gate[0 .. i1 - i0) and the up rows up[0 ..) (H values each, consecutive).
+template <typename W>
+void gate_up_rows(const MoEHostCall& c, const Group& g, const int32_t* order, int64_t i0, int64_t i1, const W* gate,
+                  const W* up, bool avx512) {
   const int64_t H = c.H, I = c.I;
-  const uint16_t* bank = c.w13 + g.expert * 2 * I * H;
   for (int64_t t0 = 0; t0 < g.count; t0 += 4) {
     int nt = static_cast<int>(std::min<int64_t>(4, g.count - t0));
     const uint16_t* xs[4];
     for (int t = 0; t < nt; ++t) xs[t] = c.x + (order[g.start + t0 + t] / c.K) * H;
     for (int64_t i = i0; i < i1; i += 2) {
       int pair = static_cast<int>(std::min<int64_t>(2, i1 - i));
-      const uint16_t* rows[4];
+      const W* rows[4];
       for (int p = 0; p < pair; ++p) {
-        rows[p] = bank + (i + p) * H;             // gate row
-        rows[pair + p] = bank + (I + i + p) * H;  // up row
+        rows[p] = gate + (i - i0 + p) * H;
+        rows[pair + p] = up + (i - i0 + p) * H;
       }
       float acc[16];
       dots(avx512, rows, 2 * pair, xs, nt, H, acc);
       for (int p = 0; p < pair; ++p)
         for (int t = 0; t < nt; ++t) {
-          float gate = acc[p * nt + t], up = acc[(pair + p) * nt + t];
-          c.act[order[g.start + t0 + t] * I + i + p] = f32_to_bf16(silu(gate) * up);
+          float gate_dot = acc[p * nt + t], up_dot = acc[(pair + p) * nt + t];
+          c.act[order[g.start + t0 + t] * I + i + p] = f32_to_bf16(silu(gate_dot) * up_dot);
         }
+    }
+  }
+}
+
+void gate_up_unit(const MoEHostCall& c, const Group& g, const int32_t* order, int64_t i0, int64_t i1, bool avx512) {
+  const int64_t H = c.H, I = c.I;
+  if (c.format == kBf16) {
+    const uint16_t* bank = static_cast<const uint16_t*>(c.w13) + g.expert * 2 * I * H;
+    gate_up_rows(c, g, order, i0, i1, bank + i0 * H, bank + (I + i0) * H, avx512);
+    return;
+  }
+  float* tile = thread_tile(2 * kRowsA * H);
+  dequantize_rows(c, 0, g.expert, i0, i1, tile);
+  dequantize_rows(c, 0, g.expert, I + i0, I + i1, tile + (i1 - i0) * H);
+  gate_up_rows<float>(c, g, order, i0, i1, tile, tile + (i1 - i0) * H, avx512);
+}
+
+// Phase B, one group: output rows [n0, n1) of its routes from rows[0 .. n1 - n0) (I values each).
+template <typename W>
+void down_rows(const MoEHostCall& c, const Group& g, const int32_t* order, int64_t n0, int64_t n1, const W* w,
+               bool avx512) {
+  const int64_t H = c.H, I = c.I;
+  for (int64_t t0 = 0; t0 < g.count; t0 += 4) {
+    int nt = static_cast<int>(std::min<int64_t>(4, g.count - t0));
+    const uint16_t* acts[4];
+    for (int t = 0; t < nt; ++t) acts[t] = c.act + order[g.start + t0 + t] * I;
+    for (int64_t n = n0; n < n1; n += 4) {
+      int nr = static_cast<int>(std::min<int64_t>(4, n1 - n));
+      const W* rows[4];
+      for (int r = 0; r < nr; ++r) rows[r] = w + (n - n0 + r) * I;
+      float acc[16];
+      dots(avx512, rows, nr, acts, nt, I, acc);
+      for (int t = 0; t < nt; ++t) {
+        int64_t route = order[g.start + t0 + t];
+        for (int r = 0; r < nr; ++r) c.out[route * H + n + r] = f32_to_bf16(c.weights[route] * acc[r * nt + t]);
+      }
     }
   }
 }
@@ -179,23 +425,13 @@ void gate_up_unit(const MoEHostCall& c, const Group& g, const int32_t* order, in
 void down_unit(const MoEHostCall& c, const std::vector<Group>& groups, const int32_t* order, int64_t n0, int64_t n1,
                bool avx512) {
   const int64_t H = c.H, I = c.I;
+  float* tile = c.format == kBf16 ? nullptr : thread_tile(kRowsB * I);
   for (const Group& g : groups) {
-    const uint16_t* bank = c.w2 + g.expert * H * I;
-    for (int64_t t0 = 0; t0 < g.count; t0 += 4) {
-      int nt = static_cast<int>(std::min<int64_t>(4, g.count - t0));
-      const uint16_t* acts[4];
-      for (int t = 0; t < nt; ++t) acts[t] = c.act + order[g.start + t0 + t] * I;
-      for (int64_t n = n0; n < n1; n += 4) {
-        int nr = static_cast<int>(std::min<int64_t>(4, n1 - n));
-        const uint16_t* rows[4];
-        for (int r = 0; r < nr; ++r) rows[r] = bank + (n + r) * I;
-        float acc[16];
-        dots(avx512, rows, nr, acts, nt, I, acc);
-        for (int t = 0; t < nt; ++t) {
-          int64_t route = order[g.start + t0 + t];
-          for (int r = 0; r < nr; ++r) c.out[route * H + n + r] = f32_to_bf16(c.weights[route] * acc[r * nt + t]);
-        }
-      }
+    if (c.format == kBf16) {
+      down_rows(c, g, order, n0, n1, static_cast<const uint16_t*>(c.w2) + g.expert * H * I + n0 * I, avx512);
+    } else {
+      dequantize_rows(c, 1, g.expert, n0, n1, tile);
+      down_rows<float>(c, g, order, n0, n1, tile, avx512);
     }
   }
 }
@@ -241,7 +477,17 @@ void moe_host_timing(int64_t* out) {
 
 int moe_host_has_avx512_bf16() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") ? 1 : 0;
+  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+                 __builtin_cpu_supports("avx512vl")
+             ? 1
+             : 0;
+}
+
+// Rows [r0, r1) of expert e's w13 (bank 0) or w2 (bank 1) of a quantized call, dequantized into
+// dst [r1 - r0, cols] float32 as the kernel computes with them (tests compare them with the
+// reference's dequantize_blocks bit for bit).
+void moe_host_dequantize(const void* arg, int32_t bank, int64_t e, int64_t r0, int64_t r1, float* dst) {
+  dequantize_rows(*static_cast<const MoEHostCall*>(arg), bank, e, r0, r1, dst);
 }
 
 void moe_host_run(void* arg) {
