@@ -14,6 +14,7 @@ from moeferry import LLM, SamplingParams
 from moeferry.config import ConfigError
 from moeferry.scheduler.request import Request
 from moeferry.testing.fixtures import deepseek_configs, make_checkpoint
+from tests.models.mixed_batch import assert_mixed_batch_matches_transformers
 
 CONFIGS = deepseek_configs()
 
@@ -26,45 +27,13 @@ def family(request, tmp_path_factory):
     return name, config, hf, path
 
 
-def _run(runner, batch, rows):
-    batch.logits_rows = torch.arange(rows)
-    return runner.forward(batch)
-
-
 def test_logits_match_transformers_through_chunked_prefill_and_batched_decode(family):
     """Request a's prompt in two chunks, the second batched with request b's whole prompt; then
     four decode steps of both in one batch (the absorbed form). Every position's fp32 logits
     within 1e-4 of transformers' over the whole sequence."""
     name, config, hf, path = family
     runner = LLM(path, dtype="float32", device="cpu", max_running_requests=4).engine.runner
-    g = torch.Generator().manual_seed(1)
-    a = Request(torch.randint(0, 96, (13,), generator=g).tolist(), SamplingParams(max_tokens=8))
-    b = Request(torch.randint(0, 96, (7,), generator=g).tolist(), SamplingParams(max_tokens=8))
-    extra = {r: torch.randint(0, 96, (4,), generator=g).tolist() for r in (a, b)}
-    for r in (a, b):
-        r.pages = runner.kv.pool.allocate(runner.kv.pages_for(r.num_tokens + 4))
-    got = {a: [], b: []}
-    got[a].append(_run(runner, runner.prefill_batch([(a, 5)]), 5))
-    a.num_computed = 5
-    both = _run(runner, runner.prefill_batch([(a, 8), (b, 7)]), 15)
-    got[a].append(both[:8])
-    got[b].append(both[8:])
-    a.num_computed, b.num_computed = 13, 7
-    for step in range(4):
-        for r in (a, b):
-            r.output_ids.append(extra[r][step])
-        logits = _run(runner, runner.decode_batch([a, b]), 2)
-        for i, r in enumerate((a, b)):
-            got[r].append(logits[i:i + 1])
-            r.num_computed += 1
-    for r in (a, b):
-        ours = torch.cat(got[r])
-        with torch.no_grad():
-            ref = hf(torch.tensor([r.tokens])).logits[0].float()
-        assert ours.shape == ref.shape
-        err = (ours - ref).abs().max().item()
-        assert err < 1e-4, f"{name}: max abs logit difference {err}"
-        assert ref.std() > 1e-3
+    assert_mixed_batch_matches_transformers(runner, hf, name, decode_steps=4)
 
 
 def test_the_kv_cache_holds_one_latent_row_per_token_and_layer(family):
