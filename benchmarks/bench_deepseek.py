@@ -36,11 +36,9 @@ HBM_BYTES_PER_S = 4.3e12
 L2_FLUSH_BYTES = 256 << 20
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sections", nargs="+", choices=["decode", "mla"], default=["decode", "mla"])
-    p.add_argument("--layers", type=int, default=5)
-    p.add_argument("--dense-layers", type=int, default=1, help="first_k_dense_replace of the cut model")
+def add_decode_flags(p, layers: int) -> None:
+    """The flags of `decode_rows` (this benchmark's and bench_gpt_oss's decode sections)."""
+    p.add_argument("--layers", type=int, default=layers)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--cache-fracs", type=float, nargs="+", default=[0.25, 1.0])
     p.add_argument("--strategies", nargs="+", default=["gpu", "offload"])
@@ -48,6 +46,13 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--repeats", type=int, default=2)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sections", nargs="+", choices=["decode", "mla"], default=["decode", "mla"])
+    add_decode_flags(p, layers=5)
+    p.add_argument("--dense-layers", type=int, default=1, help="first_k_dense_replace of the cut model")
     p.add_argument("--mla-batches", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--mla-contexts", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
     p.add_argument("--iters", type=int, default=20, help="MLA calls captured in one graph (at least one per copy)")

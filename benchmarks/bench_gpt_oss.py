@@ -17,7 +17,7 @@ import os
 import sys
 import tempfile
 
-from benchmarks.bench_deepseek import decode_rows
+from benchmarks.bench_deepseek import add_decode_flags, decode_rows
 from benchmarks.common import (add_results_flag, command_line, gpu_main, h2d_bandwidth, hbm_bandwidth,
                                markdown_table, report)
 from moeferry.testing.fixtures import GPT_OSS_20B_DIR_CONFIG, write_config_dir
@@ -25,14 +25,7 @@ from moeferry.testing.fixtures import GPT_OSS_20B_DIR_CONFIG, write_config_dir
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
-    p.add_argument("--cache-fracs", type=float, nargs="+", default=[0.25, 1.0])
-    p.add_argument("--strategies", nargs="+", default=["gpu", "offload"])
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--warmup", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=2)
+    add_decode_flags(p, layers=4)
     add_results_flag(p)
     args = p.parse_args(argv)
     if args.layers < 1 or args.steps < 1:
