@@ -162,6 +162,8 @@ class _ExpertWriter:
             raise LoadError(f"{file}: tensor {name!r} is an expert bias, but the model's experts have none")
         src = self._stacked(kind + "_bias", src, tuple(dst.shape), name, file)
         _check_tensor(name, src, dst.shape, file)
+        if kind == "gate_up":  # gate's biases, then up's, as the w13 rows they join
+            src = torch.cat(split_gate_up(src, self.interleaved), dim=1)
         dst.copy_(src)
         self.biases[layer_id] = self.biases.get(layer_id, 0) + 1
         return 0
@@ -188,14 +190,13 @@ class _ExpertWriter:
     def _write_stacked(self, banks, kind: str, part: str, src: torch.Tensor, name: str, file: str) -> int:
         """Every expert's gate_up or down weights (or scales) at once; gate and up are blocked
         (quantized) each on its own, so a stacked gate_up splits by rows before anything else."""
-        interleaved = self.interleaved
         if part == "weight" and src.dtype == torch.uint8 and src.dim() == 4:
             src = mxfp4_rows(src)
         elif part == "weight" and not _is_stored_quantized(src) and self.model.spec.stacked_experts is not None:
-            # the family's own layout (gpt-oss: transposed, gate and up interleaved) into the banks'
+            # the family's own layout (gpt-oss's bf16: transposed) into the banks' [E, rows, cols]
             dst, _, cols = self.target(banks, None, "gate" if kind == "gate_up" else "down")
             want = (dst.shape[0], 2 * dst.shape[1], cols) if kind == "gate_up" else (*dst.shape[:-1], cols)
-            src, interleaved = self._stacked(kind, src, want, name, file), False
+            src = self._stacked(kind, src, want, name, file)
         dst, scale_dst, cols = self.target(banks, None, "gate" if kind == "gate_up" else "down")
         if part == "scale":
             want = tuple(scale_dst.shape) if scale_dst is not None else None
@@ -204,7 +205,7 @@ class _ExpertWriter:
         if want is not None:
             want = (want[0], 2 * want[1], *want[2:]) if kind == "gate_up" else want
             _check_tensor(name, src, want, file, packed=True)
-        halves = zip(("gate", "up"), split_gate_up(src, interleaved)) if kind == "gate_up" else [(kind, src)]
+        halves = zip(("gate", "up"), split_gate_up(src, self.interleaved)) if kind == "gate_up" else [(kind, src)]
         for half_kind, half in halves:
             if part == "scale":
                 self._write_scales(banks, None, half_kind, half, name, file)

@@ -8,10 +8,10 @@ the same weights), named `router`; experts with biases on both GEMMs and the cla
 The checkpoint stacks every expert of a layer, transposed, with gate and up interleaved along
 the last dimension: gate_up_proj [E, H, 2I] (gate = [..., ::2], up = [..., 1::2]),
 gate_up_proj_bias [E, 2I] alike, down_proj [E, I, H], down_proj_bias [E, H]; `_stacked`
-turns them into the banks' [gate; up] layout once, at load. The released checkpoints' MXFP4
-experts (`*_blocks` [E, rows, K/32, 16] bytes, `*_scales` [E, rows, K/32], not transposed)
-land in mxfp4 banks as they are, their interleaved gate and up rows split by
-`gate_up_interleaved` (engine/loader.py: split_gate_up).
+transposes the weights to rows once, at load. The released checkpoints' MXFP4 experts
+(`*_blocks` [E, rows, K/32, 16] bytes, `*_scales` [E, rows, K/32]) are rows already. In every
+format the interleaved gate and up rows (and biases) are split by `gate_up_interleaved`
+(engine/loader.py: split_gate_up).
 """
 
 import torch
@@ -23,14 +23,9 @@ from moeferry.models.registry import FamilySpec
 
 
 def _stacked(kind: str, t: torch.Tensor) -> torch.Tensor:
-    if kind == "gate_up":
-        t = t.transpose(1, 2)  # [E, 2I, H], rows interleaved
-        return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
-    if kind == "down":
-        return t.transpose(1, 2)
-    if kind == "gate_up_bias":
-        return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
-    return t
+    """The bf16 checkpoint's stacked experts ([E, K, out]) as rows ([E, out, K]); the gate and up
+    rows stay interleaved, as in every format (gate_up_interleaved splits them at load)."""
+    return t.transpose(1, 2) if kind in ("gate_up", "down") else t
 
 
 SPEC = FamilySpec(

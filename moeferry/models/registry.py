@@ -40,8 +40,8 @@ class FamilySpec:
     expert_bias: the routed experts have biases on both GEMMs (bias banks, gpt-oss);
     activation(hf): how an expert's gate and up rows combine (kernels/fused_moe Activation);
     stacked_experts(kind, tensor): a stacked checkpoint tensor of every expert (kind gate_up,
-    down, gate_up_bias, down_bias) in the banks' layout ([E, 2I, H] gate rows then up rows,
-    [E, H, I], [E, 2I], [E, H]); None when the checkpoint already stores that layout.
+    down, gate_up_bias, down_bias) as rows ([E, 2I, H], [E, H, I], [E, 2I], [E, H]), the gate
+    and up rows still in the checkpoint's order; None when the checkpoint stores rows already.
     gate_up_interleaved: a stacked gate_up tensor's rows alternate gate, up (gpt-oss) instead of
     all gate rows, then all up rows (engine/loader.py: split_gate_up).
     """
