@@ -167,6 +167,23 @@ def make_checkpoint(config, out_dir: str, seed: int = 0, shards: bool = False):
     return model
 
 
+def make_checkpoint_with_builtin_tokenizer(config, out_dir: str, seed: int = 0):
+    """`make_checkpoint` of `config` at the built-in model's vocabulary, with its tokenizer and
+    chat template copied in: a tiny checkpoint of any family that `generate` and `serve` can
+    take text for. Returns the HF model."""
+    import shutil
+
+    from moeferry.default_model import builtin_model_dir
+
+    tokenizer_dir = builtin_model_dir("moeferry-tiny-moe")
+    with open(os.path.join(tokenizer_dir, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    model = make_checkpoint(type(config)(**{**config.to_dict(), "vocab_size": vocab}), out_dir, seed=seed)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(os.path.join(tokenizer_dir, name), out_dir)
+    return model
+
+
 def write_config_dir(path: str, config: dict) -> str:
     """A checkpoint directory holding only config.json (enough for --load-format dummy)."""
     os.makedirs(path, exist_ok=True)

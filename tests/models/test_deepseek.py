@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from moeferry import LLM, SamplingParams
 from moeferry.config import ConfigError
 from moeferry.scheduler.request import Request
-from moeferry.testing.fixtures import deepseek_configs, make_checkpoint
+from moeferry.testing.fixtures import deepseek_configs, make_checkpoint, make_checkpoint_with_builtin_tokenizer
 from tests.models.mixed_batch import assert_mixed_batch_matches_transformers
 
 CONFIGS = deepseek_configs()
@@ -189,15 +189,8 @@ def test_moeferry_generate_runs_a_tiny_deepseek_checkpoint(tmp_path):
     import subprocess
     import sys
 
-    from moeferry.default_model import builtin_model_dir
-
-    tokenizer_dir = builtin_model_dir("moeferry-tiny-moe")
-    vocab = json.load(open(os.path.join(tokenizer_dir, "config.json")))["vocab_size"]
-    config = dict(CONFIGS)["deepseek_v3"]
     d = str(tmp_path / "ds")
-    make_checkpoint(type(config)(**{**config.to_dict(), "vocab_size": vocab}), d)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(tokenizer_dir, name), d)
+    make_checkpoint_with_builtin_tokenizer(dict(CONFIGS)["deepseek_v3"], d)
     out = subprocess.run([sys.executable, "-m", "moeferry.cli", "generate", "--model", d, "--prompt", "Hello",
                           "--max-tokens", "6", "--ignore-eos", "--device", "cpu"],
                          capture_output=True, text=True, env={**os.environ, "MOEFERRY_CACHE": str(tmp_path)},

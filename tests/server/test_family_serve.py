@@ -4,34 +4,20 @@ OpenAI API answers chat and a streamed completion from them as from any other mo
 server is model-agnostic; this checks the whole path: start-up, plan, prefill and decode)."""
 
 import json
-import os
-import shutil
 
 import httpx
 import pytest
 
-from moeferry.testing.fixtures import deepseek_configs, gpt_oss_configs, make_checkpoint
+from moeferry.testing.fixtures import deepseek_configs, gpt_oss_configs, make_checkpoint_with_builtin_tokenizer
 from tests.server.conftest import running_server
 
 FAMILIES = {"deepseek_v3": deepseek_configs, "gpt_oss": gpt_oss_configs}
 
 
-def _tiny_checkpoint_with_tokenizer(family: str, path: str) -> str:
-    """The family's tiny config at the built-in model's vocabulary, with its tokenizer files."""
-    from moeferry.default_model import builtin_model_dir
-
-    tokenizer_dir = builtin_model_dir("moeferry-tiny-moe")
-    vocab = json.load(open(os.path.join(tokenizer_dir, "config.json")))["vocab_size"]
-    config = dict(FAMILIES[family]())[family]
-    make_checkpoint(type(config)(**{**config.to_dict(), "vocab_size": vocab}), path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(os.path.join(tokenizer_dir, name), path)
-    return path
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_tiny_checkpoint_serves_chat_and_streamed_completions(tmp_path, family):
-    model = _tiny_checkpoint_with_tokenizer(family, str(tmp_path / "m"))
+    model = str(tmp_path / "m")
+    make_checkpoint_with_builtin_tokenizer(dict(FAMILIES[family]())[family], model)
     with running_server(model=model, max_running_requests=4, max_model_len=128) as server:
         with httpx.Client(base_url=server.url, headers=server.headers(), timeout=120) as http:
             chat = http.post("/v1/chat/completions", json={
