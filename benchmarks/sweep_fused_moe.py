@@ -1,8 +1,9 @@
 """Tile sweep for the fused MoE's two GEMMs at decode sizes, each timed on its own: us per
 layer (a CUDA graph over bench_fused_moe's 8 distinct layer banks) against the floor, the
-bytes of the distinct experts' rows of that bank over 4.3 TB/s.
-  python -m benchmarks.sweep_fused_moe [--tokens 1 4] [--block-n 16 32 64] [--block-k 128 256]
-      [--warps 2 4] [--stages 3 5]"""
+bytes of the distinct experts' rows of that bank (weights and scales as stored) over 4.3 TB/s.
+  python -m benchmarks.sweep_fused_moe [--format bf16|fp8|int4|mxfp4] [--tokens 1 4]
+      [--block-n 16 32 64] [--block-k 128 256] [--warps 2 4] [--stages 3 5]
+4-bit formats try every tile with and without split-field dots (FusedMoEConfig.split_fields)."""
 import argparse
 import itertools
 
@@ -11,31 +12,45 @@ import triton.testing
 
 from benchmarks.bench_fused_moe import HBM_BYTES_PER_S, HIDDEN, INTERMEDIATE, NUM_EXPERTS, TOP_K, _make_layers
 from moeferry.kernels.fused_moe import triton as fm
+from moeferry.moe.formats import QUANTIZATIONS, expert_format, quantize
 
 
-def gemm_inputs(layers, config):
-    """Per layer: (hidden, w13, w2, route weights, blocks, flat ids, act, route_out)."""
+def stored_banks(layers, format_name: str):
+    """Per layer: ((w13, w13 scales), (w2, w2 scales)) in `format_name`; scales None for bf16."""
+    if format_name == "bf16":
+        return [((w13, None), (w2, None)) for _, w13, w2, *_ in layers]
+    fmt = expert_format(None, format_name)
+    return [(quantize(w13, fmt), quantize(w2, fmt)) for _, w13, w2, *_ in layers]
+
+
+def bank_bytes(bank) -> int:
+    """Bytes of one expert's rows of a stored bank, weights and scales."""
+    return sum(t[0].numel() * t.element_size() for t in bank if t is not None)
+
+
+def gemm_inputs(layers, banks, config):
+    """Per layer: (hidden, w13 bank, w2 bank, route weights, blocks, flat ids, act, route_out, naive)."""
     out = []
-    for hidden, w13, w2, weights, ids, _ in layers:
+    for (hidden, w13, w2, weights, ids, _), (b13, b2) in zip(layers, banks):
         flat = ids.reshape(-1).contiguous()
         assignment = fm.choose_block_assignment(hidden.shape[0], TOP_K, NUM_EXPERTS, w13, w2)
-        blocks = fm._route_blocks(flat, w13.shape[0], assignment, config.block_m)
+        blocks = fm._route_blocks(flat, w13.shape[0], NUM_EXPERTS, assignment, config.block_m)
         act = torch.randn(flat.numel(), INTERMEDIATE, device="cuda", dtype=hidden.dtype)
         route_out = torch.empty(flat.numel(), HIDDEN, device="cuda", dtype=hidden.dtype)
-        out.append((hidden, w13, w2, weights.reshape(-1).float(), blocks, flat, act, route_out,
+        out.append((hidden, b13, b2, weights.reshape(-1).float(), blocks, flat, act, route_out,
                     assignment == "naive"))
     return out
 
 
-def time_gemm(inputs, gated: bool, config) -> float:
+def time_gemm(inputs, gated: bool, config, block_shape) -> float:
     def step():
-        for hidden, w13, w2, weights, blocks, flat, act, route_out, naive in inputs:
+        for hidden, (w13, s13), (w2, s2), weights, blocks, flat, act, route_out, naive in inputs:
             if gated:
                 fm._launch_gemm(hidden, w13, act, weights, blocks, flat, gated=True, weighted=False,
-                                a_div=TOP_K, naive=naive, config=config)
+                                a_div=TOP_K, naive=naive, config=config, scales=s13, block_shape=block_shape)
             else:
                 fm._launch_gemm(act, w2, route_out, weights, blocks, flat, gated=False, weighted=True,
-                                a_div=1, naive=naive, config=config)
+                                a_div=1, naive=naive, config=config, scales=s2, block_shape=block_shape)
 
     step()
     ms = triton.testing.do_bench_cudagraph(step, rep=40, return_mode="median")
@@ -44,36 +59,43 @@ def time_gemm(inputs, gated: bool, config) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--format", default="bf16", choices=["bf16", *QUANTIZATIONS])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 4])
     p.add_argument("--block-n", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument("--block-k", type=int, nargs="+", default=[128, 256])
     p.add_argument("--warps", type=int, nargs="+", default=[2, 4])
     p.add_argument("--stages", type=int, nargs="+", default=[3, 5])
     args = p.parse_args()
-    print(f"{torch.cuda.get_device_name()}; H={HIDDEN}, I={INTERMEDIATE}, E={NUM_EXPERTS}, top-{TOP_K}, bf16")
-    print("| tokens | GEMM | block_n | block_k | warps | stages | us / layer | floor us | of floor |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    block_shape = None if args.format == "bf16" else expert_format(None, args.format).block_shape
+    print(f"{torch.cuda.get_device_name()}; H={HIDDEN}, I={INTERMEDIATE}, E={NUM_EXPERTS}, top-{TOP_K}, "
+          f"{args.format} experts, bf16 activations")
+    print("| tokens | GEMM | block_n | block_k | warps | stages | split fields | us / layer | floor us | of floor |")
+    print("|---:|---|---:|---:|---:|---:|---|---:|---:|---:|")
     for tokens in args.tokens:
         layers = _make_layers(tokens)
         distinct = sum(int(ids.unique().numel()) for *_, ids, _ in layers) / len(layers)
         current = fm.select_config(tokens, TOP_K, HIDDEN, INTERMEDIATE, NUM_EXPERTS, torch.bfloat16)
-        inputs = gemm_inputs(layers, current)
-        for gated, bank_bytes in ((True, 2 * INTERMEDIATE * HIDDEN * 2), (False, HIDDEN * INTERMEDIATE * 2)):
-            floor_us = distinct * bank_bytes / HBM_BYTES_PER_S * 1e6
+        banks = stored_banks(layers, args.format)
+        inputs = gemm_inputs(layers, banks, current)
+        for gated in (True, False):
+            floor_us = distinct * bank_bytes(banks[0][0 if gated else 1]) / HBM_BYTES_PER_S * 1e6
             name = "w13 (gate+up)" if gated else "w2 (down)"
+            splits = (False, True) if args.format in ("int4", "mxfp4") else (False,)
             configs = [current] + [
-                fm.FusedMoEConfig(current.block_m, n, k, current.group_m, w, s)
-                for n, k, w, s in itertools.product(args.block_n, args.block_k, args.warps, args.stages)]
+                fm.FusedMoEConfig(current.block_m, n, k, current.group_m, w, s, split_fields=split)
+                for n, k, w, s, split in itertools.product(args.block_n, args.block_k, args.warps, args.stages,
+                                                           splits)]
             for i, config in enumerate(configs):
                 try:
-                    us = f"{time_gemm(inputs, gated, config):.2f}"
+                    us = f"{time_gemm(inputs, gated, config, block_shape):.2f}"
                     share = f"{floor_us / float(us):.0%}"
                 except Exception as e:  # noqa: BLE001 (out of shared memory, say): the row says so
                     us, share = type(e).__name__, "-"
                 label = " (current)" if i == 0 else ""
                 print(f"| {tokens} | {name}{label} | {config.block_n} | {config.block_k} | {config.num_warps} "
-                      f"| {config.num_stages} | {us} | {floor_us:.2f} | {share} |", flush=True)
-        del layers, inputs
+                      f"| {config.stages(gated)} | {fm._splits_fields(config, 8 if args.format == 'int4' else 2)} "
+                      f"| {us} | {floor_us:.2f} | {share} |", flush=True)
+        del layers, banks, inputs
         torch.cuda.empty_cache()
 
 

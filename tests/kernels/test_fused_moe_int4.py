@@ -3,10 +3,13 @@ against compressed-tensors' own pack_to_int32 / unpack_from_int32, the group qua
 precision, the reference against a float64 oracle over dequantized weights, the Triton kernel
 (TRITON_INTERPRET=1 on CPU) against the reference, slot-pool bit identity; GPU tests at the
 Qwen3-30B-A3B expert shape."""
+from dataclasses import replace
+
 import pytest
 import torch
 
 from moeferry.kernels.fused_moe import fused_moe
+from moeferry.kernels.fused_moe import triton as fm
 from moeferry.kernels.fused_moe.reference import unpack_int4
 from moeferry.moe.formats import pack_int4, quantize_int4_groups
 from tests.kernels.test_fused_moe import make_layer, make_routes, oracle, rel_err
@@ -77,6 +80,36 @@ def test_triton_matches_reference_on_int4_banks(dtype, num_tokens, assignment, g
                                     top_k, assignment, dtype)
 
 
+def force_split_fields(monkeypatch, block_k: int | None = None) -> list[bool]:
+    """Every fused_moe tile config asks for split-field dots (and K tiles of `block_k` when
+    given); the returned list collects, per GEMM launch, whether the kernel really took them
+    (K tiles deep enough)."""
+    taken = []
+    select, splits = fm.select_config, fm._splits_fields
+
+    def forced(*args, **kwargs):
+        config = replace(select(*args, **kwargs), split_fields=True)
+        return config if block_k is None else replace(config, block_k=block_k)
+    monkeypatch.setattr(fm, "select_config", forced)
+
+    def recording(config, pack):
+        taken.append(splits(config, pack))
+        return taken[-1]
+    monkeypatch.setattr(fm, "_splits_fields", recording)
+    return taken
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens,assignment", [(3, "naive"), (21, "sorted")])
+def test_split_field_tiles_match_reference_on_int4_banks(monkeypatch, dtype, num_tokens, assignment):
+    num_experts, top_k, hidden_size, intermediate_size = 32, 2, 200, 136  # K tiles of 128, masked tails
+    taken = force_split_fields(monkeypatch, block_k=128)  # float32's own K tile (32) is too shallow
+    (q13, s13, q2, s2), _ = int4_layer(num_experts, hidden_size, intermediate_size, 128)
+    assert_triton_matches_reference(q13, q2, dict(w13_scale=s13, w2_scale=s2, block_shape=(1, 128)), num_tokens,
+                                    top_k, assignment, dtype)
+    assert taken == [True, True]
+
+
 @pytest.mark.parametrize("impl", ["triton", "reference"])
 def test_int4_slot_pool_gives_bit_identical_output(impl):
     num_experts, top_k, hidden_size, intermediate_size, num_slots = 16, 2, 64, 32, 300
@@ -108,3 +141,16 @@ def test_triton_int4_matches_reference_on_gpu(num_tokens):
         got = fused_moe(hidden, q13, q2, weights, ids, num_routed_experts=128, block_assignment=assignment, **scales)
         assert rel_err(got, ref) < 1e-2
         torch.testing.assert_close(got.float(), ref.float(), atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 4, 64])
+def test_split_field_int4_tiles_match_reference_on_gpu(monkeypatch, num_tokens):
+    taken = force_split_fields(monkeypatch)
+    (q13, s13, q2, s2), _ = int4_layer(128, 2048, 768, 128, device="cuda")
+    hidden, weights, ids = make_routes(num_tokens, 2048, 128, 8, torch.bfloat16, "cuda", 1)
+    scales = dict(w13_scale=s13, w2_scale=s2, block_shape=(1, 128))
+    ref = fused_moe(hidden, q13, q2, weights, ids, num_routed_experts=128, impl="reference", **scales)
+    got = fused_moe(hidden, q13, q2, weights, ids, num_routed_experts=128, **scales)
+    assert all(taken) and rel_err(got, ref) < 1e-2
+    torch.testing.assert_close(got.float(), ref.float(), atol=5e-2, rtol=5e-2)

@@ -12,6 +12,7 @@ from moeferry.kernels.fused_moe.reference import dequantize_blocks, e8m0_to_floa
 from moeferry.moe.formats import pack_mxfp4, quantize_mxfp4
 from tests.kernels.test_fused_moe import make_layer, make_routes, oracle, rel_err
 from tests.kernels.test_fused_moe_fp8 import assert_triton_matches_reference
+from tests.kernels.test_fused_moe_int4 import force_split_fields
 
 BLOCK = (1, 32)
 
@@ -131,6 +132,17 @@ def test_triton_matches_reference_on_mxfp4_banks(dtype, num_tokens, assignment):
                                     top_k, assignment, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens,assignment", [(3, "naive"), (21, "sorted")])
+def test_split_field_tiles_match_reference_on_mxfp4_banks(monkeypatch, dtype, num_tokens, assignment):
+    num_experts, top_k, hidden_size, intermediate_size = 32, 2, 80, 48  # K tiles of 64 and 32, masked tails
+    taken = force_split_fields(monkeypatch)
+    (q13, s13, q2, s2), _ = mxfp4_layer(num_experts, hidden_size, intermediate_size, seed=num_tokens)
+    assert_triton_matches_reference(q13, q2, dict(w13_scale=s13, w2_scale=s2, block_shape=BLOCK), num_tokens,
+                                    top_k, assignment, dtype)
+    assert taken == [True, True]
+
+
 @pytest.mark.parametrize("impl", ["triton", "reference"])
 def test_mxfp4_slot_pool_gives_bit_identical_output(impl):
     num_experts, top_k, hidden_size, intermediate_size, num_slots = 16, 2, 64, 32, 300
@@ -173,6 +185,19 @@ def test_triton_mxfp4_matches_reference_on_gpu(num_tokens):
         got = fused_moe(hidden, q13, q2, weights, ids, num_routed_experts=128, block_assignment=assignment, **scales)
         assert rel_err(got, ref) < 1e-2
         torch.testing.assert_close(got.float(), ref.float(), atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 4, 64])
+def test_split_field_mxfp4_tiles_match_reference_on_gpu(monkeypatch, num_tokens):
+    taken = force_split_fields(monkeypatch)
+    (q13, s13, q2, s2), _ = mxfp4_layer(128, 2048, 768, device="cuda")
+    hidden, weights, ids = make_routes(num_tokens, 2048, 128, 8, torch.bfloat16, "cuda", 1)
+    scales = dict(w13_scale=s13, w2_scale=s2, block_shape=BLOCK)
+    ref = fused_moe(hidden, q13, q2, weights, ids, num_routed_experts=128, impl="reference", **scales)
+    got = fused_moe(hidden, q13, q2, weights, ids, num_routed_experts=128, **scales)
+    assert all(taken) and rel_err(got, ref) < 1e-2
+    torch.testing.assert_close(got.float(), ref.float(), atol=5e-2, rtol=5e-2)
 
 
 @pytest.mark.gpu

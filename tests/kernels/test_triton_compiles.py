@@ -1,5 +1,5 @@
 """The fused MoE GEMM kernel compiles for an H100/H200 (sm_90) in every weight format, on a
-machine without a GPU (gpt-oss's biases and clamped SwiGLU too): Triton's compiler and ptxas ship with the triton wheel, and they type
+machine without a GPU (4-bit banks as split-field dots, gpt-oss's biases and clamped SwiGLU too): Triton's compiler and ptxas ship with the triton wheel, and they type
 what TRITON_INTERPRET=1 never does (a return's type behind a constexpr, a bitcast, an integer
 width). Run in a subprocess, since this process' kernels were made for the interpreter."""
 
@@ -22,6 +22,10 @@ FORMATS = {  # weight, scale pointer, constexprs
     "fp8": ("fp8e4nv", "fp32", dict(QUANT=True, PACKED=False, PACK=1, MXFP4=False, SCALE_BN=128, SCALE_BK=128)),
     "int4": ("i32", "fp32", dict(QUANT=True, PACKED=True, PACK=8, MXFP4=False, SCALE_BN=1, SCALE_BK=128)),
     "mxfp4": ("u8", "u8", dict(QUANT=False, PACKED=False, PACK=2, MXFP4=True, SCALE_BN=1, SCALE_BK=32)),
+    "int4-split": ("i32", "fp32", dict(QUANT=True, PACKED=True, PACK=8, MXFP4=False, SCALE_BN=1, SCALE_BK=128,
+                                      SPLIT=True)),
+    "mxfp4-split": ("u8", "u8", dict(QUANT=False, PACKED=False, PACK=2, MXFP4=True, SCALE_BN=1, SCALE_BK=32,
+                                     SPLIT=True)),
     "bf16-biased-clamped": ("bf16", "fp32", dict(QUANT=False, PACKED=False, PACK=1, MXFP4=False, SCALE_BN=1,
                                                  SCALE_BK=1, BIAS=True, CLAMPED=True)),
 }
@@ -30,7 +34,7 @@ params = list(inspect.signature(kernel.fn).parameters)
 for name in sys.argv[1:]:
     weight, scale, constexprs = FORMATS[name]
     for gated in (True, False):
-        values = dict(dict(BIAS=False, CLAMPED=False), **constexprs, A_ROWS_PER_ROUTE_DIV=8 if gated else 1, GATED=gated, WEIGHTED=not gated,
+        values = dict(dict(BIAS=False, CLAMPED=False, SPLIT=False), **constexprs, A_ROWS_PER_ROUTE_DIV=8 if gated else 1, GATED=gated, WEIGHTED=not gated,
                       NAIVE=False, IEEE=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, PDL=False)
         pointers = dict(a_ptr="*bf16", b_ptr="*" + weight, c_ptr="*bf16", route_weight_ptr="*fp32",
                         sorted_route_ptr="*i32", block_expert_ptr="*i32", num_post_padded_ptr="*i32", ids_ptr="*i32",
@@ -49,7 +53,8 @@ def _ptxas() -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("weight_format", ["bf16", "fp8", "int4", "mxfp4", "bf16-biased-clamped"])
+@pytest.mark.parametrize("weight_format", ["bf16", "fp8", "int4", "mxfp4", "int4-split", "mxfp4-split",
+                                           "bf16-biased-clamped"])
 def test_the_fused_moe_gemm_compiles_for_sm90(weight_format):
     if not _ptxas():
         pytest.skip("the triton wheel brings no ptxas here")

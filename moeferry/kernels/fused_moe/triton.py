@@ -71,7 +71,10 @@ __all__ = [
 @dataclass(frozen=True)
 class FusedMoEConfig:
     """Tile sizes and launch parameters for both GEMMs of one fused_moe call; the down GEMM
-    pipelines ``down_num_stages`` K tiles when given, else ``num_stages`` like the first."""
+    pipelines ``down_num_stages`` K tiles when given, else ``num_stages`` like the first.
+    ``split_fields`` (4-bit banks only, int4 and MXFP4): a K tile is PACK dots, one per field
+    of the stored elements against the matching strided columns of a, instead of one dot over
+    the fields rearranged into K order (no reshape of the weight tile)."""
 
     block_m: int
     block_n: int
@@ -80,6 +83,7 @@ class FusedMoEConfig:
     num_warps: int
     num_stages: int
     down_num_stages: int | None = None
+    split_fields: bool = False
 
     def stages(self, gated: bool) -> int:
         """Pipeline depth of the gate+up GEMM (gated) or of the down GEMM."""
@@ -213,6 +217,38 @@ def _load_b(b_ptrs, mask, mx_scale_ptrs, mx_mask, PACKED: tl.constexpr, MXFP4: t
 
 
 @triton.jit
+def _split_fields_dot(a_rows_ptrs, row_valid, k0, k_in, stride_ak, b_ptrs, b_mask, scale_rows_ptrs, stride_sk,
+                      col_valid, acc, MXFP4: tl.constexpr, PACK: tl.constexpr, SCALE_BK: tl.constexpr,
+                      BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """acc + a @ b over the K tile at k0 of a 4-bit bank, the stored elements
+    ([BLOCK_K / PACK, BLOCK_N] at b_ptrs) read once and never rearranged: field i of element j
+    is column k0 + PACK * j + i, so the tile is PACK dots of field i against a's columns
+    k0 + i, k0 + PACK + i, ... (a_rows_ptrs [BLOCK_M]: a's rows). int4: the fp32 sum of those
+    dots scaled per output column by the tile's group scale (scale_rows_ptrs [BLOCK_N] at
+    k0 // SCALE_BK); MXFP4: each value times its E8M0 scale before its dot."""
+    stored = tl.load(b_ptrs, mask=b_mask, other=0).to(tl.int32)
+    offs_j = tl.arange(0, BLOCK_K // PACK)
+    partial = tl.zeros(acc.shape, dtype=tl.float32)
+    for i in tl.static_range(PACK):
+        cols = k0 + offs_j * PACK + i
+        col_in = cols < k_in
+        a = tl.load(a_rows_ptrs[:, None] + cols[None, :] * stride_ak, mask=row_valid[:, None] & col_in[None, :],
+                    other=0.0)
+        field = (stored >> (4 * i)) & 0xF
+        if MXFP4:
+            exps = tl.load(scale_rows_ptrs[None, :] + (cols // SCALE_BK * stride_sk)[:, None],
+                           mask=col_in[:, None] & col_valid[None, :], other=127).to(tl.int32)
+            partial = dot(a, (_e2m1_value(field) * _e8m0_value(exps)).to(a.dtype), partial, IEEE)
+        else:
+            partial = dot(a, (field - 8).to(tl.float32).to(a.dtype), partial, IEEE)
+    if MXFP4:
+        return acc + partial
+    else:
+        scales = tl.load(scale_rows_ptrs + k0 // SCALE_BK * stride_sk, mask=col_valid, other=0.0)
+        return acc + partial * scales[None, :]
+
+
+@triton.jit
 def _scaled_dot(a, b, acc, scale_ptrs, scale_offset, col_valid, QUANT: tl.constexpr, IEEE: tl.constexpr):
     """acc + a @ b; QUANT: b holds quantized values (fp8, or int4 unpacked) whose scale is one
     per output column over this K tile (scale_ptrs + scale_offset), applied to the fp32
@@ -254,6 +290,7 @@ def _moe_gemm_kernel(
     BIAS: tl.constexpr,  # bias [S, n_out] (gated: [S, 2 n_out], gate then up) added to the accumulators
     CLAMPED: tl.constexpr,  # gated: c = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
     NAIVE: tl.constexpr, IEEE: tl.constexpr,
+    SPLIT: tl.constexpr,  # PACKED or MXFP4: a K tile is PACK dots, one per stored field (_split_fields_dot)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -282,19 +319,28 @@ def _moe_gemm_kernel(
     scale_ptrs = scale_ptr + expert.to(tl.int64) * stride_se + (offs_n // SCALE_BN) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    a_rows_ptrs = a_ptr + a_rows * stride_am  # read if SPLIT
     for k0 in range(0, k_in, BLOCK_K):
         k_valid = offs_k < k_in - k0
         b_mask = (offs_kb * PACK < k_in - k0)[:, None] & col_valid[None, :]
-        a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-        mx_scale_ptrs = scale_ptrs[None, :] + ((k0 + offs_k) // SCALE_BK * stride_sk)[:, None]  # read if MXFP4
-        mx_mask = k_valid[:, None] & col_valid[None, :]
-        b = _load_b(b_ptrs, b_mask, mx_scale_ptrs, mx_mask, PACKED, MXFP4, PACK, BLOCK_K, BLOCK_N)
-        acc = _scaled_dot(a, b, acc, scale_ptrs, k0 // SCALE_BK * stride_sk, col_valid, QUANT, IEEE)
-        if GATED:
-            b_up = _load_b(b_ptrs + n_out * stride_bn, b_mask, mx_scale_ptrs + up_scale_row * stride_sn, mx_mask,
-                           PACKED, MXFP4, PACK, BLOCK_K, BLOCK_N)
-            acc_up = _scaled_dot(a, b_up, acc_up, scale_ptrs + up_scale_row * stride_sn,
-                                 k0 // SCALE_BK * stride_sk, col_valid, QUANT, IEEE)
+        if SPLIT:
+            acc = _split_fields_dot(a_rows_ptrs, row_valid, k0, k_in, stride_ak, b_ptrs, b_mask, scale_ptrs,
+                                    stride_sk, col_valid, acc, MXFP4, PACK, SCALE_BK, BLOCK_K, IEEE)
+            if GATED:
+                acc_up = _split_fields_dot(a_rows_ptrs, row_valid, k0, k_in, stride_ak, b_ptrs + n_out * stride_bn,
+                                           b_mask, scale_ptrs + up_scale_row * stride_sn, stride_sk, col_valid,
+                                           acc_up, MXFP4, PACK, SCALE_BK, BLOCK_K, IEEE)
+        else:
+            a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+            mx_scale_ptrs = scale_ptrs[None, :] + ((k0 + offs_k) // SCALE_BK * stride_sk)[:, None]  # read if MXFP4
+            mx_mask = k_valid[:, None] & col_valid[None, :]
+            b = _load_b(b_ptrs, b_mask, mx_scale_ptrs, mx_mask, PACKED, MXFP4, PACK, BLOCK_K, BLOCK_N)
+            acc = _scaled_dot(a, b, acc, scale_ptrs, k0 // SCALE_BK * stride_sk, col_valid, QUANT, IEEE)
+            if GATED:
+                b_up = _load_b(b_ptrs + n_out * stride_bn, b_mask, mx_scale_ptrs + up_scale_row * stride_sn,
+                               mx_mask, PACKED, MXFP4, PACK, BLOCK_K, BLOCK_N)
+                acc_up = _scaled_dot(a, b_up, acc_up, scale_ptrs + up_scale_row * stride_sn,
+                                     k0 // SCALE_BK * stride_sk, col_valid, QUANT, IEEE)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K // PACK * stride_bk
     if BIAS:
@@ -373,11 +419,17 @@ def _launch_gemm(a, b, c, route_weights, blocks, topk_ids, *, gated, weighted, a
         bias_ptr=route_weights if bias is None else bias, stride_bias_e=0 if bias is None else bias.stride(0),
         alpha=activation.alpha, limit=activation.limit, BIAS=bias is not None,
         CLAMPED=activation.name == "clamped_swiglu", NAIVE=naive,
-        IEEE=exact_dot(a.dtype),
+        IEEE=exact_dot(a.dtype), SPLIT=_splits_fields(config, _pack(b)),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.stages(gated),
         **pdl_launch(a.device),
     )
+
+
+def _splits_fields(config: FusedMoEConfig, pack: int) -> bool:
+    """Whether a 4-bit bank's K tiles run as one dot per field: asked for, and each dot at
+    least 16 deep (tl.dot's smallest K)."""
+    return config.split_fields and pack > 1 and config.block_k // pack >= 16
 
 
 def _pack(weight: torch.Tensor) -> int:
