@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import (add_results_flag, command_line, free_engine_memory, gpu_main, h2d_bandwidth,
                                markdown_table, report, timed_decode, uniform_routing)
+from moeferry.moe.host_experts import HostExpertChannel
 from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 LLAMA_CPP_BATCH1 = {0.0: 74.3, 0.25: 93.9, 0.5: 134.6, 0.75: 237.7, 1.0: 596.6}
@@ -42,6 +43,9 @@ def parse_args(argv):
     p.add_argument("--parts", nargs="+", choices=["decode", "kernel", "big"], default=["decode", "kernel"])
     p.add_argument("--big-layers", type=int, default=48, help="the `big` part: hybrid at 25%% on this many layers")
     p.add_argument("--threads", type=int, nargs="+", default=[4, 8, 16], help="host kernel table")
+    p.add_argument("--staging", nargs="+", choices=["kernel", "copy"], default=["kernel"],
+                   help="cpu and hybrid rows once per host-channel staging (moe/host_experts.py): kernels on "
+                        "the main stream, or copy_ on the side stream")
     add_results_flag(p)
     return p.parse_args(argv)
 
@@ -115,10 +119,15 @@ def decode_rows(config_dir, args, h2d) -> tuple[list[list], float]:
         for share in shares:
             if strategy in ("offload", "hybrid"):
                 s.build_cache(share_slots(engine, share))
-            engine.runner.recapture_graphs()  # the graphs bake in the router hooks and the pool
-            label = "hybrid, one layer of slots" if strategy == "hybrid" and share == 0.0 else strategy
-            for batch in args.batch:
-                rows.append(decode_row(engine, args, label, share, batch, s.expert_bytes, h2d, host_bw))
+            for staging in args.staging if strategy in ("cpu", "hybrid") else [None]:
+                if staging:
+                    HostExpertChannel.staging = staging
+                engine.runner.recapture_graphs()  # the graphs bake in the router hooks, the pool, the staging
+                label = "hybrid, one layer of slots" if strategy == "hybrid" and share == 0.0 else strategy
+                label += f", {staging} staging" if staging and len(args.staging) > 1 else ""
+                for batch in args.batch:
+                    rows.append(decode_row(engine, args, label, share, batch, s.expert_bytes, h2d, host_bw))
+        HostExpertChannel.staging = "kernel"
         del engine, s
         free_engine_memory()
     return rows, host_bw

@@ -3,8 +3,14 @@ PCIe link (the `cpu` and `hybrid` strategies, moe/hybrid.py).
 
 On a GPU, one layer's host work is a branch of the step's stream graph:
 
-    main stream   ... router -> [fork] ------------- admit, copy misses, fused_moe -> [join] -> combine
-    side stream             x, ids, weights -> pinned  -> host kernel (CUDA host function) -> route outputs -> device
+    main stream   ... router -> stage x, ids, weights -> [fork] -- admit, copy misses, fused_moe -> [join] -> unstage -> combine
+    side stream                                              host kernel (CUDA host function)
+
+Staging is one small Triton kernel each way (kernels/host_staging) that writes the inputs into
+the pinned buffers and reads the route outputs back over PCIe, on the main stream, so the side
+branch is the host function alone: no memcpy node in it waits in a copy engine's queue or
+behind the miss gather. (`HostExpertChannel.staging = "copy"` stages with `copy_` on the side
+stream instead, for benchmarks to compare.)
 
 The host kernel (kernels/fused_moe/host_experts.cpp) runs as a CUDA host function on the side
 stream, so it needs no Python and no GIL and a captured decode graph replays it like any other
@@ -27,6 +33,7 @@ from moeferry.errors import ConfigError
 from moeferry.kernels.fused_moe import SILU
 from moeferry.kernels.fused_moe import host as host_kernel
 from moeferry.kernels.fused_moe import reference
+from moeferry.kernels.host_staging import staged_copy
 
 logger = logging.getLogger(__name__)
 
@@ -94,9 +101,13 @@ class HostExpertChannel:
     captured graph's host nodes hold their addresses; one layer's host work is joined back
     into the main stream (`finish`) before the next layer's begins, so the buffers are never
     shared by two calls in flight. Routes not given to the host come back as zeros.
+    `staging` (class-wide): "kernel" stages through kernels/host_staging on the main stream,
+    "copy" through `copy_` on the side stream (module docstring).
     `dtype` is the model's compute dtype: the kernel computes a bf16 model's silu experts without
     biases, their banks bf16 or quantized (fp8, int4, mxfp4); on a GPU nothing else runs here.
     """
+
+    staging = "kernel"
 
     def __init__(self, banks: dict, max_tokens: int, top_k: int, device: torch.device, threads: int,
                  dtype: torch.dtype = torch.bfloat16):
@@ -149,13 +160,19 @@ class HostExpertChannel:
         # it keeps the caching allocator from handing their memory to the main stream meanwhile.
         self._inflight = (self.out_device[:num_tokens], hidden, topk_weights, host_ids)
         call = self._call(layer_id, num_tokens)
+        staged = self.staging == "kernel"
+        if staged:
+            staged_copy([(hidden.contiguous(), self.x[:num_tokens]), (host_ids.contiguous(), self.ids[:num_tokens]),
+                         (topk_weights.contiguous(), self.weights[:num_tokens])])
         self.side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.side):
-            self.x[:num_tokens].copy_(hidden, non_blocking=True)
-            self.ids[:num_tokens].copy_(host_ids, non_blocking=True)
-            self.weights[:num_tokens].copy_(topk_weights, non_blocking=True)
+            if not staged:
+                self.x[:num_tokens].copy_(hidden, non_blocking=True)
+                self.ids[:num_tokens].copy_(host_ids, non_blocking=True)
+                self.weights[:num_tokens].copy_(topk_weights, non_blocking=True)
             self.functions.launch(self.side, call)
-            self.out_device[:num_tokens].copy_(self.out[:num_tokens], non_blocking=True)
+            if not staged:
+                self.out_device[:num_tokens].copy_(self.out[:num_tokens], non_blocking=True)
 
     def _run_here(self, layer_id, hidden, topk_weights, host_ids) -> torch.Tensor:
         """A CPU-only machine: the kernel in place (a bf16 model's silu experts without biases, in
@@ -177,9 +194,12 @@ class HostExpertChannel:
         """The last `begin`'s host routes' weighted outputs [T, K, H] on the compute device (bf16
         from the kernel; zeros at the other routes), joined into the current stream. Read it
         before the next `begin`."""
+        routes = self._inflight[0]
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).wait_stream(self.side)
-        routes, self._inflight = self._inflight[0], ()
+            if self.staging == "kernel":
+                staged_copy([(self.out[:routes.shape[0]], routes)])
+        self._inflight = ()
         return routes
 
 

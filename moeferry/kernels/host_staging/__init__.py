@@ -1,0 +1,41 @@
+"""Copies between device memory and pinned host memory made by a kernel, not by a memcpy.
+
+``staged_copy(pairs)``: for each (src, dst) pair (at most MAX_PAIRS; equal numel, both
+contiguous), dst = src: floating pairs of one dtype, bit for bit; integers may change width
+(a route id int64 -> int32), values in range. On a GPU one side is a CUDA tensor and the
+other pinned host memory, which the Triton kernel reads or writes in place over PCIe (unified
+addressing), every pair in one launch. A CUDA graph captured around it holds a kernel node
+where `Tensor.copy_` would put memcpy nodes: the host channel (moe/host_experts.py) stages its
+inputs and outputs this way, so its graph branch is kernels and a host function, ordered by
+the step's own kernels instead of by the copy engines' queues. The reference is `copy_`.
+"""
+from __future__ import annotations
+
+import torch
+
+from moeferry.kernels import implementation
+
+__all__ = ["MAX_PAIRS", "check_pairs", "staged_copy"]
+
+MAX_PAIRS = 3
+
+
+def check_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """At most MAX_PAIRS pairs, each of equal numel, contiguous on both sides, one floating
+    dtype or integers on both."""
+    if not 0 < len(pairs) <= MAX_PAIRS:
+        raise ValueError(f"staged_copy takes 1 to {MAX_PAIRS} pairs, got {len(pairs)}")
+    for i, (src, dst) in enumerate(pairs):
+        if src.numel() != dst.numel():
+            raise ValueError(f"pair {i}: {src.numel()} source elements for {dst.numel()} destination elements")
+        if (src.dtype.is_floating_point or dst.dtype.is_floating_point) and src.dtype != dst.dtype:
+            raise ValueError(f"pair {i}: {src.dtype} to {dst.dtype}; floating values are copied, not converted")
+        if not (src.is_contiguous() and dst.is_contiguous()):
+            raise ValueError(f"pair {i}: both sides must be contiguous")
+
+
+def staged_copy(pairs: list[tuple[torch.Tensor, torch.Tensor]], *, impl: str | None = None) -> None:
+    """dst = src for every pair; dispatched on the device side of the first pair."""
+    check_pairs(pairs)
+    device_side = next((t for t in pairs[0] if t.is_cuda), pairs[0][1])
+    implementation("host_staging", device_side, impl).staged_copy(pairs)

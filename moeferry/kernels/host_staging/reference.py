@@ -1,0 +1,13 @@
+"""Staged copies, plain torch: the oracle for kernels/host_staging/triton.py (the contract:
+kernels/host_staging/__init__.py)."""
+from __future__ import annotations
+
+import torch
+
+from moeferry.kernels.host_staging import check_pairs
+
+
+def staged_copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    check_pairs(pairs)
+    for src, dst in pairs:
+        dst.copy_(src.reshape(dst.shape))

@@ -1,0 +1,51 @@
+"""Staged copies in one Triton launch (the contract: kernels/host_staging/__init__.py).
+
+Program (i, p) copies block i of pair p; a pair shorter than the longest leaves its extra
+blocks idle. The host side of a pair is passed as a bare pointer (gather_copy's HostPointer)
+where the launcher refuses a CPU tensor."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moeferry.kernels.gather_copy.triton import HostPointer
+from moeferry.kernels.host_staging import MAX_PAIRS, check_pairs
+
+BLOCK = 1024
+
+
+@triton.jit
+def _copy_block(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask).to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _staged_copy_kernel(src0, dst0, n0, src1, dst1, n1, src2, dst2, n2, BLOCK: tl.constexpr):
+    pair = tl.program_id(1)
+    if pair == 0:
+        _copy_block(src0, dst0, n0, BLOCK)
+    elif pair == 1:
+        _copy_block(src1, dst1, n1, BLOCK)
+    else:
+        _copy_block(src2, dst2, n2, BLOCK)
+
+
+def _pointer(t: torch.Tensor, on_gpu: bool):
+    return HostPointer(t) if on_gpu and t.device.type == "cpu" else t
+
+
+def staged_copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    check_pairs(pairs)
+    on_gpu = any(t.is_cuda for pair in pairs for t in pair)
+    args, longest = [], 1
+    for src, dst in pairs:
+        args += [_pointer(src, on_gpu), _pointer(dst, on_gpu), src.numel()]
+        longest = max(longest, src.numel())
+    for _ in range(MAX_PAIRS - len(pairs)):  # unused pairs: a copy of nothing (distinct tensors,
+        # since the interpreter copies every argument back after the launch)
+        device = pairs[0][1].device if pairs[0][1].is_cuda or not on_gpu else pairs[0][0].device
+        args += [torch.empty(1, device=device), torch.empty(1, device=device), 0]
+    _staged_copy_kernel[(triton.cdiv(longest, BLOCK), len(pairs))](*args, BLOCK=BLOCK)
