@@ -30,7 +30,6 @@ from dataclasses import dataclass
 import torch
 
 from moeferry.errors import ConfigError
-from moeferry.kernels.fused_moe import SILU
 from moeferry.kernels.fused_moe import host as host_kernel
 from moeferry.kernels.fused_moe import reference
 from moeferry.kernels.host_staging import staged_copy
@@ -103,8 +102,9 @@ class HostExpertChannel:
     shared by two calls in flight. Routes not given to the host come back as zeros.
     `staging` (class-wide): "kernel" stages through kernels/host_staging on the main stream,
     "copy" through `copy_` on the side stream (module docstring).
-    `dtype` is the model's compute dtype: the kernel computes a bf16 model's silu experts without
-    biases, their banks bf16 or quantized (fp8, int4, mxfp4); on a GPU nothing else runs here.
+    `dtype` is the model's compute dtype: the kernel computes a bf16 model's experts, their banks
+    bf16 or quantized (fp8, int4, mxfp4), with or without biases, silu or gpt-oss's clamped
+    SwiGLU; on a GPU nothing else runs here.
     """
 
     staging = "kernel"
@@ -112,12 +112,8 @@ class HostExpertChannel:
     def __init__(self, banks: dict, max_tokens: int, top_k: int, device: torch.device, threads: int,
                  dtype: torch.dtype = torch.bfloat16):
         sample = next(iter(banks.values()))
-        plain = sample.w13_bias is None and sample.activation == SILU
-        self.compiled = host_kernel.compiles(dtype, sample.w13.dtype, not plain, sample.activation)
-        if not plain and device.type == "cuda":
-            raise ConfigError("--moe-strategy cpu and hybrid: the host expert kernel computes silu experts without "
-                              f"biases, not these ({sample.activation.name} with biases: gpt-oss), which only the "
-                              "reference computes on the host; use --moe-strategy offload")
+        bias_dtype = None if sample.w13_bias is None else sample.w13_bias.dtype
+        self.compiled = host_kernel.compiles(dtype, sample.w13.dtype, bias_dtype, sample.activation)
         if not self.compiled and device.type == "cuda":
             raise ConfigError(f"the host expert kernel computes bfloat16 experts, not {dtype}: "
                               "use --dtype bfloat16 with --moe-strategy cpu or hybrid")
@@ -175,9 +171,9 @@ class HostExpertChannel:
                 self.out_device[:num_tokens].copy_(self.out[:num_tokens], non_blocking=True)
 
     def _run_here(self, layer_id, hidden, topk_weights, host_ids) -> torch.Tensor:
-        """A CPU-only machine: the kernel in place (a bf16 model's silu experts without biases, in
-        any format it reads), else the reference over the host's routes (a float32 model in tests,
-        gpt-oss's experts), zeros at the others as the kernel leaves them."""
+        """A CPU-only machine: the kernel in place (a bf16 model's experts, in any format it reads),
+        else the reference over the host's routes (a float32 model in tests), zeros at the
+        others as the kernel leaves them."""
         num_tokens = hidden.shape[0]
         if self.compiled:
             self.x[:num_tokens].copy_(hidden)
@@ -237,8 +233,7 @@ def measure_speeds(banks: dict, channel: HostExpertChannel, top_k: int, device: 
     copying `top_k` experts of one layer to the compute device (PCIe on a GPU, a memory copy
     on a CPU-only machine); the host kernel by one token routed to 1 and to `top_k` distinct
     experts (median times; the slope is its bytes per second, the rest its cost per call).
-    A bank the kernel does not compute (a float32 model, gpt-oss's experts) measures 0 for the
-    host."""
+    A bank the kernel does not compute (a float32 model) measures 0 for the host."""
     layers = sorted(banks)
     bank = banks[layers[0]]
     count = min(top_k, bank.num_experts)

@@ -1,15 +1,15 @@
 """The host expert kernel (kernels/fused_moe/host.py, host_experts.cpp) against a plain-torch
-model of its arithmetic: bf16 weights and tokens, float32 dots, the activation and the
-weighted route output rounded to bf16. Every vector path this CPU has is checked (the
+model of its arithmetic: bf16 weights and tokens, float32 dots, the biases added to them where
+the experts have some (gpt-oss), the activation (silu or the clamped SwiGLU) and the weighted
+route output rounded to bf16. Every vector path this CPU has is checked (the
 AVX512-BF16 one where the CPU has it: the GPU machine's host); routes with a negative id are
 left zero; the op's contract (`fused_moe` on the host) against the reference. Quantized banks
 (fp8, int4, mxfp4): every weight the kernel dequantizes has the reference's bits, and the routes
 are the same arithmetic over the dequantized weights, for any thread count."""
 import pytest
 import torch
-import torch.nn.functional as F
 
-from moeferry.kernels.fused_moe import host, reference
+from moeferry.kernels.fused_moe import SILU, clamped_swiglu, host, reference
 
 pytestmark = pytest.mark.skipif(not host.available(), reason="no C++ compiler to build the host kernel")
 
@@ -18,8 +18,9 @@ def vector_isas():
     return ["portable"] + (["avx512_bf16"] if host.has_avx512_bf16() else [])
 
 
-def rounded_model(hidden, w13, w2, weights, ids):
-    """[T, K, H] bf16: per route, the kernel's rounding points in float32 torch ops."""
+def rounded_model(hidden, w13, w2, weights, ids, w13_bias=None, w2_bias=None, activation=SILU):
+    """[T, K, H] bf16: per route, the kernel's rounding points in float32 torch ops (the Triton
+    kernel's: each bias joins its float32 dot before the activation and the route weight)."""
     num_tokens, top_k = ids.shape
     inter = w2.shape[2]
     out = torch.zeros(num_tokens, top_k, hidden.shape[1], dtype=torch.bfloat16)
@@ -29,8 +30,13 @@ def rounded_model(hidden, w13, w2, weights, ids):
             if e < 0:
                 continue
             gate_up = w13[e].float() @ hidden[t].float()
-            act = (F.silu(gate_up[:inter]) * gate_up[inter:]).bfloat16().float()
-            out[t, k] = (float(weights[t, k]) * (w2[e].float() @ act)).bfloat16()
+            if w13_bias is not None:
+                gate_up = gate_up + w13_bias[e].float()
+            act = reference.activate(gate_up[:inter], gate_up[inter:], activation).bfloat16().float()
+            down = w2[e].float() @ act
+            if w2_bias is not None:
+                down = down + w2_bias[e].float()
+            out[t, k] = (float(weights[t, k]) * down).bfloat16()
     return out
 
 
@@ -231,3 +237,101 @@ def test_bad_quantized_calls_are_refused_in_one_line():
                        block_shape=block)
     with pytest.raises(ValueError, match="not a format the kernel reads"):
         host.make_call(hidden, ids, weights, out, w13.float(), w2.float(), act, 1)
+
+
+# gpt-oss's experts: biases on both GEMMs and the clamped SwiGLU. The dots are about N(0, 1), so a
+# limit of 0.6 clamps many gate and up values (and up from below too), and the biases move the
+# dots by about as much as the weights do.
+CLAMPED = clamped_swiglu(1.702, 0.6)
+WEIGHT_FORMATS = ["bf16", *QUANT_FORMATS]
+
+
+def make_biases(num_experts, hidden_size, inter, seed, dtype=torch.bfloat16):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(num_experts, 2 * inter, generator=gen).to(dtype),
+            (torch.randn(num_experts, hidden_size, generator=gen) * 0.5).to(dtype))
+
+
+def banks_in(name, w13, w2):
+    """(stored w13, stored w2, their scale arguments, float32 w13, float32 w2 as the kernel
+    computes with them) of bf16 banks in weight format `name`."""
+    from moeferry.kernels.fused_moe.reference import dequantize_blocks, dequantize_w13
+
+    if name == "bf16":
+        return w13, w2, {}, w13.float(), w2.float()
+    hidden_size, inter = w13.shape[2], w2.shape[2]
+    q13, q2, s13, s2, block = quantized_banks(name, w13, w2)
+    deq13 = torch.stack([dequantize_w13(q13[e], s13[e], block, hidden_size) for e in range(w13.shape[0])])
+    return q13, q2, dict(w13_scale=s13, w2_scale=s2, block_shape=block), deq13, dequantize_blocks(q2, s2, block, inter)
+
+
+@pytest.mark.parametrize("name", WEIGHT_FORMATS)
+@pytest.mark.parametrize("vector_isa", vector_isas())
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 5, 8, 16])
+def test_biased_clamped_experts_match_the_arithmetic_in_every_weight_format(name, vector_isa, num_tokens):
+    hidden_size, inter, experts, top_k = (100, 40, 8, 4) if num_tokens % 2 else (96, 33, 6, 3)
+    hidden, w13, w2, weights, ids = make_case(num_tokens, top_k, hidden_size, inter, experts, seed=20 + num_tokens)
+    b13, b2 = make_biases(experts, hidden_size, inter, seed=40 + num_tokens)
+    stored13, stored2, scales, float13, float2 = banks_in(name, w13, w2)
+    gpt_oss = dict(w13_bias=b13, w2_bias=b2, activation=CLAMPED)
+    want = rounded_model(hidden, float13, float2, weights, ids, **gpt_oss)
+    assert not torch.equal(want, rounded_model(hidden, float13, float2, weights, ids, b13, b2, SILU))
+    runs = [host.expert_routes(hidden, stored13, stored2, weights, ids, threads=threads, vector_isa=vector_isa,
+                               **scales, **gpt_oss) for threads in (1, 2, 3)]
+    assert_close_in_bf16(runs[0], want)
+    assert all(torch.equal(run, runs[0]) for run in runs[1:])  # the thread count does not change the bits
+
+
+@pytest.mark.parametrize("activation", [SILU, CLAMPED], ids=["silu", "clamped"])
+@pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float32])
+def test_bias_banks_are_read_in_their_dtype_with_either_activation(activation, bias_dtype):
+    hidden, w13, w2, weights, ids = make_case(7, 4, 128, 48, 16, seed=13)
+    b13, b2 = make_biases(16, 128, 48, seed=14, dtype=bias_dtype)
+    b13, b2 = b13 + 2.0 ** -12, b2 - 2.0 ** -12  # float32: bits that bf16 would round away
+    got = host.expert_routes(hidden, w13, w2, weights, ids, threads=2, w13_bias=b13, w2_bias=b2, activation=activation)
+    assert_close_in_bf16(got, rounded_model(hidden, w13, w2, weights, ids, b13, b2, activation))
+
+
+@pytest.mark.parametrize("vector_isa", vector_isas())
+def test_biased_routes_with_a_negative_id_are_zero_and_the_others_unchanged(vector_isa):
+    hidden, w13, w2, weights, ids = make_case(6, 4, 128, 48, 16, seed=15)
+    gpt_oss = dict(zip(("w13_bias", "w2_bias"), make_biases(16, 128, 48, seed=16)), activation=CLAMPED)
+    full = host.expert_routes(hidden, w13, w2, weights, ids, threads=2, vector_isa=vector_isa, **gpt_oss)
+    skip = torch.rand(ids.shape, generator=torch.Generator().manual_seed(17)) < 0.5
+    part = host.expert_routes(hidden, w13, w2, weights, torch.where(skip, -1, ids), threads=2,
+                              vector_isa=vector_isa, **gpt_oss)
+    assert bool((part[skip] == 0).all())
+    assert torch.equal(part[~skip], full[~skip])
+
+
+@pytest.mark.parametrize("name", WEIGHT_FORMATS)
+def test_the_host_op_computes_gpt_oss_experts_in_the_kernel(name, monkeypatch):
+    hidden, w13, w2, weights, ids = make_case(9, 4, 128, 64, 16, seed=18)
+    stored13, stored2, scales, _, _ = banks_in(name, w13, w2)
+    b13, b2 = make_biases(16, 128, 64, seed=19)
+    args = (hidden, stored13, stored2, weights, ids)
+    options = dict(**scales, w13_bias=b13, w2_bias=b2, activation=CLAMPED, num_routed_experts=16)
+    assert host.compiles(hidden.dtype, stored13.dtype, b13.dtype, CLAMPED)
+    want = reference.fused_moe(*args, **options)
+    calls = host.timing()["calls"]
+    monkeypatch.setattr(reference, "fused_moe", lambda *a, **k: pytest.fail("took the reference"))
+    got = host.fused_moe(*args, **options)
+    assert host.timing()["calls"] == calls + 1
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    err = (got.float() - want.float()).norm() / want.float().norm()
+    assert float(err) < 1e-2  # bf16 rounding of the activation and of each route output
+
+
+def test_bad_bias_calls_are_refused_in_one_line():
+    hidden, w13, w2, weights, ids = make_case(2, 2, 64, 32, 8, seed=21)
+    b13, b2 = make_biases(8, 64, 32, seed=22)
+    out, act = torch.empty(2, 2, 64, dtype=torch.bfloat16), torch.empty(4, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="w13_bias and w2_bias come together"):
+        host.make_call(hidden, ids, weights, out, w13, w2, act, 1, w13_bias=b13)
+    with pytest.raises(ValueError, match="biases of torch.float16 are not a dtype the kernel reads"):
+        host.make_call(hidden, ids, weights, out, w13, w2, act, 1, w13_bias=b13.half(), w2_bias=b2.half())
+    with pytest.raises(ValueError, match="w2_bias must be a contiguous CPU torch.bfloat16"):
+        host.make_call(hidden, ids, weights, out, w13, w2, act, 1, w13_bias=b13, w2_bias=b2.float())
+    with pytest.raises(ValueError, match=r"w13_bias must be a contiguous CPU torch.bfloat16 \[8, 64\]"):
+        host.make_call(hidden, ids, weights, out, w13, w2, act, 1, w13_bias=b13[:, :32], w2_bias=b2)
+    assert not host.compiles(torch.bfloat16, torch.bfloat16, torch.float16, CLAMPED)

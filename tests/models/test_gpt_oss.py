@@ -1,8 +1,9 @@
 """gpt-oss against transformers beyond the shared parity tests (tests/models/test_hf_parity.py
 runs logits and greedy tokens of both configs): every position through chunked prefill and
 batched decode past the sliding window, every strategy bit-identical (offload with a partial
-cache; cpu and hybrid on the CPU, through the reference), the de-interleaved expert banks, the
-loader's named errors, a released-style MXFP4 checkpoint, the CLI on a tiny checkpoint, a dummy cut."""
+cache; cpu and hybrid on the CPU: float32 through the reference, bf16 and MXFP4 experts through
+the compiled host kernel), the de-interleaved expert banks, the loader's named errors, a
+released-style MXFP4 checkpoint, the CLI on a tiny checkpoint, a dummy cut."""
 
 import json
 import os
@@ -69,15 +70,15 @@ def test_the_window_sinks_and_clamp_each_change_the_output(family):
         assert moved["limit"] > 1e-3, moved
 
 
-def _outputs(path, **options):
-    llm = LLM(path, dtype="float32", device="cpu", max_running_requests=4, **options)
+def _outputs(path, dtype="float32", **options):
+    llm = LLM(path, dtype=dtype, device="cpu", max_running_requests=4, **options)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
     return [(o.token_ids, list(o.logprobs)) for o in llm.generate(PROMPTS, params)], llm
 
 
 def test_strategies_give_bit_identical_outputs(family):
     """gpu, offload over a cache of a quarter of the experts (the bias banks copied with them),
-    uva, and cpu on the CPU (the reference computes gpt-oss's experts there) bit for bit;
+    uva, and cpu on the CPU (a float32 model: the reference computes its experts) bit for bit;
     hybrid gives the same tokens."""
     name, config, hf, path = family
     want, _ = _outputs(path)
@@ -93,6 +94,31 @@ def test_strategies_give_bit_identical_outputs(family):
     # of other rows may round its rows differently: its promise is gpu's tokens, not its bits
     assert [tokens for tokens, _ in hybrid] == [tokens for tokens, _ in want]
     assert llm.engine.runner.strategy.stats()["host_experts"] > 0
+
+
+@pytest.mark.parametrize("options", [{}, {"quantization": "mxfp4"}], ids=["bf16", "mxfp4"])
+def test_cpu_and_hybrid_compute_bf16_models_experts_in_the_host_kernel_bit_for_bit(family, options):
+    """A bf16 model on the CPU, its experts bf16 or MXFP4 (the released format): `gpu` runs the
+    host op there, which computes the biased, clamped experts in the compiled kernel, and so do
+    `cpu` and `hybrid`'s host channel; a route's bits do not depend on which routes share its
+    call, so every token and log-prob is gpu's, bit for bit."""
+    from moeferry.kernels.fused_moe import host as host_kernel
+
+    name, config, hf, path = family
+    bf16 = dict(dtype="bfloat16", **options)
+    calls = host_kernel.timing()["calls"]
+    want, _ = _outputs(path, **bf16)
+    assert host_kernel.timing()["calls"] > calls  # gpu's experts ran in the kernel, not the reference
+    for strategy, extra in (("cpu", {}), ("hybrid", dict(moe_cache_slots=config.num_local_experts, moe_host_share=0.5,
+                                                          moe_collect_stats=True))):
+        calls = host_kernel.timing()["calls"]
+        got, llm = _outputs(path, moe_strategy=strategy, **bf16, **extra)
+        moe = llm.engine.runner.strategy
+        assert moe.channel.compiled and moe.stats()["host_experts"] > 0
+        bank = next(iter(moe.channel.banks.values()))
+        assert bank.w13.dtype == (torch.uint8 if options else torch.bfloat16) and bank.w13_bias is not None
+        assert host_kernel.timing()["calls"] > calls
+        assert got == want, strategy
 
 
 def test_expert_banks_hold_gate_rows_then_up_rows(family):
@@ -246,10 +272,3 @@ def test_greedy_tokens_match_transformers_on_cuda_with_graphs(family, strategy):
                                pad_token_id=0)[0, len(prompt):].tolist()
         assert tokens == want, f"{name} {strategy}"
 
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("strategy", ["cpu", "hybrid"])
-def test_host_strategies_refuse_gpt_oss_experts_on_a_gpu_in_one_line(family, strategy):
-    name, config, hf, path = family
-    with pytest.raises(ConfigError, match="only the reference computes on the host; use --moe-strategy offload"):
-        LLM(path, dtype="bfloat16", device="cuda", moe_strategy=strategy)

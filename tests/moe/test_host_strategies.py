@@ -1,6 +1,6 @@
 """The host strategies on the CPU: `cpu` and `hybrid` generate what `gpu` generates, for each
 family, in float32 (the reference computes the host's routes) and bfloat16 (the compiled host
-kernel), and on fp8, int4 and mxfp4 experts (the kernel reads them as stored); the device-side
+kernel, gpt-oss's biased, clamped experts too), and on fp8, int4 and mxfp4 experts (the kernel reads them as stored); the device-side
 split gives the host exactly its share of a step's misses; flags and statistics."""
 import pytest
 import torch
@@ -30,13 +30,21 @@ def tokens(llm):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cpu_and_hybrid_generate_what_gpu_generates(ckpt, dtype):
+    """A bf16 model's host routes run in the compiled kernel, every family's experts (gpt-oss's
+    biases and clamped SwiGLU too); a float32 model's through the reference."""
+    from moeferry.kernels.fused_moe import host as host_kernel
+
     path, experts = ckpt
     want = tokens(LLM(path, dtype=dtype, device="cpu"))
     cpu = LLM(path, dtype=dtype, device="cpu", moe_strategy="cpu")
+    assert cpu.engine.runner.strategy.channel.compiled == (dtype == "bfloat16")
+    calls = host_kernel.timing()["calls"]
     assert tokens(cpu) == want
     assert cpu.engine.runner.strategy.stats()["host_experts"] > 0
+    assert (host_kernel.timing()["calls"] > calls) == (dtype == "bfloat16")
     hybrid = LLM(path, dtype=dtype, device="cpu", moe_strategy="hybrid", moe_cache_slots=experts,
                  moe_host_share=0.5, moe_collect_stats=True)
+    assert hybrid.engine.runner.strategy.channel.compiled == (dtype == "bfloat16")
     assert tokens(hybrid) == want
     stats = hybrid.engine.runner.strategy.stats()
     assert stats["host_experts"] > 0 and stats["decode"]["total"]["misses"] > 0  # both channels carried experts

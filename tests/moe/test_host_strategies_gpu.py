@@ -1,7 +1,8 @@
 """GPU: `cpu` and `hybrid` generate what `gpu` generates on the built-in model, through CUDA
-graphs whose host nodes run the host kernel, eager too, and on quantized experts (fp8, int4,
-mxfp4: the host kernel dequantizes them as it reads); the host channel's outputs inside a
-captured graph equal the same call run eagerly."""
+graphs whose host nodes run the host kernel, eager too, on quantized experts (fp8, int4,
+mxfp4: the host kernel dequantizes them as it reads) and on gpt-oss's biased, clamped experts
+(bf16 and mxfp4); the host channel's outputs inside a captured graph equal the same call run
+eagerly."""
 import pytest
 import torch
 
@@ -81,17 +82,21 @@ def test_the_host_channel_replays_in_a_graph_as_it_runs_eagerly():
         assert bool((outs[layer][host_ids < 0] == 0).all()) and bool((outs[layer][host_ids >= 0] != 0).any())
 
 
-@pytest.mark.parametrize("fmt, strategy", [("fp8", "hybrid"), ("int4", "hybrid"), ("mxfp4", "cpu")])
-def test_host_strategies_generate_what_gpu_generates_on_quantized_experts(tmp_path, fmt, strategy):
+@pytest.mark.parametrize("family, fmt, strategy", [
+    ("qwen3_moe", "fp8", "hybrid"), ("qwen3_moe", "int4", "hybrid"), ("qwen3_moe", "mxfp4", "cpu"),
+    ("gpt_oss", "bf16", "hybrid"), ("gpt_oss", "mxfp4", "cpu"), ("gpt_oss", "mxfp4", "hybrid"),
+])
+def test_host_strategies_generate_what_gpu_generates_on_quantized_and_biased_experts(tmp_path, family, fmt, strategy):
     """A tiny Qwen3-MoE in each quantized format (the fp8 and int4 checkpoint layouts; mxfp4 by
-    --quantization): the host kernel computes its share of the misses inside the decode graph."""
+    --quantization), and a tiny gpt-oss (expert biases and the clamped SwiGLU) with bf16 or
+    mxfp4 experts: the host kernel computes its share of the misses inside the decode graph."""
     from moeferry import LLM, SamplingParams
     from moeferry.testing.fixtures import family_configs, make_checkpoint, make_fp8_checkpoint, make_int4_checkpoint
 
-    config = dict(family_configs())["qwen3_moe"]
+    config = dict(family_configs())[family]
     make = {"fp8": lambda p: make_fp8_checkpoint(config, p, seed=3, block_shape=(16, 16)),
-            "int4": lambda p: make_int4_checkpoint(config, p, seed=5, group_size=16),
-            "mxfp4": lambda p: make_checkpoint(config, p, seed=7)}[fmt]
+            "int4": lambda p: make_int4_checkpoint(config, p, seed=5, group_size=16)}.get(
+        fmt, lambda p: make_checkpoint(config, p, seed=7))  # bf16 experts; mxfp4 by --quantization
     make(str(tmp_path))
     common = dict(dtype="bfloat16", device="cuda", max_running_requests=4, num_tokens=4096,
                   **({"quantization": "mxfp4"} if fmt == "mxfp4" else {}))

@@ -2,7 +2,8 @@
 
 The arithmetic lives in host_experts.cpp (its header is the contract): bf16 tokens, bf16
 weights or quantized ones (fp8, int4, mxfp4: dequantized to float32 exactly as the reference
-dequantizes them), float32 dots, the activation and each weighted route output rounded to
+dequantizes them), float32 dots, optional expert biases (bf16 or float32 banks) added to them,
+silu or gpt-oss's clamped SwiGLU, the activation and each weighted route output rounded to
 bf16, as the Triton kernel rounds them. It is compiled on first use with the system C++
 compiler into a cache folder keyed by the source and the compiler flags (`library()`), and
 called through ctypes with raw pointers, so the same function also runs as a CUDA host
@@ -10,9 +11,8 @@ function inside a stream or a captured graph (moe/host_experts.py) with no Pytho
 
 `expert_routes` is the primitive: per-route outputs, routes with a negative id skipped (left
 zero) so that another channel may compute them. `fused_moe` is the op's contract
-(kernels/fused_moe/__init__.py) over it; tokens in another dtype than bf16, unquantized weights in
-another dtype, expert biases or the clamped SwiGLU (gpt-oss: the C++ kernel computes silu
-experts without biases), or a machine without a compiler, take the reference.
+(kernels/fused_moe/__init__.py) over it; tokens in another dtype than bf16, unquantized weights or
+biases in another dtype, or a machine without a compiler, take the reference.
 """
 from __future__ import annotations
 
@@ -28,11 +28,11 @@ from pathlib import Path
 
 import torch
 
-from moeferry.kernels.fused_moe import SILU, check_options, reference
+from moeferry.kernels.fused_moe import SILU, Activation, check_options, reference
 
-__all__ = ["FORMATS", "VECTOR_ISAS", "HostKernelUnavailable", "MoEHostCall", "available", "compiles",
-           "default_threads", "dequantized", "expert_routes", "fused_moe", "has_avx512_bf16", "library", "make_call",
-           "run", "timing"]
+__all__ = ["ACTIVATIONS", "BIAS_FORMATS", "FORMATS", "VECTOR_ISAS", "HostKernelUnavailable", "MoEHostCall", "available",
+           "compiles", "default_threads", "dequantized", "expert_routes", "fused_moe", "has_avx512_bf16", "library",
+           "make_call", "run", "timing"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,13 +54,19 @@ class MoEHostCall(ctypes.Structure):
                 ("H", ctypes.c_int64), ("I", ctypes.c_int64), ("E", ctypes.c_int64),
                 ("threads", ctypes.c_int32), ("use_avx512", ctypes.c_int32), ("format", ctypes.c_int32),
                 ("block_n", ctypes.c_int32), ("block_k", ctypes.c_int32), ("w13_scale", ctypes.c_void_p),
-                ("w2_scale", ctypes.c_void_p)]
+                ("w2_scale", ctypes.c_void_p), ("w13_bias", ctypes.c_void_p), ("w2_bias", ctypes.c_void_p),
+                ("bias_format", ctypes.c_int32), ("activation", ctypes.c_int32), ("alpha", ctypes.c_float),
+                ("limit", ctypes.c_float)]
 
 
 # host_experts.cpp's MoEHostFormat by the weight banks' dtype: (code, values per stored
 # element, the scales' dtype); the layouts are kernels/fused_moe/__init__.py's.
 FORMATS = {torch.bfloat16: (0, 1, None), torch.float8_e4m3fn: (1, 1, torch.float32),
            torch.int32: (2, 8, torch.float32), torch.uint8: (3, 2, torch.uint8)}
+
+# host_experts.cpp's MoEHostBiasFormat by the bias banks' dtype, and MoEHostActivation by name.
+BIAS_FORMATS = {torch.bfloat16: 0, torch.float32: 1}
+ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
 
 
 def _cache_dir() -> Path:
@@ -157,13 +163,17 @@ def _ceil(a: int, b: int) -> int:
 def make_call(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
               w13: torch.Tensor, w2: torch.Tensor, act: torch.Tensor, threads: int,
               vector_isa: str = "auto", w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-              block_shape: tuple[int, int] | None = None) -> MoEHostCall:
+              block_shape: tuple[int, int] | None = None, w13_bias: torch.Tensor | None = None,
+              w2_bias: torch.Tensor | None = None, activation: Activation = SILU) -> MoEHostCall:
     """The call over these CPU tensors (see host_experts.cpp): hidden [T, H] bf16, ids [T, K]
     int32, weights [T, K] float32, out [T, K, H] bf16, w13 [E, 2I, H], w2 [E, H, I] bf16, act
     scratch [>= T * K, I] bf16; all contiguous. Quantized banks (the dtype says the format,
     `FORMATS`) come with their scales and block_shape, in fused_moe's layout: w13 [E, 2I,
     ceil(H / pack)], w2 [E, H, ceil(I / pack)], w13_scale [E, 2 ceil(I / bn), ceil(H / bk)], w2_scale
-    [E, ceil(H / bn), ceil(I / bk)]. Checks shapes, dtypes and placement once.
+    [E, ceil(H / bn), ceil(I / bk)]. Expert biases (gpt-oss), both or neither, in one dtype of
+    `BIAS_FORMATS`: w13_bias [E, 2I] (gate's, then up's), w2_bias [E, H]; `activation` silu or
+    the clamped SwiGLU with its alpha and limit (ExpertBanks.kernel_args() fits here as it fits
+    fused_moe). Checks shapes, dtypes and placement once.
     `vector_isa`: auto (AVX512-BF16 where the CPU has it), or one named path (tests)."""
     if w13.dtype not in FORMATS:
         raise ValueError(f"host expert call: weights of {w13.dtype} are not a format the kernel reads "
@@ -187,6 +197,14 @@ def make_call(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ou
             raise ValueError(f"host expert call: mxfp4 scales are per row (block_shape (1, bk)), got {block_shape}")
         expected["w13_scale"] = (w13_scale, scale_dtype, (num_experts, 2 * _ceil(inter, bn), _ceil(hidden_size, bk)))
         expected["w2_scale"] = (w2_scale, scale_dtype, (num_experts, _ceil(hidden_size, bn), _ceil(inter, bk)))
+    if (w13_bias is None) != (w2_bias is None):
+        raise ValueError("host expert call: w13_bias and w2_bias come together or not at all")
+    if w13_bias is not None:
+        if w13_bias.dtype not in BIAS_FORMATS:
+            raise ValueError(f"host expert call: biases of {w13_bias.dtype} are not a dtype the kernel reads "
+                             f"({', '.join(map(str, BIAS_FORMATS))})")
+        expected["w13_bias"] = (w13_bias, w13_bias.dtype, (num_experts, 2 * inter))
+        expected["w2_bias"] = (w2_bias, w13_bias.dtype, (num_experts, hidden_size))
     for name, (t, dtype, shape) in expected.items():
         if t.device.type != "cpu" or t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
             raise ValueError(f"host expert call: {name} must be a contiguous CPU {dtype} {list(shape)}, got "
@@ -196,9 +214,11 @@ def make_call(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ou
     if threads < 1:
         raise ValueError(f"host expert call: threads must be >= 1, got {threads}")
     scales = (0, 0) if block_shape is None else (_ptr(w13_scale), _ptr(w2_scale))
+    biases = (0, 0, 0) if w13_bias is None else (_ptr(w13_bias), _ptr(w2_bias), BIAS_FORMATS[w13_bias.dtype])
     return MoEHostCall(_ptr(hidden), _ptr(ids), _ptr(weights), _ptr(out), _ptr(w13), _ptr(w2), _ptr(act),
                        num_tokens, top_k, hidden_size, inter, num_experts, threads, _use_avx512(vector_isa),
-                       code, bn, bk, *scales)
+                       code, bn, bk, *scales, *biases, ACTIVATIONS[activation.name], activation.alpha,
+                       activation.limit)
 
 
 def dequantized(call: MoEHostCall, bank: int, expert: int) -> torch.Tensor:
@@ -219,7 +239,8 @@ def run(call: MoEHostCall) -> None:
 
 def expert_routes(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, threads: int | None = None, vector_isa: str = "auto",
-                  w13_scale=None, w2_scale=None, block_shape=None) -> torch.Tensor:
+                  w13_scale=None, w2_scale=None, block_shape=None, w13_bias=None, w2_bias=None,
+                  activation: Activation = SILU) -> torch.Tensor:
     """The weighted per-route outputs [T, K, H] bf16 of the routes whose id is >= 0; routes
     with a negative id are zero (another channel computes them)."""
     num_tokens, top_k = topk_ids.shape
@@ -229,25 +250,26 @@ def expert_routes(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     out = torch.empty(num_tokens, top_k, hidden.shape[1], dtype=torch.bfloat16)
     act = torch.empty(num_tokens * top_k, w13.shape[1] // 2, dtype=torch.bfloat16)
     run(make_call(hidden, ids, weights, out, w13, w2, act, threads or default_threads(), vector_isa,
-                  w13_scale, w2_scale, block_shape))
+                  w13_scale, w2_scale, block_shape, w13_bias, w2_bias, activation))
     return out
 
 
 def fused_moe(hidden, w13, w2, topk_weights, topk_ids, *, num_routed_experts=None, block_assignment="auto",
               out=None, sum_routes=True, w13_scale=None, w2_scale=None, block_shape=None, w13_bias=None,
               w2_bias=None, activation=SILU) -> torch.Tensor:
-    """The op's contract on the host: bf16 tokens over bf16 or quantized banks through the
-    compiled kernel; other dtypes, expert biases or another activation than silu (gpt-oss),
-    and a machine that cannot build it through the reference.
+    """The op's contract on the host: bf16 tokens over bf16 or quantized banks, with or without
+    expert biases, silu or the clamped SwiGLU, through the compiled kernel; other dtypes and a
+    machine that cannot build it through the reference.
     sum_routes=False gives the bf16 route outputs [T, K, H], as the Triton kernel does."""
     check_options(block_assignment, out, sum_routes, (w13_scale, w2_scale), block_shape, (w13_bias, w2_bias))
-    if not (compiles(hidden.dtype, w13.dtype, w13_bias is not None, activation) and available()):
+    bias_dtype = None if w13_bias is None else w13_bias.dtype
+    if not (compiles(hidden.dtype, w13.dtype, bias_dtype, activation) and available()):
         return reference.fused_moe(hidden, w13, w2, topk_weights, topk_ids, num_routed_experts=num_routed_experts,
                                    block_assignment=block_assignment, out=out, sum_routes=sum_routes,
                                    w13_scale=w13_scale, w2_scale=w2_scale, block_shape=block_shape,
                                    w13_bias=w13_bias, w2_bias=w2_bias, activation=activation)
     routes = expert_routes(hidden, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale, w2_scale=w2_scale,
-                           block_shape=block_shape)
+                           block_shape=block_shape, w13_bias=w13_bias, w2_bias=w2_bias, activation=activation)
     if not sum_routes:
         return routes
     total = reference.sum_route_partials(routes)
@@ -257,7 +279,10 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids, *, num_routed_experts=Non
     return out
 
 
-def compiles(dtype: torch.dtype, weight_dtype: torch.dtype, biases: bool, activation=SILU) -> bool:
+def compiles(dtype: torch.dtype, weight_dtype: torch.dtype, bias_dtype: torch.dtype | None = None,
+             activation: Activation = SILU) -> bool:
     """Whether the compiled kernel computes these experts: bf16 tokens, weights in one of
-    `FORMATS`, silu without biases (`available` says whether it builds here)."""
-    return dtype == torch.bfloat16 and weight_dtype in FORMATS and not biases and activation == SILU
+    `FORMATS`, no biases or biases in one of `BIAS_FORMATS`, an activation of `ACTIVATIONS`
+    (silu, gpt-oss's clamped SwiGLU); `available` says whether it builds here."""
+    return (dtype == torch.bfloat16 and weight_dtype in FORMATS and (bias_dtype is None or bias_dtype in BIAS_FORMATS)
+            and activation.name in ACTIVATIONS)

@@ -2,11 +2,18 @@
 // loads it; reference.py is its oracle).
 //
 // One call computes, for every route r = t * K + k whose expert id ids[r] is in [0, E):
-//     act[r]  = bf16( silu(x[t] . w13[e, i]) * (x[t] . w13[e, I + i]) )      i < I
-//     out[r]  = bf16( weights[r] * (act[r] . w2[e, n]) )                      n < H
+//     gate    = x[t] . w13[e, i] + b13[e, i],  up = x[t] . w13[e, I + i] + b13[e, I + i]
+//     act[r]  = bf16( activation(gate, up) )                                   i < I
+//     out[r]  = bf16( weights[r] * (act[r] . w2[e, n] + b2[e, n]) )           n < H
 // and writes out[r] = 0 for every other route (ids[r] < 0: a route another channel computes).
+// activation: silu(gate) * up, or gpt-oss's clamped SwiGLU: g = min(gate, limit), u =
+// clamp(up, -limit, limit), (u + 1) * (g / (1 + exp(-g * alpha))). The biases (b13 [E, 2I],
+// gate's then up's, and b2 [E, H], bf16 or float32) are optional: without them nothing is added.
 // bf16 activations, float32 accumulation: the arithmetic of the Triton kernel
-// (kernels/fused_moe/triton.py), which also rounds act and the weighted route output to bf16.
+// (kernels/fused_moe/triton.py), which also adds each bias to the float32 accumulator, then
+// activates (or weights) and rounds act and the weighted route output to bf16. One epilogue
+// (`activate_into`, `weighted_out`) takes the accumulators of every dot path, so the biases and
+// the activation round the same way whichever vector path computed the dots.
 //
 // Weights: bf16, or a quantized format (kernels/fused_moe/__init__.py has the layouts): block
 // FP8 (e4m3 bytes, a float32 scale per (bn, bk) block, the gate and up halves of w13 blocked
@@ -61,10 +68,21 @@ struct MoEHostCall {
   int32_t block_n, block_k; // quantized: a scale per (block_n rows, block_k columns) block
   const void* w13_scale;    // [E, 2 ceil(I / bn), ceil(H / bk)] float32 (mxfp4: uint8 E8M0)
   const void* w2_scale;     // [E, ceil(H / bn), ceil(I / bk)]
+  const void* w13_bias;     // [E, 2I] the gate rows' biases, then the up rows'; null: no biases
+  const void* w2_bias;      // [E, H]; null exactly when w13_bias is
+  int32_t bias_format;      // MoEHostBiasFormat of both bias banks
+  int32_t activation;       // MoEHostActivation
+  float alpha, limit;       // kClampedSwiglu's constants
 };
 
 // How the weight banks are stored (host.py: FORMATS).
 enum MoEHostFormat { kBf16 = 0, kFp8 = 1, kInt4 = 2, kMxfp4 = 3 };
+
+// How the bias banks are stored (host.py: BIAS_FORMATS).
+enum MoEHostBiasFormat { kBiasBf16 = 0, kBiasF32 = 1 };
+
+// How a route's gate and up rows combine (kernels/fused_moe: Activation).
+enum MoEHostActivation { kSilu = 0, kClampedSwiglu = 1 };
 
 }  // extern "C"
 
@@ -86,7 +104,34 @@ inline uint16_t f32_to_bf16(float f) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
-inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
+// Bias j of expert e from a bias bank [E, width], stored in the call's bias_format.
+inline float bias_value(const MoEHostCall& c, const void* bank, int64_t width, int64_t e, int64_t j) {
+  const int64_t at = e * width + j;
+  return c.bias_format == kBiasF32 ? static_cast<const float*>(bank)[at]
+                                   : bf16_to_f32(static_cast<const uint16_t*>(bank)[at]);
+}
+
+// act element i of a route of expert e from its gate and up dots: the biases join the float32
+// accumulators (only where there are some: adding 0 would turn a -0 dot into +0), then the
+// activation in the Triton kernel's operation order (triton.py: _activate), rounded once.
+inline uint16_t activate_into(const MoEHostCall& c, int64_t e, int64_t i, float gate, float up) {
+  if (c.w13_bias != nullptr) {
+    gate += bias_value(c, c.w13_bias, 2 * c.I, e, i);
+    up += bias_value(c, c.w13_bias, 2 * c.I, e, c.I + i);
+  }
+  if (c.activation == kClampedSwiglu) {
+    gate = std::min(gate, c.limit);
+    up = std::min(std::max(up, -c.limit), c.limit);
+    return f32_to_bf16((up + 1.0f) * (gate / (1.0f + std::exp(-gate * c.alpha))));
+  }
+  return f32_to_bf16(gate / (1.0f + std::exp(-gate)) * up);
+}
+
+// Output element n of a route of expert e from its down dot: bias, then the route weight, rounded once.
+inline uint16_t weighted_out(const MoEHostCall& c, int64_t e, int64_t n, float weight, float down) {
+  if (c.w2_bias != nullptr) down += bias_value(c, c.w2_bias, c.H, e, n);
+  return f32_to_bf16(weight * down);
+}
 
 // acc[r * NT + t] = w[r] . x[t] over L elements, portable float arithmetic.
 void dots_portable(const uint16_t* const* w, int R, const uint16_t* const* x, int NT, int64_t L, float* acc) {
@@ -377,10 +422,9 @@ void gate_up_rows(const MoEHostCall& c, const Group& g, const int32_t* order, in
       float acc[16];
       dots(avx512, rows, 2 * pair, xs, nt, H, acc);
       for (int p = 0; p < pair; ++p)
-        for (int t = 0; t < nt; ++t) {
-          float gate_dot = acc[p * nt + t], up_dot = acc[(pair + p) * nt + t];
-          c.act[order[g.start + t0 + t] * I + i + p] = f32_to_bf16(silu(gate_dot) * up_dot);
-        }
+        for (int t = 0; t < nt; ++t)
+          c.act[order[g.start + t0 + t] * I + i + p] =
+              activate_into(c, g.expert, i + p, acc[p * nt + t], acc[(pair + p) * nt + t]);
     }
   }
 }
@@ -415,7 +459,8 @@ void down_rows(const MoEHostCall& c, const Group& g, const int32_t* order, int64
       dots(avx512, rows, nr, acts, nt, I, acc);
       for (int t = 0; t < nt; ++t) {
         int64_t route = order[g.start + t0 + t];
-        for (int r = 0; r < nr; ++r) c.out[route * H + n + r] = f32_to_bf16(c.weights[route] * acc[r * nt + t]);
+        for (int r = 0; r < nr; ++r)
+          c.out[route * H + n + r] = weighted_out(c, g.expert, n + r, c.weights[route], acc[r * nt + t]);
       }
     }
   }
