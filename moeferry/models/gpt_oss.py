@@ -21,6 +21,10 @@ from moeferry.layers.attention import Attention
 from moeferry.layers.linear import Linear
 from moeferry.models.registry import FamilySpec
 
+# The clamped SwiGLU's alpha of every released gpt-oss; transformers before its config grew a
+# `swiglu_alpha` field (and the released config.json files) leave it out.
+SWIGLU_ALPHA = 1.702
+
 
 def _stacked(kind: str, t: torch.Tensor) -> torch.Tensor:
     """The bf16 checkpoint's stacked experts ([E, K, out]) as rows ([E, out, K]); the gate and up
@@ -39,7 +43,7 @@ SPEC = FamilySpec(
     router=lambda mc: Linear(mc.hidden_size, mc.num_experts, bias=True),
     router_name="router",
     expert_bias=True,
-    activation=lambda hf: clamped_swiglu(hf.swiglu_alpha, hf.swiglu_limit),
+    activation=lambda hf: clamped_swiglu(getattr(hf, "swiglu_alpha", SWIGLU_ALPHA), hf.swiglu_limit),
     stacked_experts=_stacked,
     gate_up_interleaved=True,
 )

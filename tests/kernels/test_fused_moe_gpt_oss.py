@@ -94,12 +94,15 @@ def test_slot_pool_with_bias_banks_gives_bit_identical_output(impl):
     assert torch.equal(over_bank, over_pool)
 
 
-def test_host_op_takes_the_reference_for_the_clamped_swiglu():
+def test_host_op_computes_the_clamped_swiglu_within_bf16_rounding():
+    """The host op (the compiled kernel where it builds; its own tests check it bit for bit
+    against a model of its rounding) against the reference, biases and clamp included."""
     hidden, w13, w2, b13, b2, weights, ids = _layer(16, 64, 32, 5, 2, torch.bfloat16)
     kwargs = dict(num_routed_experts=16, w13_bias=b13, w2_bias=b2, activation=GPT_OSS)
     got = fused_moe(hidden, w13, w2, weights, ids, impl="host", **kwargs)
     ref = fused_moe(hidden, w13, w2, weights, ids, impl="reference", **kwargs)
-    assert torch.equal(got, ref)
+    assert got.abs().max() > 0.1
+    torch.testing.assert_close(got.float(), ref.float(), atol=3e-2, rtol=2e-2)
 
 
 def test_one_bias_alone_is_refused():

@@ -25,7 +25,7 @@ FORMATS = {  # weight, scale pointer, constexprs
     "int4-split": ("i32", "fp32", dict(QUANT=True, PACKED=True, PACK=8, MXFP4=False, SCALE_BN=1, SCALE_BK=128,
                                       SPLIT=True)),
     "mxfp4-split": ("u8", "u8", dict(QUANT=False, PACKED=False, PACK=2, MXFP4=True, SCALE_BN=1, SCALE_BK=32,
-                                     SPLIT=True)),
+                                     SPLIT=True, BLOCK_K=32)),  # a split MXFP4 tile is one scale block
     "bf16-biased-clamped": ("bf16", "fp32", dict(QUANT=False, PACKED=False, PACK=1, MXFP4=False, SCALE_BN=1,
                                                  SCALE_BK=1, BIAS=True, CLAMPED=True)),
 }
@@ -34,8 +34,10 @@ params = list(inspect.signature(kernel.fn).parameters)
 for name in sys.argv[1:]:
     weight, scale, constexprs = FORMATS[name]
     for gated in (True, False):
-        values = dict(dict(BIAS=False, CLAMPED=False, SPLIT=False), **constexprs, A_ROWS_PER_ROUTE_DIV=8 if gated else 1, GATED=gated, WEIGHTED=not gated,
-                      NAIVE=False, IEEE=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, PDL=False)
+        values = dict(BIAS=False, CLAMPED=False, SPLIT=False, A_ROWS_PER_ROUTE_DIV=8 if gated else 1, GATED=gated,
+                      WEIGHTED=not gated, NAIVE=False, IEEE=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1,
+                      PDL=False)
+        values.update(constexprs)
         pointers = dict(a_ptr="*bf16", b_ptr="*" + weight, c_ptr="*bf16", route_weight_ptr="*fp32",
                         sorted_route_ptr="*i32", block_expert_ptr="*i32", num_post_padded_ptr="*i32", ids_ptr="*i32",
                         scale_ptr="*" + scale, bias_ptr="*bf16", **SCALARS)

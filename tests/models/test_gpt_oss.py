@@ -272,3 +272,15 @@ def test_greedy_tokens_match_transformers_on_cuda_with_graphs(family, strategy):
                                pad_token_id=0)[0, len(prompt):].tolist()
         assert tokens == want, f"{name} {strategy}"
 
+
+
+def test_the_clamped_swiglu_alpha_defaults_to_the_released_value():
+    """Released config.json files, and transformers versions whose GptOssConfig has no
+    `swiglu_alpha`, leave alpha out: the family takes gpt-oss's 1.702; a config that sets it wins."""
+    from types import SimpleNamespace
+
+    from moeferry.models.gpt_oss import SPEC
+
+    assert SPEC.activation(SimpleNamespace(swiglu_limit=7.0)).alpha == pytest.approx(1.702)
+    assert SPEC.activation(SimpleNamespace(swiglu_limit=7.0)).limit == 7.0
+    assert SPEC.activation(SimpleNamespace(swiglu_limit=3.0, swiglu_alpha=2.0)).alpha == 2.0

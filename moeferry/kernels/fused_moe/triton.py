@@ -8,15 +8,18 @@ Contract (the oracle is moeferry.kernels.fused_moe.reference):
                   Block FP8 (w13_scale, w2_scale, block_shape given; layout in
                   kernels/fused_moe/__init__.py): both banks float8_e4m3fn, their scales
                   float32. Int4 (the same, banks int32): w13 [S, 2I, H/8], w2 [S, H, I/8],
-                  eight 4-bit values per word along K, each word read once and unpacked in registers. Each K tile of BLOCK_K (a divisor of the scale block's columns)
-                  is multiplied with the fp8 values converted exactly to hidden's dtype, and
+                  eight 4-bit values per word along K, each word read once and unpacked in
+                  registers. Each K tile of BLOCK_K (a divisor of the scale block's columns)
+                  is multiplied with the values converted exactly to hidden's dtype, and
                   the fp32 partial product is scaled per output column by its block's scale
-                  before it joins the accumulator (W8A16; no weight is rounded).
+                  before it joins the accumulator (W8A16 / W4A16; no weight is rounded).
                   MXFP4 (banks uint8, two E2M1 codes a byte, uint8 E8M0 scales per row and 32
-                  values): each weight is decoded from its nibble's bits and multiplied by its
-                  scale's power of two in fp32, then converted to hidden's dtype (exact in
-                  bf16 and fp32, which share fp32's exponent range) before the dot, so the
-                  K tile is not bound to the 32-value blocks.
+                  values): decoded from the nibbles' bits; with split-field tiles (the
+                  default) a K tile is one 32-value block whose power of two scales the fp32
+                  partial product like int4's group scale, otherwise each weight is scaled
+                  before the dot (exact either way in bf16 and fp32, which share fp32's
+                  exponent range). 4-bit K tiles run as one dot per field of the stored
+                  elements (FusedMoEConfig.split_fields).
                   Either bank may be host-resident (pinned CPU memory while hidden is on
                   CUDA): the kernels read it in place over PCIe (UVA), never copying it.
     topk_weights  [T, K] float32; topk_ids [T, K] int32|int64, each in [0, S).
@@ -74,7 +77,8 @@ class FusedMoEConfig:
     pipelines ``down_num_stages`` K tiles when given, else ``num_stages`` like the first.
     ``split_fields`` (4-bit banks only, int4 and MXFP4): a K tile is PACK dots, one per field
     of the stored elements against the matching strided columns of a, instead of one dot over
-    the fields rearranged into K order (no reshape of the weight tile)."""
+    the fields rearranged into K order (no reshape of the weight tile); the K tile then stays
+    inside one scale block (MXFP4: 32 values), whose scale multiplies the tile's fp32 sum."""
 
     block_m: int
     block_n: int
@@ -103,7 +107,9 @@ def select_config(num_tokens: int, top_k: int, hidden_size: int, intermediate_si
     where a block is mostly one or two rows, up to 64 for prefill. Pipeline depth at decode
     sizes, from benchmarks/sweep_fused_moe.py on an H200 at Qwen3-30B-A3B shapes (figures in
     benchmarks/RESULTS.md, Findings): 3 stages for the down GEMM up to one token per expert,
-    and for gate+up from 2 tokens; at 1 token gate+up keeps 4, which measured faster there."""
+    and for gate+up from 2 tokens; at 1 token gate+up keeps 4, which measured faster there.
+    4-bit banks take split-field dots (FusedMoEConfig.split_fields): on the same sweep with
+    int4 banks they cut the decode GEMMs' time by a fifth to a third."""
     tokens_per_expert = num_tokens * top_k / max(1, num_routed_experts)
     down_num_stages = None
     if tokens_per_expert <= 1:
@@ -126,6 +132,7 @@ def select_config(num_tokens: int, top_k: int, hidden_size: int, intermediate_si
         num_warps=num_warps,
         num_stages=num_stages,
         down_num_stages=down_num_stages,
+        split_fields=True,
     )
 
 
@@ -222,30 +229,31 @@ def _split_fields_dot(a_rows_ptrs, row_valid, k0, k_in, stride_ak, b_ptrs, b_mas
                       BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     """acc + a @ b over the K tile at k0 of a 4-bit bank, the stored elements
     ([BLOCK_K / PACK, BLOCK_N] at b_ptrs) read once and never rearranged: field i of element j
-    is column k0 + PACK * j + i, so the tile is PACK dots of field i against a's columns
-    k0 + i, k0 + PACK + i, ... (a_rows_ptrs [BLOCK_M]: a's rows). int4: the fp32 sum of those
-    dots scaled per output column by the tile's group scale (scale_rows_ptrs [BLOCK_N] at
-    k0 // SCALE_BK); MXFP4: each value times its E8M0 scale before its dot."""
+    is column k0 + PACK * j + i, so the tile is PACK dots of field i (int4: the value; MXFP4:
+    the E2M1 value) against a's columns k0 + i, k0 + PACK + i, ... (a_rows_ptrs [BLOCK_M]: a's
+    rows). The tile lies inside one scale block (BLOCK_K <= SCALE_BK), so the fp32 sum of the
+    dots is scaled per output column (scale_rows_ptrs [BLOCK_N] at k0 // SCALE_BK): a float32
+    group scale, or MXFP4's E8M0 power of two (exact)."""
+    tl.static_assert(BLOCK_K <= SCALE_BK)
     stored = tl.load(b_ptrs, mask=b_mask, other=0).to(tl.int32)
     offs_j = tl.arange(0, BLOCK_K // PACK)
     partial = tl.zeros(acc.shape, dtype=tl.float32)
     for i in tl.static_range(PACK):
         cols = k0 + offs_j * PACK + i
-        col_in = cols < k_in
-        a = tl.load(a_rows_ptrs[:, None] + cols[None, :] * stride_ak, mask=row_valid[:, None] & col_in[None, :],
+        a = tl.load(a_rows_ptrs[:, None] + cols[None, :] * stride_ak, mask=row_valid[:, None] & (cols < k_in)[None, :],
                     other=0.0)
         field = (stored >> (4 * i)) & 0xF
         if MXFP4:
-            exps = tl.load(scale_rows_ptrs[None, :] + (cols // SCALE_BK * stride_sk)[:, None],
-                           mask=col_in[:, None] & col_valid[None, :], other=127).to(tl.int32)
-            partial = dot(a, (_e2m1_value(field) * _e8m0_value(exps)).to(a.dtype), partial, IEEE)
+            b = _e2m1_value(field)
         else:
-            partial = dot(a, (field - 8).to(tl.float32).to(a.dtype), partial, IEEE)
+            b = (field - 8).to(tl.float32)
+        partial = dot(a, b.to(a.dtype), partial, IEEE)
+    scale_ptrs = scale_rows_ptrs + k0 // SCALE_BK * stride_sk
     if MXFP4:
-        return acc + partial
+        scales = _e8m0_value(tl.load(scale_ptrs, mask=col_valid, other=127).to(tl.int32))
     else:
-        scales = tl.load(scale_rows_ptrs + k0 // SCALE_BK * stride_sk, mask=col_valid, other=0.0)
-        return acc + partial * scales[None, :]
+        scales = tl.load(scale_ptrs, mask=col_valid, other=0.0)
+    return acc + partial * scales[None, :]
 
 
 @triton.jit
@@ -402,7 +410,7 @@ def _launch_gemm(a, b, c, route_weights, blocks, topk_ids, *, gated, weighted, a
     k_in = a.shape[1]
     quant = scales is not None
     mxfp4 = quant and b.dtype == torch.uint8  # scales every weight before the dot: any K tile
-    if quant and not mxfp4:
+    if (quant and not mxfp4) or (mxfp4 and config.split_fields):  # split MXFP4 tiles: one scale per column
         config = replace(config, block_k=quantized_block_k(config.block_k, block_shape[1]))
     if not quant:  # unread placeholders
         scales, block_shape = route_weights, (1, 1)
