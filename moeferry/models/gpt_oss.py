@@ -26,6 +26,25 @@ from moeferry.models.registry import FamilySpec
 SWIGLU_ALPHA = 1.702
 
 
+def _model_wide(hf, name: str, default=None):
+    """A config value every layer shares. Some transformers versions treat the SwiGLU values of
+    a config with `layer_types` as per-layer and refuse the model-wide read; the first layer's
+    config then has it."""
+    try:
+        return getattr(hf, name)
+    except AttributeError:
+        layers = getattr(hf, "per_layer_config", None)
+        if layers:
+            return getattr(layers[0], name, default) if default is not None else getattr(layers[0], name)
+        if default is not None:
+            return default
+        raise
+
+
+def _activation(hf):
+    return clamped_swiglu(_model_wide(hf, "swiglu_alpha", SWIGLU_ALPHA), _model_wide(hf, "swiglu_limit"))
+
+
 def _stacked(kind: str, t: torch.Tensor) -> torch.Tensor:
     """The bf16 checkpoint's stacked experts ([E, K, out]) as rows ([E, out, K]); the gate and up
     rows stay interleaved, as in every format (gate_up_interleaved splits them at load)."""
@@ -43,7 +62,7 @@ SPEC = FamilySpec(
     router=lambda mc: Linear(mc.hidden_size, mc.num_experts, bias=True),
     router_name="router",
     expert_bias=True,
-    activation=lambda hf: clamped_swiglu(getattr(hf, "swiglu_alpha", SWIGLU_ALPHA), hf.swiglu_limit),
+    activation=_activation,
     stacked_experts=_stacked,
     gate_up_interleaved=True,
 )

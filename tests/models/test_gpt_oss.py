@@ -258,14 +258,19 @@ def test_moeferry_generate_runs_a_tiny_gpt_oss_checkpoint(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("strategy", ["gpu", "offload", "uva"])
 def test_greedy_tokens_match_transformers_on_cuda_with_graphs(family, strategy):
-    """fp32 on CUDA, decode through CUDA graphs: 24 greedy tokens of a mixed batch equal
-    transformers' generate, for every device strategy (offload over a partial cache)."""
+    """fp32 on CUDA, decode through CUDA graphs: 24 greedy tokens of a mixed batch equal this
+    engine's CPU path (which the CPU tests hold to transformers at every position), then
+    transformers' generate, for every device strategy (offload over a partial cache). The first
+    comparison tells a kernel's error from a transformers version reading the config otherwise."""
     name, config, hf, path = family
     extra = {"moe_cache_slots": 8} if strategy == "offload" else {}
     llm = LLM(path, dtype="float32", device="cuda", max_running_requests=4, moe_strategy=strategy, **extra)
     assert llm.engine.runner.graphs is not None
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     got = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    cpu_llm = LLM(path, dtype="float32", device="cpu", max_running_requests=4)
+    on_cpu = [o.token_ids for o in cpu_llm.generate(PROMPTS, params)]
+    assert got == on_cpu, f"{name} {strategy}: CUDA against the CPU path"
     for prompt, tokens in zip(PROMPTS, got):
         with torch.no_grad():
             want = hf.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
@@ -284,3 +289,22 @@ def test_the_clamped_swiglu_alpha_defaults_to_the_released_value():
     assert SPEC.activation(SimpleNamespace(swiglu_limit=7.0)).alpha == pytest.approx(1.702)
     assert SPEC.activation(SimpleNamespace(swiglu_limit=7.0)).limit == 7.0
     assert SPEC.activation(SimpleNamespace(swiglu_limit=3.0, swiglu_alpha=2.0)).alpha == 2.0
+
+
+def test_the_swiglu_values_come_from_the_first_layer_where_the_config_refuses_a_model_wide_read():
+    """transformers versions that treat them as per-layer values of a config with `layer_types`
+    raise an AttributeError on `config.swiglu_limit`."""
+    from types import SimpleNamespace
+
+    from moeferry.models.gpt_oss import SPEC
+
+    class PerLayer:
+        per_layer_config = [SimpleNamespace(swiglu_limit=5.0), SimpleNamespace(swiglu_limit=5.0)]
+
+        def __getattr__(self, name):
+            raise AttributeError(f"{name!r} is a per-layer attribute")
+
+    activation = SPEC.activation(PerLayer())
+    assert activation.limit == 5.0 and activation.alpha == pytest.approx(1.702)
+    with pytest.raises(AttributeError):
+        SPEC.activation(SimpleNamespace())
