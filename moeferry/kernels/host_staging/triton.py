@@ -11,6 +11,7 @@ import triton.language as tl
 
 from moeferry.kernels.gather_copy.triton import HostPointer
 from moeferry.kernels.host_staging import MAX_PAIRS, check_pairs
+from moeferry.kernels.triton_common import pdl_launch, wait_for_previous_kernel
 
 BLOCK = 1024
 
@@ -23,7 +24,8 @@ def _copy_block(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _staged_copy_kernel(src0, dst0, n0, src1, dst1, n1, src2, dst2, n2, BLOCK: tl.constexpr):
+def _staged_copy_kernel(src0, dst0, n0, src1, dst1, n1, src2, dst2, n2, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     pair = tl.program_id(1)
     if pair == 0:
         _copy_block(src0, dst0, n0, BLOCK)
@@ -46,6 +48,7 @@ def staged_copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         longest = max(longest, src.numel())
     for _ in range(MAX_PAIRS - len(pairs)):  # unused pairs: a copy of nothing (distinct tensors,
         # since the interpreter copies every argument back after the launch)
-        device = pairs[0][1].device if pairs[0][1].is_cuda or not on_gpu else pairs[0][0].device
-        args += [torch.empty(1, device=device), torch.empty(1, device=device), 0]
-    _staged_copy_kernel[(triton.cdiv(longest, BLOCK), len(pairs))](*args, BLOCK=BLOCK)
+        unused = pairs[0][1].device if pairs[0][1].is_cuda or not on_gpu else pairs[0][0].device
+        args += [torch.empty(1, device=unused), torch.empty(1, device=unused), 0]
+    device = next((t.device for pair in pairs for t in pair if t.is_cuda), pairs[0][1].device)
+    _staged_copy_kernel[(triton.cdiv(longest, BLOCK), len(pairs))](*args, BLOCK=BLOCK, **pdl_launch(device))
