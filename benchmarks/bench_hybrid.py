@@ -43,6 +43,9 @@ def parse_args(argv):
     p.add_argument("--parts", nargs="+", choices=["decode", "kernel", "big"], default=["decode", "kernel"])
     p.add_argument("--big-layers", type=int, default=48, help="the `big` part: hybrid at 25%% on this many layers")
     p.add_argument("--threads", type=int, nargs="+", default=[4, 8, 16], help="host kernel table")
+    p.add_argument("--dispatch", nargs="+", choices=["host_function", "mailbox"], default=["host_function"],
+                   help="cpu and hybrid rows once per host-kernel dispatch (moe/host_experts.py): a CUDA host "
+                        "function on the side stream, or the mailbox worker awaited by a kernel (kernel staging)")
     p.add_argument("--staging", nargs="+", choices=["kernel", "copy"], default=["kernel"],
                    help="cpu and hybrid rows once per host-channel staging (moe/host_experts.py): kernels on "
                         "the main stream, or copy_ on the side stream")
@@ -102,6 +105,13 @@ def share_slots(engine, share) -> int:
     return max(mc.num_experts, int(round(share * len(mc.moe_layer_ids) * mc.num_experts)))
 
 
+def host_channel_modes(args) -> list[tuple[str, str]]:
+    """(dispatch, staging) pairs to run the host strategies' rows with: each staging under the
+    host-function dispatch, and the mailbox (which stages by kernel)."""
+    modes = [("host_function", staging) for staging in args.staging] if "host_function" in args.dispatch else []
+    return modes + ([("mailbox", "kernel")] if "mailbox" in args.dispatch else [])
+
+
 def decode_rows(config_dir, args, h2d) -> tuple[list[list], float]:
     rows, host_bw = [], 0.0
     plan = [("cpu", [s for s in args.shares if s == 0.0]),
@@ -119,15 +129,16 @@ def decode_rows(config_dir, args, h2d) -> tuple[list[list], float]:
         for share in shares:
             if strategy in ("offload", "hybrid"):
                 s.build_cache(share_slots(engine, share))
-            for staging in args.staging if strategy in ("cpu", "hybrid") else [None]:
-                if staging:
-                    HostExpertChannel.staging = staging
-                engine.runner.recapture_graphs()  # the graphs bake in the router hooks, the pool, the staging
+            for channel in host_channel_modes(args) if strategy in ("cpu", "hybrid") else [None]:
+                if channel:
+                    HostExpertChannel.dispatch, HostExpertChannel.staging = channel
+                engine.runner.recapture_graphs()  # the graphs bake in the router hooks, the pool, the channel
                 label = "hybrid, one layer of slots" if strategy == "hybrid" and share == 0.0 else strategy
-                label += f", {staging} staging" if staging and len(args.staging) > 1 else ""
+                if channel and len(host_channel_modes(args)) > 1:
+                    label += ", mailbox" if channel[0] == "mailbox" else f", {channel[1]} staging"
                 for batch in args.batch:
                     rows.append(decode_row(engine, args, label, share, batch, s.expert_bytes, h2d, host_bw))
-        HostExpertChannel.staging = "kernel"
+        HostExpertChannel.dispatch, HostExpertChannel.staging = "host_function", "kernel"
         del engine, s
         free_engine_memory()
     return rows, host_bw

@@ -47,7 +47,9 @@ def parse_args(argv):
     p.add_argument("--repeats", type=int, default=3, help="prefills per row, the fastest kept")
     p.add_argument("--scatter-steps", type=int, default=24,
                    help="decode steps of 4 requests after each warm start, scattering the residency")
-    p.add_argument("--parts", nargs="+", choices=["prefill", "multi-turn"], default=["prefill", "multi-turn"])
+    p.add_argument("--parts", nargs="+", choices=["prefill", "multi-turn", "profile"], default=["prefill", "multi-turn"],
+                   help="profile: one prefill of the shortest length by gpu and by offload at 100%% resident under "
+                        "torch.profiler, the ops by device time printed side by side (no RESULTS section)")
     p.add_argument("--turn-share", type=float, default=0.25, help="multi-turn: share of the experts resident")
     p.add_argument("--system-tokens", type=int, default=2000)
     p.add_argument("--turns", type=int, default=8)
@@ -159,6 +161,27 @@ def prefill_records(config_dir, args) -> list[dict]:
     return records
 
 
+def profile_prefills(config_dir, args) -> None:
+    """Where a streamed prefill at 100% resident spends its time against gpu's: one prefill of
+    the shortest length each, profiled, the top ops by device time printed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    length, gen = min(args.lengths), torch.Generator().manual_seed(0)
+    for strategy in ("gpu", "offload"):
+        engine = make_engine(config_dir, args, strategy, length)
+        if strategy == "offload":
+            engine.runner.strategy.build_cache(share_slots(engine, 1.0))
+            engine.runner.recapture_graphs()
+            scatter_residency(engine, args.scatter_steps, gen)
+        timed_prefill(engine, length, 2, gen)  # compile and warm up
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            seconds, _ = timed_prefill(engine, length, 1, gen)
+        print(f"### {strategy}: {length}-token prefill, {seconds * 1e3:.2f} ms to the first token")
+        print(prof.key_averages().table(sort_by="device_time_total", row_limit=25), flush=True)
+        del engine
+        free_engine_memory()
+
+
 def prefill_rows(records: list[dict], h2d: float) -> list[list]:
     gpu = {r["length"]: r["seconds"] for r in records if r["strategy"] == "gpu"}
     rows = []
@@ -234,6 +257,8 @@ def main(argv, args) -> int:
                f"{shape} Time to the first token of one prompt (one chunk, no other request, prefix caching off), "
                f"fastest of {args.repeats}. Floor: GiB streamed / H2D + gpu's time for the same prompt; the "
                "streamed GiB are the experts not resident (what crossed the link).", args.results)
+    if "profile" in args.parts:
+        profile_prefills(config_dir, args)
     if "multi-turn" in args.parts:
         rows = multi_turn_rows(multi_turn_records(config_dir, args))
         report("prefill/multi-turn", "Multi-turn chat TTFT with and without prefix caching", command,

@@ -12,6 +12,15 @@ branch is the host function alone: no memcpy node in it waits in a copy engine's
 behind the miss gather. (`HostExpertChannel.staging = "copy"` stages with `copy_` on the side
 stream instead, for benchmarks to compare.)
 
+`HostExpertChannel.dispatch = "mailbox"` runs the host kernel without CUDA host functions: a
+worker thread of the kernel's library polls a mailbox in pinned memory, and two one-program
+kernels on the main stream post the layer's call and, before unstaging, wait until the worker
+has published it done (kernels/host_mailbox). The graph then holds kernels only and no side
+stream; the GPU's own experts run between the post and the wait while the host computes.
+
+    main stream   ... stage -> post -> admit, copy misses, fused_moe -> wait done -> unstage -> combine
+    worker thread            |<-------- host kernel -------->|
+
 The host kernel (kernels/fused_moe/host_experts.cpp) runs as a CUDA host function on the side
 stream, so it needs no Python and no GIL and a captured decode graph replays it like any other
 node: the step stays one CUDA graph. Both branches run at once; the join waits for the slower.
@@ -25,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +42,7 @@ import torch
 from moeferry.errors import ConfigError
 from moeferry.kernels.fused_moe import host as host_kernel
 from moeferry.kernels.fused_moe import reference
+from moeferry.kernels import host_mailbox
 from moeferry.kernels.host_staging import staged_copy
 
 logger = logging.getLogger(__name__)
@@ -92,6 +103,37 @@ class _CudaHostFunctions:
             raise RuntimeError(f"cuLaunchHostFunc failed with CUDA error {rc}")
 
 
+class _Mailbox:
+    """The pinned mailbox, the device counter and the call table of one mailbox worker
+    (kernels/host_mailbox, host_experts.cpp). Invariant: a call's table entry is written before
+    any request names it, and the calls it points to outlive the worker (the channel holds them)."""
+
+    CAPACITY = 1 << 16
+
+    def __init__(self, device: torch.device):
+        self.box = torch.zeros(host_mailbox.MAILBOX_WORDS, dtype=torch.int64, pin_memory=True)
+        self.counter = torch.zeros(2, dtype=torch.int64, device=device)
+        self.table = (ctypes.c_void_p * self.CAPACITY)()
+        self.index: dict[int, int] = {}  # id of a call record -> its table entry
+        library = host_kernel.library()
+        handle = library.moe_host_worker_start(self.box.data_ptr(), self.table, self.CAPACITY)
+        self._stop = weakref.finalize(self, library.moe_host_worker_stop, handle)
+
+    def entry(self, call: host_kernel.MoEHostCall) -> int:
+        """The table entry of `call`, filled on first use."""
+        key = id(call)
+        if key not in self.index:
+            if len(self.index) == self.CAPACITY:
+                raise RuntimeError(f"host channel: more than {self.CAPACITY} distinct host kernel calls")
+            self.table[len(self.index)] = ctypes.addressof(call)
+            self.index[key] = len(self.index)
+        return self.index[key]
+
+    def stalled(self) -> bool:
+        """Whether a wait gave up (the worker never finished a request): reads the device."""
+        return bool(self.counter[host_mailbox.STALLED].item())
+
+
 class HostExpertChannel:
     """Computes routes of a MoE layer on the host CPU.
 
@@ -101,13 +143,16 @@ class HostExpertChannel:
     into the main stream (`finish`) before the next layer's begins, so the buffers are never
     shared by two calls in flight. Routes not given to the host come back as zeros.
     `staging` (class-wide): "kernel" stages through kernels/host_staging on the main stream,
-    "copy" through `copy_` on the side stream (module docstring).
+    "copy" through `copy_` on the side stream (module docstring). `dispatch` (class-wide):
+    "host_function" runs the kernel as a CUDA host function on the side stream, "mailbox"
+    through the mailbox worker (kernel staging only).
     `dtype` is the model's compute dtype: the kernel computes a bf16 model's experts, their banks
     bf16 or quantized (fp8, int4, mxfp4), with or without biases, silu or gpt-oss's clamped
     SwiGLU; on a GPU nothing else runs here.
     """
 
     staging = "kernel"
+    dispatch = "host_function"
 
     def __init__(self, banks: dict, max_tokens: int, top_k: int, device: torch.device, threads: int,
                  dtype: torch.dtype = torch.bfloat16):
@@ -133,6 +178,7 @@ class HostExpertChannel:
             self.out_device = torch.empty_like(self.out, device=device)
             self.side = torch.cuda.Stream(device)
             self.functions = _CudaHostFunctions()
+            self.mailbox = _Mailbox(device)
 
     def _call(self, layer_id: int, num_tokens: int) -> host_kernel.MoEHostCall:
         key = (layer_id, num_tokens)
@@ -156,6 +202,13 @@ class HostExpertChannel:
         # it keeps the caching allocator from handing their memory to the main stream meanwhile.
         self._inflight = (self.out_device[:num_tokens], hidden, topk_weights, host_ids)
         call = self._call(layer_id, num_tokens)
+        if self.dispatch == "mailbox":
+            if self.staging != "kernel":
+                raise ValueError("the host channel's mailbox dispatch stages by kernel only")
+            staged_copy([(hidden.contiguous(), self.x[:num_tokens]), (host_ids.contiguous(), self.ids[:num_tokens]),
+                         (topk_weights.contiguous(), self.weights[:num_tokens])])
+            host_mailbox.post_request(self.mailbox.box, self.mailbox.counter, self.mailbox.entry(call))
+            return
         staged = self.staging == "kernel"
         if staged:
             staged_copy([(hidden.contiguous(), self.x[:num_tokens]), (host_ids.contiguous(), self.ids[:num_tokens]),
@@ -186,13 +239,20 @@ class HostExpertChannel:
                                      host_ids.clamp(min=0), sum_routes=False, **bank.kernel_args())
         return torch.where(on_host.unsqueeze(-1), routes, 0.0)
 
+    def stalled(self) -> bool:
+        """Whether a mailbox wait ever gave up on the host kernel (never on a CPU-only machine)."""
+        return self.device.type == "cuda" and self.mailbox.stalled()
+
     def finish(self) -> torch.Tensor:
         """The last `begin`'s host routes' weighted outputs [T, K, H] on the compute device (bf16
         from the kernel; zeros at the other routes), joined into the current stream. Read it
         before the next `begin`."""
         routes = self._inflight[0]
         if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).wait_stream(self.side)
+            if self.dispatch == "mailbox":
+                host_mailbox.wait_done(self.mailbox.box, self.mailbox.counter)
+            else:
+                torch.cuda.current_stream(self.device).wait_stream(self.side)
             if self.staging == "kernel":
                 staged_copy([(self.out[:routes.shape[0]], routes)])
         self._inflight = ()

@@ -77,7 +77,7 @@ class HostChannelMixin:
         return {"speeds": self.speeds.as_dict() if self.speeds else None, "threads": self.channel.threads,
                 "host_kernel": host_kernel.timing() if self.channel.compiled else None,
                 "host_experts": sum(host), "host_experts_per_layer": host,
-                "host_bytes": sum(host) * self.expert_bytes}
+                "host_bytes": sum(host) * self.expert_bytes, "host_stalled": self.channel.stalled()}
 
 
 class CpuStrategy(HostChannelMixin, OffloadStrategy):

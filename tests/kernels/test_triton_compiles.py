@@ -66,3 +66,40 @@ def test_the_fused_moe_gemm_compiles_for_sm90(weight_format):
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"{weight_format} compiled" in done.stdout
+
+
+SMALL = r"""
+import inspect
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moeferry.kernels.host_mailbox.triton import _post_request_kernel, _wait_done_kernel
+from moeferry.kernels.host_staging.triton import _staged_copy_kernel
+
+KERNELS = [  # kernel, pointer types, constexprs
+    (_post_request_kernel, dict(box_ptr="*i64", counter_ptr="*i64"), dict(REQUEST_WORD=0, CALL_WORD=1, PDL=True)),
+    (_wait_done_kernel, dict(box_ptr="*i64", counter_ptr="*i64"), dict(DONE_WORD=8, STALLED_WORD=1, PDL=True)),
+    (_staged_copy_kernel, dict(src0="*bf16", dst0="*bf16", src1="*i64", dst1="*i32", src2="*fp32", dst2="*fp32"),
+     dict(BLOCK=1024, PDL=True)),
+]
+for kernel, pointers, constexprs in KERNELS:
+    params = list(inspect.signature(kernel.fn).parameters)
+    signature = {p: "constexpr" if p in constexprs else pointers.get(p, "i32") for p in params}
+    source = ASTSource(kernel, signature, constexprs={(params.index(p),): v for p, v in constexprs.items()})
+    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+    print(kernel.fn.__name__, "compiled")
+"""
+
+
+@pytest.mark.slow
+def test_the_host_channel_kernels_compile_for_sm90():
+    """The mailbox's post and wait (a system-scope release exchange, volatile polls of host
+    memory) and the staging copy, with PDL."""
+    if not _ptxas():
+        pytest.skip("the triton wheel brings no ptxas here")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(pathlib.Path(__file__).resolve().parents[2])
+    done = subprocess.run([sys.executable, "-c", SMALL], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name in ("_post_request_kernel", "_wait_done_kernel", "_staged_copy_kernel"):
+        assert f"{name} compiled" in done.stdout

@@ -56,8 +56,13 @@ def test_host_strategies_generate_what_gpu_generates(options):
         assert stats["decode"]["total"]["misses"] > 0
 
 
-def test_the_host_channel_replays_in_a_graph_as_it_runs_eagerly():
+@pytest.mark.parametrize("dispatch", ["host_function", "mailbox"])
+def test_the_host_channel_replays_in_a_graph_as_it_runs_eagerly(monkeypatch, dispatch):
+    """Either dispatch (a CUDA host function on the side stream, or the mailbox worker polled
+    and awaited by kernels): the graph's replay gives the eager bits, the same in both, the
+    host's routes nonzero and the others zero, and no wait gave up."""
     from moeferry.engine.cuda_graph import capture
+    from moeferry.kernels.fused_moe import host as host_kernel
     from moeferry.moe.host_experts import HostExpertChannel
     from moeferry.moe.strategies import ExpertBanks
 
@@ -66,6 +71,7 @@ def test_the_host_channel_replays_in_a_graph_as_it_runs_eagerly():
     banks = {layer: ExpertBanks((torch.randn(experts, 2 * inter, hidden_size, generator=gen) * 0.03).bfloat16().pin_memory(),
                                 (torch.randn(experts, hidden_size, inter, generator=gen) * 0.06).bfloat16().pin_memory())
              for layer in range(3)}
+    monkeypatch.setattr(HostExpertChannel, "dispatch", dispatch)
     channel = HostExpertChannel(banks, tokens, top_k, torch.device("cuda"), threads=8)
     hidden = torch.randn(tokens, hidden_size, generator=gen).bfloat16().cuda()
     weights = torch.rand(tokens, top_k, generator=gen).cuda()
@@ -88,6 +94,30 @@ def test_the_host_channel_replays_in_a_graph_as_it_runs_eagerly():
     for layer in range(3):
         assert torch.equal(outs[layer], eager[layer])
         assert bool((outs[layer][host_ids < 0] == 0).all()) and bool((outs[layer][host_ids >= 0] != 0).any())
+        expected = host_kernel.expert_routes(hidden.cpu(), banks[layer].w13, banks[layer].w2, weights.cpu(),
+                                             host_ids.cpu(), threads=8)
+        assert torch.equal(outs[layer].cpu(), expected)
+    assert not channel.stalled()
+
+
+def test_hybrid_through_the_mailbox_generates_what_gpu_generates(monkeypatch):
+    """hybrid with the host kernel dispatched through the mailbox worker inside the decode
+    graphs: gpu's tokens (until a near tie), host experts computed, no wait given up."""
+    from moeferry import LLM, SamplingParams
+    from moeferry.default_model import ensure_default_model
+    from moeferry.moe.host_experts import HostExpertChannel
+
+    monkeypatch.setattr(HostExpertChannel, "dispatch", "mailbox")
+    path = ensure_default_model()
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7], list(range(10, 50))]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    ref = LLM(path, max_running_requests=4).generate(prompts, params)
+    llm = LLM(path, max_running_requests=4, moe_strategy="hybrid", moe_cache_slots=48, moe_host_share=0.5)
+    assert llm.engine.runner.graphs is not None
+    for want, got in zip(ref, llm.generate(prompts, params)):
+        assert_same_until_a_near_tie(want, got)
+    stats = llm.engine.runner.strategy.stats()
+    assert stats["host_experts"] > 0 and not stats["host_stalled"]
 
 
 @pytest.mark.parametrize("family, fmt, strategy", [

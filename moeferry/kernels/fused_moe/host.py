@@ -110,6 +110,10 @@ def library() -> ctypes.CDLL:
     lib.moe_host_dequantize.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64,
                                         ctypes.c_int64, ctypes.c_void_p]
     lib.moe_host_dequantize.restype = None
+    lib.moe_host_worker_start.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    lib.moe_host_worker_start.restype = ctypes.c_void_p
+    lib.moe_host_worker_stop.argtypes = [ctypes.c_void_p]
+    lib.moe_host_worker_stop.restype = None
     return lib
 
 

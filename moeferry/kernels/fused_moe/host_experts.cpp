@@ -38,6 +38,15 @@
 //
 // `moe_host_run` is also a CUDA host function (CUhostFn: void(void*)): a stream (and a
 // captured CUDA graph) runs it when the work before it is done; it touches no CUDA API.
+//
+// The mailbox worker (`moe_host_worker_start`) is the other way to run calls beside a GPU: a
+// thread of its own polls a mailbox in pinned memory that GPU kernels write (the sequence
+// number of a request and the index of the call to run, kernels/host_mailbox), runs the call,
+// then publishes the request's number as done, which a GPU kernel waits for. A captured graph
+// then holds kernels only. Mailbox words (int64): [0] the last request posted, [1] its call's
+// index into the worker's table, [8] the last request done (its own cache line), [16] set to 1
+// when a request names no call. Requests come one at a time: the GPU posts the next only after
+// it has seen the last one done.
 
 #include <algorithm>
 #include <atomic>
@@ -47,6 +56,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <vector>
+#include <thread>
 #include <omp.h>
 #include <immintrin.h>
 
@@ -568,6 +578,68 @@ void moe_host_run(void* arg) {
     }
   }
   record_time(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
+}
+
+}  // extern "C"
+
+namespace {
+
+constexpr int kRequest = 0, kCall = 1, kDone = 8, kBadCall = 16;
+
+// A mailbox worker: the thread, the mailbox it polls and the table of calls it may run.
+struct MailboxWorker {
+  int64_t* box;
+  MoEHostCall* const* calls;
+  int64_t capacity;
+  std::atomic<bool> stop{false};
+  std::thread thread;
+};
+
+// Poll the mailbox; run each request's call, then publish it done. Spins (with pause) while
+// requests come, and sleeps between polls after a while without any, so an idle engine does
+// not keep a core busy.
+void worker_loop(MailboxWorker* w) {
+  int64_t seen = __atomic_load_n(&w->box[kDone], __ATOMIC_ACQUIRE);
+  auto last = std::chrono::steady_clock::now();
+  while (!w->stop.load(std::memory_order_relaxed)) {
+    const int64_t posted = __atomic_load_n(&w->box[kRequest], __ATOMIC_ACQUIRE);
+    if (posted == seen) {
+      if (std::chrono::steady_clock::now() - last > std::chrono::milliseconds(20))
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      else
+        _mm_pause();
+      continue;
+    }
+    const int64_t index = __atomic_load_n(&w->box[kCall], __ATOMIC_ACQUIRE);
+    MoEHostCall* call = index >= 0 && index < w->capacity ? w->calls[index] : nullptr;
+    if (call != nullptr)
+      moe_host_run(call);
+    else
+      __atomic_store_n(&w->box[kBadCall], 1, __ATOMIC_RELEASE);
+    seen = posted;
+    __atomic_store_n(&w->box[kDone], posted, __ATOMIC_RELEASE);
+    last = std::chrono::steady_clock::now();
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Start a worker over `box` (pinned, at least 17 int64 words) and a table of `capacity` call
+// pointers (null: no call yet; entries are filled before a request names them).
+void* moe_host_worker_start(int64_t* box, MoEHostCall* const* calls, int64_t capacity) {
+  auto* w = new MailboxWorker{box, calls, capacity};
+  w->thread = std::thread(worker_loop, w);
+  return w;
+}
+
+// Stop and join a worker (after its last request is done).
+void moe_host_worker_stop(void* handle) {
+  auto* w = static_cast<MailboxWorker*>(handle);
+  w->stop.store(true);
+  w->thread.join();
+  delete w;
 }
 
 }  // extern "C"

@@ -1,0 +1,81 @@
+"""The host kernel's mailbox: the worker thread (host_experts.cpp) runs each posted call and
+publishes it done, its outputs those of a direct run; the GPU side's kernels (interpreted on
+CPU) post and wait as their reference does, and a wait with no worker gives up and says so."""
+import ctypes
+import time
+
+import pytest
+import torch
+
+from moeferry.kernels import host_mailbox as mailbox
+from moeferry.kernels.fused_moe import host as host_kernel
+from moeferry.kernels.host_mailbox import reference
+
+needs_kernel = pytest.mark.skipif(not host_kernel.available(), reason="no C++ compiler for the host kernel")
+
+
+def _implementations():
+    from moeferry.kernels.host_mailbox import triton as triton_mailbox
+    return {"reference": reference, "triton": triton_mailbox}
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_post_writes_the_call_then_the_next_sequence_number(impl):
+    ops = _implementations()[impl]
+    box = torch.zeros(mailbox.MAILBOX_WORDS, dtype=torch.int64)
+    counter = torch.zeros(2, dtype=torch.int64)
+    for sequence, call in enumerate([5, 0, 123456], start=1):
+        ops.post_request(box, counter, call)
+        assert int(counter[0]) == sequence and int(box[mailbox.REQUEST]) == sequence
+        assert int(box[mailbox.CALL]) == call and int(box[mailbox.DONE]) == 0
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_wait_returns_once_done_and_gives_up_flagged_otherwise(impl):
+    ops = _implementations()[impl]
+    box = torch.zeros(mailbox.MAILBOX_WORDS, dtype=torch.int64)
+    counter = torch.tensor([3, 0], dtype=torch.int64)
+    box[mailbox.DONE] = 3
+    ops.wait_done(box, counter, 5)
+    assert int(counter[mailbox.STALLED]) == 0
+    box[mailbox.DONE] = 2  # no worker: the wait polls 5 times, then flags the stall
+    ops.wait_done(box, counter, 5)
+    assert int(counter[mailbox.STALLED]) == 1
+
+
+def _poll(box, word, value, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while int(box[word]) < value:
+        assert time.monotonic() < deadline, f"mailbox word {word} never reached {value}"
+        time.sleep(1e-4)
+
+
+@needs_kernel
+def test_the_worker_runs_each_posted_call_and_publishes_it_done():
+    from tests.kernels.test_fused_moe_host import make_case
+
+    calls, outs, direct, held = [], [], [], []
+    for seed in range(3):
+        hidden, w13, w2, weights, ids = make_case(3, 2, 64, 32, 8, seed)
+        held.append((hidden, w13, w2, weights, ids))
+        out = torch.empty(*ids.shape, hidden.shape[1], dtype=torch.bfloat16)
+        act = torch.empty(ids.numel(), w2.shape[2], dtype=torch.bfloat16)
+        held.append(act)
+        calls.append(host_kernel.make_call(hidden, ids, weights, out, w13, w2, act, 2))
+        outs.append(out)
+        direct.append(host_kernel.expert_routes(hidden, w13, w2, weights, ids, threads=2))
+    box = torch.zeros(mailbox.MAILBOX_WORDS, dtype=torch.int64)
+    table = (ctypes.c_void_p * 4)(*[ctypes.addressof(c) for c in calls], None)
+    worker = host_kernel.library().moe_host_worker_start(box.data_ptr(), table, 4)
+    try:
+        counter = torch.zeros(2, dtype=torch.int64)
+        for index in (2, 0, 1, 2):
+            outs[index].fill_(7)
+            reference.post_request(box, counter, index)
+            _poll(box, mailbox.DONE, int(counter[0]))
+            assert torch.equal(outs[index], direct[index]) and outs[index].abs().max() > 0
+        reference.post_request(box, counter, 3)  # an empty table entry
+        _poll(box, mailbox.DONE, int(counter[0]))
+        assert int(box[mailbox.BAD_CALL]) == 1
+    finally:
+        host_kernel.library().moe_host_worker_stop(worker)
