@@ -5,7 +5,7 @@
 # STAGES: comma-separated of tests, kernels (copy, admission, fused MoE, attention, linear benches),
 # decode (full decode benchmark), decode-quick, sampling, ttft, uva, serve, routing (cache policies on
 # the built-in model's routing, the simulator against the engine), deepseek (DeepSeek-V3-shaped decode
-# and the MLA kernel; 4 MoE layers of 22.5 GB: wants ~100 GB of host memory), gpt-oss (gpt-oss-20b-shaped
+# and the MLA kernel; 3 layers, 2 of them MoE layers of 22.5 GB each, pinned: ~45 GB of host memory), gpt-oss (gpt-oss-20b-shaped
 # decode, 4 layers of 32 bf16 experts), quant (decode and accuracy
 # per expert format: bf16, fp8, int4, mxfp4), hybrid (the host channel: kernel GB/s, decode at 0-100% on the
 # GPU), structured (decode with a JSON-schema grammar against without; needs .whl), prefill (prefill tok/s
@@ -70,7 +70,7 @@ has ttft && run bench-ttft python3 -m benchmarks.bench_ttft --results "$RESULTS"
 has prefill && run bench-prefill python3 -m benchmarks.bench_prefill --results "$RESULTS" "$CURRENT"
 has routing && run bench-routing python3 -m benchmarks.bench_routing --results "$RESULTS" "$CURRENT"
 has uva && run bench-uva python3 -m benchmarks.bench_uva --results "$RESULTS" "$CURRENT"
-has deepseek && run bench-deepseek python3 -m benchmarks.bench_deepseek --results "$RESULTS" "$CURRENT"
+has deepseek && run bench-deepseek python3 -m benchmarks.bench_deepseek --layers 3 --results "$RESULTS" "$CURRENT"
 has gpt-oss && run bench-gpt-oss python3 -m benchmarks.bench_gpt_oss --results "$RESULTS" "$CURRENT"
 has quant && run bench-quant python3 -m benchmarks.bench_quant --results "$RESULTS" "$CURRENT" \
   && run bench-quant-accuracy python3 -m benchmarks.bench_quant_accuracy --device cuda --results "$RESULTS"
