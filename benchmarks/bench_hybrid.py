@@ -40,7 +40,9 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2, help="runs per row, the fastest kept")
-    p.add_argument("--parts", nargs="+", choices=["decode", "kernel", "big"], default=["decode", "kernel"])
+    p.add_argument("--parts", nargs="+", choices=["decode", "kernel", "big", "contention"], default=["decode", "kernel"],
+                   help="contention: the host kernel's and pinned H2D copies' GB/s alone and at once (both read "
+                        "the host's DRAM)")
     p.add_argument("--big-layers", type=int, default=48, help="the `big` part: hybrid at 25%% on this many layers")
     p.add_argument("--threads", type=int, nargs="+", default=[4, 8, 16], help="host kernel table")
     p.add_argument("--dispatch", nargs="+", choices=["host_function", "mailbox"], default=["host_function"],
@@ -206,6 +208,65 @@ def kernel_rows(args) -> list[list]:
     return rows
 
 
+def contention_rows(args, seconds: float = 2.0) -> list[list]:
+    """Both channels read the host's DRAM: GB/s of the host kernel (one token on 8 experts a
+    call, over 1.2 GB of experts, 16 threads or --threads' largest) and of pinned H2D copies of
+    whole experts, each alone for `seconds`, then both at once (the kernel on a Python thread,
+    which ctypes runs without the GIL)."""
+    import threading
+
+    from moeferry.kernels.fused_moe import host
+
+    cfg = QWEN3_30B_DIR_CONFIG
+    hidden, inter, experts, top_k = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts"], 8
+    threads = max(args.threads)
+    w13 = torch.zeros(experts, 2 * inter, hidden, dtype=torch.bfloat16).pin_memory()
+    w2 = torch.zeros(experts, hidden, inter, dtype=torch.bfloat16).pin_memory()
+    expert_bytes = (w13[0].numel() + w2[0].numel()) * 2
+    x = torch.randn(1, hidden).bfloat16()
+    weights = torch.full((1, top_k), 1.0 / top_k)
+    out = torch.empty(1, top_k, hidden, dtype=torch.bfloat16)
+    act = torch.empty(top_k, inter, dtype=torch.bfloat16)
+    calls = [host.make_call(x, (torch.arange(top_k, dtype=torch.int32) + i * top_k).reshape(1, top_k) % experts,
+                            weights, out, w13, w2, act, threads) for i in range(experts // top_k)]
+    slots13 = torch.empty(top_k, 2 * inter, hidden, dtype=torch.bfloat16, device="cuda")
+    slots2 = torch.empty(top_k, hidden, inter, dtype=torch.bfloat16, device="cuda")
+
+    def host_channel(stop, result):
+        done, start = 0, time.perf_counter()
+        while not stop.is_set():
+            host.run(calls[done % len(calls)])
+            done += 1
+        result["host"] = done * top_k * expert_bytes / (time.perf_counter() - start) / 1e9
+
+    def copy_channel(stop, result):
+        done, start = 0, time.perf_counter()
+        while not stop.is_set():
+            first = (done * top_k) % experts
+            slots13.copy_(w13[first:first + top_k], non_blocking=True)
+            slots2.copy_(w2[first:first + top_k], non_blocking=True)
+            torch.cuda.synchronize()
+            done += 1
+        result["pcie"] = done * top_k * expert_bytes / (time.perf_counter() - start) / 1e9
+
+    rows = []
+    for label, channels in (("host kernel alone", [host_channel]), ("H2D copies alone", [copy_channel]),
+                            ("both at once", [host_channel, copy_channel])):
+        stop, result = threading.Event(), {}
+        workers = [threading.Thread(target=fn, args=(stop, result)) for fn in channels]
+        for w in workers:
+            w.start()
+        time.sleep(seconds)
+        stop.set()
+        for w in workers:
+            w.join()
+        host_gb, pcie_gb = result.get("host"), result.get("pcie")
+        rows.append([label, threads, f"{host_gb:.1f}" if host_gb else "-", f"{pcie_gb:.1f}" if pcie_gb else "-",
+                     f"{(host_gb or 0) + (pcie_gb or 0):.1f}"])
+        print(rows[-1], flush=True)
+    return rows
+
+
 DECODE_HEADER = ["experts on GPU", "requests", "strategy", "tok/s", "ms/step", "hit rate",
                  "experts/step hit / copied / host", "PCIe floor ms", "host floor ms", "host kernel ms",
                  "two-channel floor ms",
@@ -234,6 +295,14 @@ def main(argv, args) -> int:
                f"N(0, 100) noise in the graph); prompt {args.prompt_len}, {args.warmup} warm-up + {args.steps} timed "
                f"steps, cache restarted warm before each row. Measured H2D {h2d / 1e9:.1f} GB/s, host kernel "
                f"{host_bw / 1e9:.1f} GB/s (the strategy's start-up measurement, one token per expert).",
+               args.results)
+    if "contention" in args.parts:
+        rows = contention_rows(args)
+        report("hybrid/contention", "The two channels on one host DRAM", command,
+               markdown_table(["run", "threads", "host kernel GB/s", "H2D GB/s", "sum GB/s"], rows),
+               "Qwen3-30B-A3B experts (9.44 MB each, bf16, pinned): the host kernel on one token routed to 8 "
+               "experts a call, cycling over 128; H2D copies of 8 whole experts at a time into device slots; "
+               "2 s each alone, then both at once. The two-channel floor assumes the sum of the alone figures.",
                args.results)
     if "big" in args.parts:
         rows = big_rows(config_dir, args, h2d)
