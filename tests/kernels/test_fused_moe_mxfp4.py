@@ -6,9 +6,12 @@ reference against a float64 oracle over dequantized weights, the Triton kernel
 Qwen3-30B-A3B expert shape."""
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from moeferry.kernels.fused_moe import E2M1_VALUES, fused_moe
 from moeferry.kernels.fused_moe.reference import dequantize_blocks, e8m0_to_float, unpack_mxfp4
+from moeferry.kernels.fused_moe.triton import _e2m1_weight, _int4_weight
 from moeferry.moe.formats import pack_mxfp4, quantize_mxfp4
 from tests.kernels.test_fused_moe import make_layer, make_routes, oracle, rel_err
 from tests.kernels.test_fused_moe_fp8 import assert_triton_matches_reference
@@ -211,3 +214,27 @@ def test_mxfp4_pinned_host_banks_give_the_device_banks_bits_on_gpu(num_tokens):
     from_host = fused_moe(hidden, host[0], host[2], weights, ids, num_routed_experts=128,
                           w13_scale=host[1], w2_scale=host[3], block_shape=BLOCK)
     assert torch.equal(from_host, on_device)
+
+
+@triton.jit
+def _decode_every_field_kernel(out_int4, out_e2m1, DTYPE: tl.constexpr):
+    codes = tl.arange(0, 16)
+    tl.store(out_int4 + codes, _int4_weight(codes, DTYPE))
+    tl.store(out_e2m1 + codes, _e2m1_weight(codes, DTYPE))
+
+
+def _decode_every_field(dtype):
+    """(int4, E2M1) values of the fields 0..15 through the kernel's decoders, in `dtype`."""
+    int4, e2m1 = torch.full((16,), 99.0, dtype=dtype), torch.full((16,), 99.0, dtype=dtype)
+    _decode_every_field_kernel[(1,)](int4, e2m1, DTYPE=tl.bfloat16 if dtype == torch.bfloat16 else tl.float32)
+    return int4, e2m1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_kernels_4bit_decoders_give_every_code_exactly(dtype):
+    """Every 4-bit field through the split-field tiles' decoders (bf16 built from the bits, other
+    dtypes converted): int4 is field - 8, MXFP4 the E2M1 table (signed zero included)."""
+    int4, e2m1 = _decode_every_field(dtype)
+    assert torch.equal(int4, torch.arange(16, dtype=dtype) - 8)
+    want = torch.tensor(E2M1_VALUES, dtype=dtype)
+    assert torch.equal(e2m1, want) and torch.equal(torch.signbit(e2m1), torch.signbit(want))

@@ -224,6 +224,33 @@ def _load_b(b_ptrs, mask, mx_scale_ptrs, mx_mask, PACKED: tl.constexpr, MXFP4: t
 
 
 @triton.jit
+def _int4_weight(field, dtype: tl.constexpr):
+    """The signed int4 values field - 8 (fields int32 0..15) in `dtype`, exact. bf16 from the
+    bits: 0x4300 | field is the bf16 128 + field, which widens to float32 by a shift, less 136,
+    narrowed back exactly (no int-to-float conversion); otherwise converted."""
+    if dtype == tl.bfloat16:
+        return ((field | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32) - 136.0).to(tl.bfloat16)
+    else:
+        return (field - 8).to(tl.float32).to(dtype)
+
+
+@triton.jit
+def _e2m1_weight(code, dtype: tl.constexpr):
+    """E2M1 codes (int32 0..15) as `dtype` values, exact. bf16 from the bits (sign, exponent
+    126 + e or, for e = 0, 126 for the 0.5 of m = 1, and m as the top mantissa bit: no
+    float conversion); otherwise through float32 (_e2m1_value)."""
+    if dtype == tl.bfloat16:
+        exponent = (code >> 1) & 3
+        mantissa = code & 1
+        biased = tl.where(exponent == 0, 126 * mantissa, 126 + exponent)
+        fraction = tl.where(exponent == 0, 0, mantissa << 6)
+        bits = ((code >> 3) << 15) | (biased << 7) | fraction
+        return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return _e2m1_value(code).to(dtype)
+
+
+@triton.jit
 def _split_fields_dot(a_rows_ptrs, row_valid, k0, k_in, stride_ak, b_ptrs, b_mask, scale_rows_ptrs, stride_sk,
                       col_valid, acc, MXFP4: tl.constexpr, PACK: tl.constexpr, SCALE_BK: tl.constexpr,
                       BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
@@ -244,10 +271,10 @@ def _split_fields_dot(a_rows_ptrs, row_valid, k0, k_in, stride_ak, b_ptrs, b_mas
                     other=0.0)
         field = (stored >> (4 * i)) & 0xF
         if MXFP4:
-            b = _e2m1_value(field)
+            b = _e2m1_weight(field, a.dtype)
         else:
-            b = (field - 8).to(tl.float32)
-        partial = dot(a, b.to(a.dtype), partial, IEEE)
+            b = _int4_weight(field, a.dtype)
+        partial = dot(a, b, partial, IEEE)
     scale_ptrs = scale_rows_ptrs + k0 // SCALE_BK * stride_sk
     if MXFP4:
         scales = _e8m0_value(tl.load(scale_ptrs, mask=col_valid, other=127).to(tl.int32))
