@@ -25,7 +25,6 @@ import torch.nn.functional as F
 
 from benchmarks.common import (add_results_flag, command_line, free_engine_memory, gpu_main, h2d_bandwidth,
                                markdown_table, report, timed_decode, uniform_routing)
-from moeferry.moe.host_experts import HostExpertChannel
 from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 LLAMA_CPP_BATCH1 = {0.0: 74.3, 0.25: 93.9, 0.5: 134.6, 0.75: 237.7, 1.0: 596.6}
@@ -133,14 +132,13 @@ def decode_rows(config_dir, args, h2d) -> tuple[list[list], float]:
                 s.build_cache(share_slots(engine, share))
             for channel in host_channel_modes(args) if strategy in ("cpu", "hybrid") else [None]:
                 if channel:
-                    HostExpertChannel.dispatch, HostExpertChannel.staging = channel
+                    s.channel.dispatch, s.channel.staging = channel
                 engine.runner.recapture_graphs()  # the graphs bake in the router hooks, the pool, the channel
                 label = "hybrid, one layer of slots" if strategy == "hybrid" and share == 0.0 else strategy
                 if channel and len(host_channel_modes(args)) > 1:
                     label += ", mailbox" if channel[0] == "mailbox" else f", {channel[1]} staging"
                 for batch in args.batch:
                     rows.append(decode_row(engine, args, label, share, batch, s.expert_bytes, h2d, host_bw))
-        HostExpertChannel.dispatch, HostExpertChannel.staging = "host_function", "kernel"
         del engine, s
         free_engine_memory()
     return rows, host_bw

@@ -1,6 +1,6 @@
 """Helpers shared by the Triton kernels' modules: bf16-exact rounding and an fp32-accumulating
-dot inside a kernel, programmatic dependent launch, and the check of a caller's output buffer
-on the host."""
+dot inside a kernel, programmatic dependent launch, the check of a caller's output buffer on
+the host, and pinned host tensors as kernel arguments (HostPointer)."""
 import functools
 import os
 
@@ -112,3 +112,22 @@ def output_buffer(out: torch.Tensor | None, shape, dtype, device, name: str) -> 
         raise ValueError(f"{name}: expected contiguous {tuple(shape)} {dtype} on {device}, got "
                          f"{tuple(out.shape)} {out.dtype} on {out.device} contiguous={out.is_contiguous()}")
     return out
+
+
+class HostPointer:
+    """A host tensor handed to a kernel as a bare pointer (``data_ptr`` and ``dtype``), for
+    launchers that refuse a CPU tensor. Valid only for pinned memory under unified
+    addressing, where the host pointer is also the device pointer."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self.dtype = tensor.dtype
+
+    def data_ptr(self) -> int:
+        return self.tensor.data_ptr()
+
+
+def kernel_argument(t: torch.Tensor, on_gpu: bool):
+    """`t` as an argument of a launch on the GPU (`on_gpu`): a host tensor as its bare pointer
+    (HostPointer, pinned memory read or written in place), anything else as it is."""
+    return HostPointer(t) if on_gpu and t.device.type == "cpu" else t

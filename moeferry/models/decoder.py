@@ -70,8 +70,8 @@ class DecoderBody(nn.Module):
         self.rotary = rotary
 
 
-# A stacked expert tensor of every expert -> (kind, part): gpt-oss adds biases, and its released
-# checkpoints MXFP4 blocks and scales (refused by the loader for now)
+# A stacked expert tensor of every expert -> (kind, part): gpt-oss's weights (the part follows
+# the suffix: bf16 `gate_up_proj`, or MXFP4 `gate_up_proj_blocks` / `_scales`) and biases
 _STACKED_LEAVES = {"gate_up_proj": ("gate_up", None), "down_proj": ("down", None),
                    "gate_up_proj_bias": ("gate_up", "bias"), "down_proj_bias": ("down", "bias")}
 

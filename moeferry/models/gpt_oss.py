@@ -29,16 +29,15 @@ SWIGLU_ALPHA = 1.702
 def _model_wide(hf, name: str, default=None):
     """A config value every layer shares. Some transformers versions treat the SwiGLU values of
     a config with `layer_types` as per-layer and refuse the model-wide read; the first layer's
-    config then has it."""
-    try:
-        return getattr(hf, name)
-    except AttributeError:
-        layers = getattr(hf, "per_layer_config", None)
-        if layers:
-            return getattr(layers[0], name, default) if default is not None else getattr(layers[0], name)
-        if default is not None:
-            return default
-        raise
+    config then has it. Without either, `default` (None: the AttributeError stands)."""
+    for config in (hf, *(getattr(hf, "per_layer_config", None) or ())[:1]):
+        try:
+            return getattr(config, name)
+        except AttributeError:
+            pass
+    if default is None:
+        raise AttributeError(f"the gpt-oss config has no {name!r}")
+    return default
 
 
 def _activation(hf):

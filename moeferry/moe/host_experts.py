@@ -9,10 +9,10 @@ On a GPU, one layer's host work is a branch of the step's stream graph:
 Staging is one small Triton kernel each way (kernels/host_staging) that writes the inputs into
 the pinned buffers and reads the route outputs back over PCIe, on the main stream, so the side
 branch is the host function alone: no memcpy node in it waits in a copy engine's queue or
-behind the miss gather. (`HostExpertChannel.staging = "copy"` stages with `copy_` on the side
-stream instead, for benchmarks to compare.)
+behind the miss gather. (`staging = "copy"` stages with `copy_` on the side stream instead,
+for benchmarks to compare.)
 
-`HostExpertChannel.dispatch = "mailbox"` runs the host kernel without CUDA host functions: a
+`dispatch = "mailbox"` runs the host kernel without CUDA host functions: a
 worker thread of the kernel's library polls a mailbox in pinned memory, and two one-program
 kernels on the main stream post the layer's call and, before unstaging, wait until the worker
 has published it done (kernels/host_mailbox). The graph then holds kernels only and no side
@@ -142,10 +142,11 @@ class HostExpertChannel:
     captured graph's host nodes hold their addresses; one layer's host work is joined back
     into the main stream (`finish`) before the next layer's begins, so the buffers are never
     shared by two calls in flight. Routes not given to the host come back as zeros.
-    `staging` (class-wide): "kernel" stages through kernels/host_staging on the main stream,
-    "copy" through `copy_` on the side stream (module docstring). `dispatch` (class-wide):
-    "host_function" runs the kernel as a CUDA host function on the side stream, "mailbox"
-    through the mailbox worker (kernel staging only).
+    `staging` (a class default an instance may override before its graphs are captured):
+    "kernel" stages through kernels/host_staging on the main stream, "copy" through `copy_` on
+    the side stream (module docstring). `dispatch` (likewise): "host_function" runs the kernel
+    as a CUDA host function on the side stream, "mailbox" through the mailbox worker (kernel
+    staging only).
     `dtype` is the model's compute dtype: the kernel computes a bf16 model's experts, their banks
     bf16 or quantized (fp8, int4, mxfp4), with or without biases, silu or gpt-oss's clamped
     SwiGLU; on a GPU nothing else runs here.
@@ -202,17 +203,15 @@ class HostExpertChannel:
         # it keeps the caching allocator from handing their memory to the main stream meanwhile.
         self._inflight = (self.out_device[:num_tokens], hidden, topk_weights, host_ids)
         call = self._call(layer_id, num_tokens)
-        if self.dispatch == "mailbox":
-            if self.staging != "kernel":
-                raise ValueError("the host channel's mailbox dispatch stages by kernel only")
-            staged_copy([(hidden.contiguous(), self.x[:num_tokens]), (host_ids.contiguous(), self.ids[:num_tokens]),
-                         (topk_weights.contiguous(), self.weights[:num_tokens])])
-            host_mailbox.post_request(self.mailbox.box, self.mailbox.counter, self.mailbox.entry(call))
-            return
         staged = self.staging == "kernel"
+        if self.dispatch == "mailbox" and not staged:
+            raise ValueError("the host channel's mailbox dispatch stages by kernel only")
         if staged:
             staged_copy([(hidden.contiguous(), self.x[:num_tokens]), (host_ids.contiguous(), self.ids[:num_tokens]),
                          (topk_weights.contiguous(), self.weights[:num_tokens])])
+        if self.dispatch == "mailbox":
+            host_mailbox.post_request(self.mailbox.box, self.mailbox.counter, self.mailbox.entry(call))
+            return
         self.side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.side):
             if not staged:

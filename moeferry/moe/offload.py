@@ -45,7 +45,8 @@ class LayerStream:
     (`acquire`'s map). Copies go by runs of consecutive missing expert ids, one copy per run
     and bank (scale banks included), on the copy engines.
 
-    `begin` reads the residency (`slot_of`) to the host once per chunk, one device sync. It
+    `begin` reads the residency (`slot_of`) to the host once per chunk (or takes the copy the
+    auto decision read), one device sync. It
     holds for the whole forward: only admission writes the maps, a streamed forward admits
     nothing, and the buffers lie past the slots, so streaming never evicts decode's experts.
     A strategy without a slot cache (`cpu`) passes no residency: every expert streams.
@@ -71,10 +72,12 @@ class LayerStream:
         self.order: list[int] = []
         self.position: dict[int, int] = {}
 
-    def begin(self, host_banks: dict[int, ExpertBanks], slot_of: torch.Tensor | None) -> None:
+    def begin(self, host_banks: dict[int, ExpertBanks], slot_of: torch.Tensor | None,
+              slot_of_host: torch.Tensor | None = None) -> None:
         """Start a chunk over every MoE layer of `host_banks` (in layer order): read which
-        experts `slot_of` [L, E] holds (None: none), map each (layer, expert) to its row, and
-        issue the first layer's copies."""
+        experts `slot_of` [L, E] holds (None: none; `slot_of_host`: its host copy when the
+        caller has read it already), map each (layer, expert) to its row, and issue the first
+        layer's copies."""
         self.order, self.position = sorted(host_banks), {l: i for i, l in enumerate(sorted(host_banks))}
         self.host = host_banks
         if slot_of is None:
@@ -82,7 +85,7 @@ class LayerStream:
             missing = torch.ones(self.buffer_rows.shape, dtype=torch.bool)
         else:
             self.row_of = torch.where(slot_of >= 0, slot_of, self.buffer_rows)
-            missing = slot_of.cpu() < 0  # the chunk's one device sync
+            missing = (slot_of.cpu() if slot_of_host is None else slot_of_host) < 0  # the chunk's one read
         self.runs = missing_runs(missing)
         self.copied = missing.sum(dim=1).tolist()
         self._issue_copy(0)
@@ -202,14 +205,15 @@ class OffloadStrategy(MoEStrategy):
         if self.decision.demand is False:
             self._start_stream()
 
-    def _start_stream(self) -> None:
-        self.stream.begin(self.banks, self.cache.slot_of if self.cache is not None else None)
+    def _start_stream(self, slot_of_host: torch.Tensor | None = None) -> None:
+        self.stream.begin(self.banks, self.cache.slot_of if self.cache is not None else None, slot_of_host)
 
     def _decide_at_first_layer(self, layer_id: int, topk_ids: torch.Tensor) -> None:
-        self.decision = self.prefill_policy.decide_auto(topk_ids, self.moe_layer_of[layer_id], self.cache.slot_of,
-                                                self.expert_bytes)
+        slot_of = self.cache.slot_of.cpu()  # the residency, read once for the decision and the stream
+        self.decision = self.prefill_policy.decide_auto(topk_ids, self.moe_layer_of[layer_id], slot_of,
+                                                        self.expert_bytes)
         if not self.decision.demand:
-            self._start_stream()
+            self._start_stream(slot_of)
 
     def _through_cache(self, layer_id, hidden, topk_weights, topk_ids, phase, sum_routes):
         host = self.banks[layer_id]

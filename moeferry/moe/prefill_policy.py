@@ -100,13 +100,16 @@ class PrefillPolicy:
 
     def decide_auto(self, topk_ids: torch.Tensor, moe_layer: int, slot_of: torch.Tensor,
                     expert_bytes: int) -> PrefillDecision:
-        """At the chunk's first MoE layer: one device sync to read its routing and residency."""
+        """At the chunk's first MoE layer, from its routing (read back here: one device sync) and
+        the residency `slot_of` [L, E], a host copy the caller read once for the whole chunk
+        (the stream reads the same copy)."""
         num_layers, num_experts = slot_of.shape
         routed = torch.zeros(num_experts, dtype=torch.bool, device=topk_ids.device)
         routed[topk_ids.reshape(-1).long()] = True
-        missing_first = (routed & (slot_of[moe_layer] < 0)).sum()
-        resident = (slot_of >= 0).sum(dim=1)
-        distinct_first, missing_first, resident = routed.sum().item(), missing_first.item(), resident.tolist()
+        routed = routed.cpu()
+        held = slot_of >= 0
+        distinct_first, missing_first = int(routed.sum()), int((routed & ~held[moe_layer]).sum())
+        resident = held.sum(dim=1).tolist()
         est_missing = missing_first + sum(distinct_first * (1 - r / num_experts)
                                           for i, r in enumerate(resident) if i != moe_layer)
         demand_bytes = int(est_missing * expert_bytes)

@@ -143,15 +143,20 @@ inline uint16_t weighted_out(const MoEHostCall& c, int64_t e, int64_t n, float w
   return f32_to_bf16(weight * down);
 }
 
+// A weight as float: bf16 rows (the banks) or float32 rows (a dequantized tile).
+inline float weight_f32(uint16_t w) { return bf16_to_f32(w); }
+inline float weight_f32(float w) { return w; }
+
 // acc[r * NT + t] = w[r] . x[t] over L elements, portable float arithmetic.
-void dots_portable(const uint16_t* const* w, int R, const uint16_t* const* x, int NT, int64_t L, float* acc) {
+template <typename W>
+void dots_portable(const W* const* w, int R, const uint16_t* const* x, int NT, int64_t L, float* acc) {
   for (int r = 0; r < R; ++r) {
     for (int t = 0; t < NT; ++t) {
-      const uint16_t* wr = w[r];
+      const W* wr = w[r];
       const uint16_t* xt = x[t];
       float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-      for (int64_t k = 0; k < L; ++k) s += bf16_to_f32(wr[k]) * bf16_to_f32(xt[k]);
+      for (int64_t k = 0; k < L; ++k) s += weight_f32(wr[k]) * bf16_to_f32(xt[k]);
       acc[r * NT + t] = s;
     }
   }
@@ -213,20 +218,6 @@ inline void dots(bool avx512, const uint16_t* const* w, int R, const uint16_t* c
     dots_avx512(w, R, x, NT, L, acc);
   else
     dots_portable(w, R, x, NT, L, acc);
-}
-
-// acc[r * NT + t] = w[r] . x[t] for float32 weight rows (a dequantized tile), portable.
-void dots_portable(const float* const* w, int R, const uint16_t* const* x, int NT, int64_t L, float* acc) {
-  for (int r = 0; r < R; ++r) {
-    for (int t = 0; t < NT; ++t) {
-      const float* wr = w[r];
-      const uint16_t* xt = x[t];
-      float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-      for (int64_t k = 0; k < L; ++k) s += wr[k] * bf16_to_f32(xt[k]);
-      acc[r * NT + t] = s;
-    }
-  }
 }
 
 #define AVX512_F32 __attribute__((target("avx512f,avx512bw,avx512vl")))

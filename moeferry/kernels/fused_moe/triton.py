@@ -176,15 +176,22 @@ def _block_rows(pid_m, sorted_route_ptr, block_expert_ptr, num_post_padded_ptr, 
 
 
 @triton.jit
-def _e2m1_value(code):
-    """float32 value of FP4 E2M1 codes (int32 0..15: bit 3 the sign, bits 2-1 the exponent e,
-    bit 0 the mantissa m), built from the bits: e > 0 is (1 + m/2) 2^(e-1), a float32 biased
-    exponent of 126 + e; e = 0 is m/2, exponent 126 (0.5) or zero."""
+def _e2m1_bits(code):
+    """The float32 bit patterns (int32) of FP4 E2M1 codes (int32 0..15: bit 3 the sign, bits 2-1
+    the exponent e, bit 0 the mantissa m): e > 0 is (1 + m/2) 2^(e-1), a float32 biased exponent
+    of 126 + e; e = 0 is m/2, exponent 126 (0.5) or zero. The low 16 bits are zero, so the high
+    half is the same value in bf16."""
     exponent = (code >> 1) & 3
     mantissa = code & 1
     biased = tl.where(exponent == 0, 126 * mantissa, 126 + exponent)
     fraction = tl.where(exponent == 0, 0, mantissa << 22)
-    return (((code >> 3) << 31) | (biased << 23) | fraction).to(tl.float32, bitcast=True)
+    return ((code >> 3) << 31) | (biased << 23) | fraction
+
+
+@triton.jit
+def _e2m1_value(code):
+    """float32 values of FP4 E2M1 codes (_e2m1_bits)."""
+    return _e2m1_bits(code).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -236,16 +243,10 @@ def _int4_weight(field, dtype: tl.constexpr):
 
 @triton.jit
 def _e2m1_weight(code, dtype: tl.constexpr):
-    """E2M1 codes (int32 0..15) as `dtype` values, exact. bf16 from the bits (sign, exponent
-    126 + e or, for e = 0, 126 for the 0.5 of m = 1, and m as the top mantissa bit: no
-    float conversion); otherwise through float32 (_e2m1_value)."""
+    """E2M1 codes (int32 0..15) as `dtype` values, exact. bf16 from the bits, the high half of
+    the float32 pattern (no float conversion); otherwise through float32 (_e2m1_value)."""
     if dtype == tl.bfloat16:
-        exponent = (code >> 1) & 3
-        mantissa = code & 1
-        biased = tl.where(exponent == 0, 126 * mantissa, 126 + exponent)
-        fraction = tl.where(exponent == 0, 0, mantissa << 6)
-        bits = ((code >> 3) << 15) | (biased << 7) | fraction
-        return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        return (_e2m1_bits(code) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
     else:
         return _e2m1_value(code).to(dtype)
 

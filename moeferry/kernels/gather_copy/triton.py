@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from moeferry.kernels.gather_copy import GatherTuning, check_banks, row_bytes
-from moeferry.kernels.triton_common import pdl_launch, wait_for_previous_kernel
+from moeferry.kernels.triton_common import HostPointer, pdl_launch, wait_for_previous_kernel
 
 _WORD_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
@@ -72,19 +72,6 @@ def _gather_rows_kernel(src0_ptr, dst0_ptr, src1_ptr, dst1_ptr, plan_src_ptr, pl
             _copy_chunk(src1_ptr + src_expert * row_words1, dst1_ptr + dst_slot * row_words1,
                         (chunk - CHUNKS0).to(tl.int64) * CHUNK_WORDS, row_words1, CHUNK_WORDS,
                         BLOCK, EVEN1)
-
-
-class HostPointer:
-    """A host tensor handed to a kernel as a bare pointer (``data_ptr`` and ``dtype``), for
-    launchers that refuse a CPU tensor. Valid only for pinned memory under unified
-    addressing, where the host pointer is also the device pointer."""
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
-        self.dtype = tensor.dtype
-
-    def data_ptr(self) -> int:
-        return self.tensor.data_ptr()
 
 
 class _HostArgumentMode:

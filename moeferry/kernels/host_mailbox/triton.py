@@ -1,6 +1,6 @@
 """The mailbox's GPU side as two one-program Triton kernels (the contract:
 kernels/host_mailbox/__init__.py). The mailbox is pinned host memory, handed over as a bare
-pointer where the launcher refuses a CPU tensor (gather_copy's HostPointer); its words are
+pointer (triton_common.kernel_argument); its words are
 read with volatile loads (every poll crosses PCIe) and the request is published by a
 system-scope release exchange, ordered after the CALL word and the kernels before it."""
 from __future__ import annotations
@@ -9,9 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moeferry.kernels.gather_copy.triton import HostPointer
 from moeferry.kernels.host_mailbox import CALL, DONE, REQUEST, STALLED
-from moeferry.kernels.triton_common import pdl_launch, wait_for_previous_kernel
+from moeferry.kernels.triton_common import kernel_argument, pdl_launch, wait_for_previous_kernel
 
 
 @triton.jit(do_not_specialize=["call_index"])
@@ -38,15 +37,11 @@ def _wait_done_kernel(box_ptr, counter_ptr, max_polls, DONE_WORD: tl.constexpr, 
         tl.store(counter_ptr + STALLED_WORD, 1)
 
 
-def _box(box: torch.Tensor, counter: torch.Tensor):
-    return HostPointer(box) if counter.is_cuda and box.device.type == "cpu" else box
-
-
 def post_request(box: torch.Tensor, counter: torch.Tensor, call_index: int) -> None:
-    _post_request_kernel[(1,)](_box(box, counter), counter, call_index, REQUEST_WORD=REQUEST, CALL_WORD=CALL,
+    _post_request_kernel[(1,)](kernel_argument(box, counter.is_cuda), counter, call_index, REQUEST_WORD=REQUEST, CALL_WORD=CALL,
                                num_warps=1, **pdl_launch(counter.device))
 
 
 def wait_done(box: torch.Tensor, counter: torch.Tensor, max_polls: int) -> None:
-    _wait_done_kernel[(1,)](_box(box, counter), counter, max_polls, DONE_WORD=DONE, STALLED_WORD=STALLED,
+    _wait_done_kernel[(1,)](kernel_argument(box, counter.is_cuda), counter, max_polls, DONE_WORD=DONE, STALLED_WORD=STALLED,
                             num_warps=1, **pdl_launch(counter.device))

@@ -1,17 +1,15 @@
 """Staged copies in one Triton launch (the contract: kernels/host_staging/__init__.py).
 
 Program (i, p) copies block i of pair p; a pair shorter than the longest leaves its extra
-blocks idle. The host side of a pair is passed as a bare pointer (gather_copy's HostPointer)
-where the launcher refuses a CPU tensor."""
+blocks idle. The host side of a pair is passed as a bare pointer (triton_common.kernel_argument)."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from moeferry.kernels.gather_copy.triton import HostPointer
 from moeferry.kernels.host_staging import MAX_PAIRS, check_pairs
-from moeferry.kernels.triton_common import pdl_launch, wait_for_previous_kernel
+from moeferry.kernels.triton_common import kernel_argument, pdl_launch, wait_for_previous_kernel
 
 BLOCK = 1024
 
@@ -35,16 +33,12 @@ def _staged_copy_kernel(src0, dst0, n0, src1, dst1, n1, src2, dst2, n2, BLOCK: t
         _copy_block(src2, dst2, n2, BLOCK)
 
 
-def _pointer(t: torch.Tensor, on_gpu: bool):
-    return HostPointer(t) if on_gpu and t.device.type == "cpu" else t
-
-
 def staged_copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     check_pairs(pairs)
     on_gpu = any(t.is_cuda for pair in pairs for t in pair)
     args, longest = [], 1
     for src, dst in pairs:
-        args += [_pointer(src, on_gpu), _pointer(dst, on_gpu), src.numel()]
+        args += [kernel_argument(src, on_gpu), kernel_argument(dst, on_gpu), src.numel()]
         longest = max(longest, src.numel())
     for _ in range(MAX_PAIRS - len(pairs)):  # unused pairs: a copy of nothing (distinct tensors,
         # since the interpreter copies every argument back after the launch)
