@@ -72,15 +72,22 @@ def test_host_kernel_matches_its_arithmetic_on_every_route(vector_isa, shape):
     assert_close_in_bf16(got, rounded_model(hidden, w13, w2, weights, ids))
 
 
+def assert_negative_ids_skip_only_their_routes(hidden, w13, w2, weights, ids, seed, **kwargs):
+    """Half the routes (drawn with `seed`) given id -1: they come back zero, and every other
+    route has the bits of the call with no route skipped (a route's bits do not depend on its
+    neighbours). kwargs go to expert_routes (scales, biases, activation, vector_isa)."""
+    full = host.expert_routes(hidden, w13, w2, weights, ids, threads=2, **kwargs)
+    skip = torch.rand(ids.shape, generator=torch.Generator().manual_seed(seed)) < 0.5
+    part = host.expert_routes(hidden, w13, w2, weights, torch.where(skip, -1, ids), threads=2, **kwargs)
+    assert bool(skip.any()) and bool((~skip).any())
+    assert bool((part[skip] == 0).all())
+    assert torch.equal(part[~skip], full[~skip])
+
+
 @pytest.mark.parametrize("vector_isa", vector_isas())
 def test_routes_with_a_negative_id_are_zero_and_the_others_unchanged(vector_isa):
     hidden, w13, w2, weights, ids = make_case(6, 4, 128, 48, 16, seed=3)
-    full = host.expert_routes(hidden, w13, w2, weights, ids, threads=2, vector_isa=vector_isa)
-    skip = torch.rand(ids.shape, generator=torch.Generator().manual_seed(4)) < 0.5
-    part = host.expert_routes(hidden, w13, w2, weights, torch.where(skip, -1, ids), threads=2,
-                              vector_isa=vector_isa)
-    assert bool((part[skip] == 0).all())
-    assert torch.equal(part[~skip], full[~skip])  # a route's bits do not depend on its neighbours
+    assert_negative_ids_skip_only_their_routes(hidden, w13, w2, weights, ids, seed=4, vector_isa=vector_isa)
 
 
 def test_thread_count_does_not_change_the_bits():
@@ -204,12 +211,8 @@ def test_quantized_banks_match_the_arithmetic_on_their_dequantized_weights(name,
 def test_quantized_routes_with_a_negative_id_are_zero_and_the_others_unchanged(name):
     hidden, w13, w2, weights, ids = make_case(6, 4, 128, 48, 16, seed=9)
     q13, q2, s13, s2, block = quantized_banks(name, w13, w2)
-    scales = dict(w13_scale=s13, w2_scale=s2, block_shape=block)
-    full = host.expert_routes(hidden, q13, q2, weights, ids, threads=2, **scales)
-    skip = torch.rand(ids.shape, generator=torch.Generator().manual_seed(10)) < 0.5
-    part = host.expert_routes(hidden, q13, q2, weights, torch.where(skip, -1, ids), threads=2, **scales)
-    assert bool((part[skip] == 0).all())
-    assert torch.equal(part[~skip], full[~skip])
+    assert_negative_ids_skip_only_their_routes(hidden, q13, q2, weights, ids, seed=10, w13_scale=s13, w2_scale=s2,
+                                               block_shape=block)
 
 
 @pytest.mark.parametrize("name", QUANT_FORMATS)
@@ -296,12 +299,8 @@ def test_bias_banks_are_read_in_their_dtype_with_either_activation(activation, b
 def test_biased_routes_with_a_negative_id_are_zero_and_the_others_unchanged(vector_isa):
     hidden, w13, w2, weights, ids = make_case(6, 4, 128, 48, 16, seed=15)
     gpt_oss = dict(zip(("w13_bias", "w2_bias"), make_biases(16, 128, 48, seed=16)), activation=CLAMPED)
-    full = host.expert_routes(hidden, w13, w2, weights, ids, threads=2, vector_isa=vector_isa, **gpt_oss)
-    skip = torch.rand(ids.shape, generator=torch.Generator().manual_seed(17)) < 0.5
-    part = host.expert_routes(hidden, w13, w2, weights, torch.where(skip, -1, ids), threads=2,
-                              vector_isa=vector_isa, **gpt_oss)
-    assert bool((part[skip] == 0).all())
-    assert torch.equal(part[~skip], full[~skip])
+    assert_negative_ids_skip_only_their_routes(hidden, w13, w2, weights, ids, seed=17, vector_isa=vector_isa,
+                                               **gpt_oss)
 
 
 @pytest.mark.parametrize("name", WEIGHT_FORMATS)

@@ -130,27 +130,31 @@ def test_int4_slot_pool_gives_bit_identical_output(impl):
     assert over_bank.abs().max() > 0.1 and torch.equal(over_bank, over_pool)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [1, 4, 64, 600])
-def test_triton_int4_matches_reference_on_gpu(num_tokens):
-    (q13, s13, q2, s2), _ = int4_layer(128, 2048, 768, 128, device="cuda")
+def assert_quantized_banks_match_reference_on_gpu(banks, block_shape, num_tokens, assignments=("auto",)):
+    """fused_moe over the Qwen3-30B-A3B-shaped quantized banks (w13, w13 scales, w2, w2 scales)
+    on CUDA against the reference, for each block assignment: within bf16 rounding."""
+    q13, s13, q2, s2 = banks
     hidden, weights, ids = make_routes(num_tokens, 2048, 128, 8, torch.bfloat16, "cuda", 1)
-    scales = dict(w13_scale=s13, w2_scale=s2, block_shape=(1, 128))
+    scales = dict(w13_scale=s13, w2_scale=s2, block_shape=block_shape)
     ref = fused_moe(hidden, q13, q2, weights, ids, num_routed_experts=128, impl="reference", **scales)
-    for assignment in ("sorted", "naive") if num_tokens <= 4 else ("sorted",):
+    for assignment in assignments:
         got = fused_moe(hidden, q13, q2, weights, ids, num_routed_experts=128, block_assignment=assignment, **scales)
         assert rel_err(got, ref) < 1e-2
         torch.testing.assert_close(got.float(), ref.float(), atol=5e-2, rtol=5e-2)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 4, 64, 600])
+def test_triton_int4_matches_reference_on_gpu(num_tokens):
+    banks, _ = int4_layer(128, 2048, 768, 128, device="cuda")
+    assert_quantized_banks_match_reference_on_gpu(banks, (1, 128), num_tokens,
+                                                  ("sorted", "naive") if num_tokens <= 4 else ("sorted",))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 4, 64])
 def test_split_field_int4_tiles_match_reference_on_gpu(monkeypatch, num_tokens):
     taken = force_split_fields(monkeypatch)
-    (q13, s13, q2, s2), _ = int4_layer(128, 2048, 768, 128, device="cuda")
-    hidden, weights, ids = make_routes(num_tokens, 2048, 128, 8, torch.bfloat16, "cuda", 1)
-    scales = dict(w13_scale=s13, w2_scale=s2, block_shape=(1, 128))
-    ref = fused_moe(hidden, q13, q2, weights, ids, num_routed_experts=128, impl="reference", **scales)
-    got = fused_moe(hidden, q13, q2, weights, ids, num_routed_experts=128, **scales)
-    assert all(taken) and rel_err(got, ref) < 1e-2
-    torch.testing.assert_close(got.float(), ref.float(), atol=5e-2, rtol=5e-2)
+    banks, _ = int4_layer(128, 2048, 768, 128, device="cuda")
+    assert_quantized_banks_match_reference_on_gpu(banks, (1, 128), num_tokens)
+    assert taken and all(taken)

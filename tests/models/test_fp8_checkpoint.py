@@ -18,7 +18,7 @@ from moeferry.engine.loader import LoadError
 from moeferry.kernels.fused_moe.reference import dequantize_blocks
 from moeferry.moe.formats import quantize_fp8_blocks
 from moeferry.testing.fixtures import family_configs, make_checkpoint, make_fp8_checkpoint
-from tests.models.test_hf_parity import PROMPTS, _all_logits
+from tests.models.test_hf_parity import PROMPTS, _all_logits, assert_logits_match
 
 BLOCK = (16, 16)
 QWEN3 = dict(family_configs())["qwen3_moe"]
@@ -95,11 +95,7 @@ def test_a_deepseek_fp8_release_matches_transformers_loading_it_dequantized(tmp_
                                               quantization_config=FineGrainedFP8Config(dequantize=True)).eval()
     llm = LLM(str(tmp_path), **ENGINE)
     assert llm.engine.runner.strategy.banks[1].w13.dtype == torch.float8_e4m3fn
-    for prompt, got in zip(PROMPTS, _all_logits(llm, PROMPTS)):
-        with torch.no_grad():
-            ref = hf(torch.tensor([prompt])).logits[0].float()
-        assert ref.std() > 1e-3
-        assert (got - ref).abs().max().item() < 1e-4
+    assert_logits_match(llm, hf)
 
 
 def _run(path, strategy, **kwargs):
@@ -236,19 +232,9 @@ def test_quantization_fp8_dummy_at_the_qwen3_30b_shape_on_gpu(tmp_path):
     """12 layers of Qwen3-30B-A3B with --quantization fp8 --load-format dummy, offloaded at half
     the experts: 4.5 MiB per expert, twice the experts of bf16 in the same --moe-cache-gb, and
     offload decodes gpu's tokens."""
-    from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
+    from tests.models.dummy_30b import offload_decodes_gpus_tokens
 
-    path = write_config_dir(str(tmp_path / "qwen3"), QWEN3_30B_DIR_CONFIG)
-    common = dict(load_format="dummy", quantization="fp8", hf_overrides={"num_hidden_layers": 12},
-                  dtype="bfloat16", device="cuda", max_running_requests=4, num_tokens=4096, max_model_len=512)
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    prompts = [[5, 17, 33, 2], [88, 3, 9]]
-    gpu = LLM(path, **common)
-    assert gpu.engine.runner.strategy.expert_bytes == 3 * 2048 * 768 + 4 * (2 * 6 * 16 + 16 * 6)
-    want = [o.token_ids for o in gpu.generate(prompts, params)]
-    del gpu
-    offload = LLM(path, moe_strategy="offload", moe_cache_gb=3.0, **common)
-    plan = offload.engine.runner.plan
+    expert_bytes, plan = offload_decodes_gpus_tokens(tmp_path, "fp8", 3.0)
+    assert expert_bytes == 3 * 2048 * 768 + 4 * (2 * 6 * 16 + 16 * 6)
     assert plan.expert_slots == int(3.0 * 2**30 // (3 * 2048 * 768 + 1152)) == 682  # bf16: 341
     assert plan.expert_format == "fp8 e4m3, 128x128 blocks" and "fp8 e4m3" in plan.table()
-    assert [o.token_ids for o in offload.generate(prompts, params)] == want

@@ -39,6 +39,17 @@ def _all_logits(llm, prompts):
     return out
 
 
+def assert_logits_match(llm, reference, prompts=PROMPTS, atol=1e-4):
+    """moeferry's logits at every position of `prompts` (one mixed prefill) within `atol` of the
+    `reference` model's (a transformers model, float32 on the CPU), whose logits are not flat."""
+    for prompt, got in zip(prompts, _all_logits(llm, prompts)):
+        with torch.no_grad():
+            ref = reference(torch.tensor([prompt])).logits[0].float()
+        assert ref.std() > 1e-3
+        err = (got - ref).abs().max().item()
+        assert err < atol, f"max abs logit difference {err}"
+
+
 def test_logits_match_transformers(family):
     name, hf, llm = family
     ours = _all_logits(llm, PROMPTS)

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from moeferry import LLM, SamplingParams
 from moeferry.testing.fixtures import family_configs, make_int4_checkpoint
-from tests.models.test_hf_parity import PROMPTS, _all_logits
+from tests.models.test_hf_parity import PROMPTS, _all_logits, assert_logits_match
 
 GROUP = 16
 QWEN3 = dict(family_configs())["qwen3_moe"]
@@ -72,11 +72,7 @@ def test_logits_match_transformers_over_the_int4_checkpoint_dequantized(int4_che
     strategy = llm.engine.runner.strategy
     assert strategy.banks[0].w13.dtype == torch.int32 and strategy.banks[0].w13.shape == (8, 32, 4)
     assert llm.engine.runner.plan.expert_format == "int4 W4A16, groups of 16"
-    for prompt, got in zip(PROMPTS, _all_logits(llm, PROMPTS)):
-        with torch.no_grad():
-            ref = hf_over_dequantized(torch.tensor([prompt])).logits[0].float()
-        assert ref.std() > 1e-3
-        assert (got - ref).abs().max().item() < 1e-4
+    assert_logits_match(llm, hf_over_dequantized)
 
 
 def test_logits_match_transformers_loading_the_int4_checkpoint_within_bf16(int4_checkpoint):
@@ -151,18 +147,8 @@ def test_every_strategy_gives_the_same_bits_on_the_int4_checkpoint_on_gpu(int4_c
 def test_quantization_int4_dummy_at_the_qwen3_30b_shape_on_gpu(tmp_path):
     """12 layers of Qwen3-30B-A3B with --quantization int4 --load-format dummy: 2.39 MiB per
     expert, 3.76x the experts of bf16 in the same --moe-cache-gb, offload decodes gpu's tokens."""
-    from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
+    from tests.models.dummy_30b import offload_decodes_gpus_tokens
 
-    path = write_config_dir(str(tmp_path / "qwen3"), QWEN3_30B_DIR_CONFIG)
-    common = dict(load_format="dummy", quantization="int4", hf_overrides={"num_hidden_layers": 12},
-                  dtype="bfloat16", device="cuda", max_running_requests=4, num_tokens=4096, max_model_len=512)
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    prompts = [[5, 17, 33, 2], [88, 3, 9]]
-    gpu = LLM(path, **common)
-    expert_bytes = 3 * 2048 * 768 // 2 + 4 * (2 * 768 * 16 + 2048 * 6)
-    assert gpu.engine.runner.strategy.expert_bytes == expert_bytes
-    want = [o.token_ids for o in gpu.generate(prompts, params)]
-    del gpu
-    offload = LLM(path, moe_strategy="offload", moe_cache_gb=2.0, **common)
-    assert offload.engine.runner.plan.expert_slots == int(2.0 * 2**30 // expert_bytes) == 856  # bf16: 227
-    assert [o.token_ids for o in offload.generate(prompts, params)] == want
+    expert_bytes, plan = offload_decodes_gpus_tokens(tmp_path, "int4", 2.0)
+    assert expert_bytes == 3 * 2048 * 768 // 2 + 4 * (2 * 768 * 16 + 2048 * 6)
+    assert plan.expert_slots == int(2.0 * 2**30 // expert_bytes) == 856  # bf16: 227

@@ -276,23 +276,12 @@ def test_quantization_mxfp4_dummy_at_the_qwen3_30b_shape_on_gpu(tmp_path):
     """12 layers of Qwen3-30B-A3B with --quantization mxfp4 --load-format dummy: 2.39 MiB per
     expert (int4's bytes), 3.76x the experts of bf16 in the same --moe-cache-gb, offload decodes
     gpu's tokens."""
-    from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
+    from tests.models.dummy_30b import offload_decodes_gpus_tokens
 
-    path = write_config_dir(str(tmp_path / "qwen3"), QWEN3_30B_DIR_CONFIG)
-    common = dict(load_format="dummy", quantization="mxfp4", hf_overrides={"num_hidden_layers": 12},
-                  dtype="bfloat16", device="cuda", max_running_requests=4, num_tokens=4096, max_model_len=512)
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    prompts = [[5, 17, 33, 2], [88, 3, 9]]
-    gpu = LLM(path, **common)
-    expert_bytes = 3 * 2048 * 768 // 2 + (2 * 768 * 64 + 2048 * 24)
-    assert gpu.engine.runner.strategy.expert_bytes == expert_bytes
-    want = [o.token_ids for o in gpu.generate(prompts, params)]
-    del gpu
-    offload = LLM(path, moe_strategy="offload", moe_cache_gb=2.0, **common)
-    plan = offload.engine.runner.plan
+    expert_bytes, plan = offload_decodes_gpus_tokens(tmp_path, "mxfp4", 2.0)
+    assert expert_bytes == 3 * 2048 * 768 // 2 + (2 * 768 * 64 + 2048 * 24)
     assert plan.expert_slots == int(2.0 * 2**30 // expert_bytes) == 856  # bf16: 227
     assert "mxfp4 e2m1" in plan.table()
-    assert [o.token_ids for o in offload.generate(prompts, params)] == want
 
 
 def test_fixture_shapes_are_gpt_oss_s():

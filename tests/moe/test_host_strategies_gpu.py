@@ -30,11 +30,17 @@ def assert_same_until_a_near_tie(want, got):
     dict(moe_strategy="hybrid", moe_cache_slots=48, moe_host_share=0.5, moe_collect_stats=True),
     dict(moe_strategy="hybrid", moe_cache_slots=48, moe_prefill_demand_tokens="auto"),
     dict(moe_strategy="hybrid", moe_cache_slots=48, moe_host_share=1.0, disable_cuda_graph=True),
-], ids=["cpu", "cpu-eager", "cpu-demand", "hybrid-half", "hybrid-auto", "hybrid-all-misses-eager"])
-def test_host_strategies_generate_what_gpu_generates(options):
+    dict(moe_strategy="hybrid", moe_cache_slots=48, moe_host_share=0.5, dispatch="mailbox"),
+], ids=["cpu", "cpu-eager", "cpu-demand", "hybrid-half", "hybrid-auto", "hybrid-all-misses-eager", "hybrid-mailbox"])
+def test_host_strategies_generate_what_gpu_generates(monkeypatch, options):
+    """`dispatch`: how the host kernel runs (HostExpertChannel.dispatch; default the CUDA host
+    function), set for the channels built here."""
     from moeferry import LLM, SamplingParams
     from moeferry.default_model import ensure_default_model
+    from moeferry.moe.host_experts import HostExpertChannel
 
+    options = dict(options)
+    monkeypatch.setattr(HostExpertChannel, "dispatch", options.pop("dispatch", "host_function"))
     path = ensure_default_model()
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7], list(range(10, 50))]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
@@ -43,6 +49,8 @@ def test_host_strategies_generate_what_gpu_generates(options):
     for want, got in zip(ref, llm.generate(prompts, params)):
         assert_same_until_a_near_tie(want, got)
     stats = llm.engine.runner.strategy.stats()
+    assert not stats["host_stalled"]
+    assert (llm.engine.runner.graphs is None) == bool(options.get("disable_cuda_graph"))
     if options["moe_strategy"] == "hybrid" and options.get("moe_host_share") is None:
         # The measured split: the host takes round(share x misses - offset) of a layer's decode
         # misses, none at all when its fixed cost per call outweighs the most a step can miss
@@ -98,26 +106,6 @@ def test_the_host_channel_replays_in_a_graph_as_it_runs_eagerly(monkeypatch, dis
                                              host_ids.cpu(), threads=8)
         assert torch.equal(outs[layer].cpu(), expected)
     assert not channel.stalled()
-
-
-def test_hybrid_through_the_mailbox_generates_what_gpu_generates(monkeypatch):
-    """hybrid with the host kernel dispatched through the mailbox worker inside the decode
-    graphs: gpu's tokens (until a near tie), host experts computed, no wait given up."""
-    from moeferry import LLM, SamplingParams
-    from moeferry.default_model import ensure_default_model
-    from moeferry.moe.host_experts import HostExpertChannel
-
-    monkeypatch.setattr(HostExpertChannel, "dispatch", "mailbox")
-    path = ensure_default_model()
-    prompts = [[1, 2, 3, 4, 5], [9, 8, 7], list(range(10, 50))]
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
-    ref = LLM(path, max_running_requests=4).generate(prompts, params)
-    llm = LLM(path, max_running_requests=4, moe_strategy="hybrid", moe_cache_slots=48, moe_host_share=0.5)
-    assert llm.engine.runner.graphs is not None
-    for want, got in zip(ref, llm.generate(prompts, params)):
-        assert_same_until_a_near_tie(want, got)
-    stats = llm.engine.runner.strategy.stats()
-    assert stats["host_experts"] > 0 and not stats["host_stalled"]
 
 
 @pytest.mark.parametrize("family, fmt, strategy", [

@@ -122,15 +122,20 @@ def test_only_the_missing_experts_are_copied_by_runs_into_their_layers_buffer():
     assert torch.isnan(banks.w13[base + 2]).all()  # resident in layers 0 and 2: never copied into buffer 0
 
 
-def test_a_fully_resident_cache_streams_nothing():
-    strategy = _strategy(LAYERS * E)
-    gen = torch.Generator().manual_seed(2)
-    hidden, weights, ids = _routes(30, gen)
-    strategy.begin_forward(False, 30)
+def _streamed_chunk_bytes(strategy, tokens: int, seed: int) -> int:
+    """One prefill chunk of `tokens` through every layer: each layer's output equals `gpu`'s
+    bit for bit; returns the bytes the chunk streamed."""
+    hidden, weights, ids = _routes(tokens, torch.Generator().manual_seed(seed))
+    before = strategy.stats()["prefill_streamed_bytes"]
+    strategy.begin_forward(False, tokens)
     for layer in range(LAYERS):
         assert torch.equal(strategy.forward(layer, hidden, weights, ids, is_decode=False),
                            _gpu(strategy, layer, hidden, weights, ids))
-    assert strategy.stats()["prefill_streamed_bytes"] == 0
+    return strategy.stats()["prefill_streamed_bytes"] - before
+
+
+def test_a_fully_resident_cache_streams_nothing():
+    assert _streamed_chunk_bytes(_strategy(LAYERS * E), 30, seed=2) == 0
 
 
 def test_auto_weighs_demand_against_the_missing_bytes_only():
@@ -148,10 +153,4 @@ def test_auto_weighs_demand_against_the_missing_bytes_only():
 
 def test_cpu_strategy_streams_every_expert():
     strategy = _strategy(0, cls=CpuStrategy)
-    gen = torch.Generator().manual_seed(4)
-    hidden, weights, ids = _routes(40, gen)
-    strategy.begin_forward(False, 40)
-    for layer in range(LAYERS):
-        assert torch.equal(strategy.forward(layer, hidden, weights, ids, is_decode=False),
-                           _gpu(strategy, layer, hidden, weights, ids))
-    assert strategy.stats()["prefill_streamed_bytes"] == LAYERS * E * strategy.expert_bytes
+    assert _streamed_chunk_bytes(strategy, 40, seed=4) == LAYERS * E * strategy.expert_bytes
