@@ -105,8 +105,10 @@ class _CudaHostFunctions:
 
 class _Mailbox:
     """The pinned mailbox, the device counter and the call table of one mailbox worker
-    (kernels/host_mailbox, host_experts.cpp). Invariant: a call's table entry is written before
-    any request names it, and the calls it points to outlive the worker (the channel holds them)."""
+    (kernels/host_mailbox, host_experts.cpp). The memory is allocated with the channel (never
+    while a graph captures); the worker thread starts with the first call entered. Invariant: a
+    call's table entry is written before any request names it, and the calls it points to
+    outlive the worker (the channel holds them)."""
 
     CAPACITY = 1 << 16
 
@@ -115,12 +117,14 @@ class _Mailbox:
         self.counter = torch.zeros(2, dtype=torch.int64, device=device)
         self.table = (ctypes.c_void_p * self.CAPACITY)()
         self.index: dict[int, int] = {}  # id of a call record -> its table entry
-        library = host_kernel.library()
-        handle = library.moe_host_worker_start(self.box.data_ptr(), self.table, self.CAPACITY)
-        self._stop = weakref.finalize(self, library.moe_host_worker_stop, handle)
+        self._stop = None  # the worker's finalizer, once it runs
 
     def entry(self, call: host_kernel.MoEHostCall) -> int:
-        """The table entry of `call`, filled on first use."""
+        """The table entry of `call`, filled on first use (the worker started with the first)."""
+        if self._stop is None:
+            library = host_kernel.library()
+            handle = library.moe_host_worker_start(self.box.data_ptr(), self.table, self.CAPACITY)
+            self._stop = weakref.finalize(self, library.moe_host_worker_stop, handle)
         key = id(call)
         if key not in self.index:
             if len(self.index) == self.CAPACITY:
