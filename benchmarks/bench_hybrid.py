@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import (add_results_flag, command_line, free_engine_memory, gpu_main, h2d_bandwidth,
-                               markdown_table, report, timed_decode, uniform_routing)
+                               markdown_table, report, share_slots, timed_decode, uniform_routing)
 from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 LLAMA_CPP_BATCH1 = {0.0: 74.3, 0.25: 93.9, 0.5: 134.6, 0.75: 237.7, 1.0: 596.6}
@@ -97,13 +97,6 @@ def decode_row(engine, args, label, share, batch, expert_bytes, h2d, host_bw) ->
            f"{llama:.1f}" if llama else "-", f"{run['tok_s'] / llama:.2f}x" if llama else "-"]
     print(row, flush=True)
     return row
-
-
-def share_slots(engine, share) -> int:
-    """Slots holding `share` of every expert; at 0, the least a slot cache holds (one layer's
-    experts): hybrid's copies then only pass through it."""
-    mc = engine.mc
-    return max(mc.num_experts, int(round(share * len(mc.moe_layer_ids) * mc.num_experts)))
 
 
 def host_channel_modes(args) -> list[tuple[str, str]]:

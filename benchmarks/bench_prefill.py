@@ -30,7 +30,7 @@ import time
 import torch
 
 from benchmarks.common import (add_results_flag, command_line, free_engine_memory, gpu_main, h2d_bandwidth,
-                               markdown_table, report, uniform_routing)
+                               markdown_table, report, share_slots, uniform_routing)
 from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 PREFILL_HEADER = ["prompt tokens", "strategy", "experts resident", "resident per layer (min-max)", "tok/s", "ms",
@@ -124,11 +124,6 @@ def residency(engine) -> tuple[float, str]:
     """(share of every expert resident, the fewest-most resident experts of a layer)."""
     per_layer = (engine.runner.strategy.cache.slot_of >= 0).sum(dim=1).tolist()
     return sum(per_layer) / (len(per_layer) * engine.mc.num_experts), f"{min(per_layer)}-{max(per_layer)}"
-
-
-def share_slots(engine, share: float) -> int:
-    mc = engine.mc
-    return max(mc.num_experts, int(round(share * len(mc.moe_layer_ids) * mc.num_experts)))
 
 
 def prefill_records(config_dir, args) -> list[dict]:

@@ -276,3 +276,10 @@ def uniform_routing(engine) -> list:
     model = engine.runner.model
     return [model.moe_block(layer_id).route_module.register_forward_hook(
         lambda _m, _i, out: out + torch.randn_like(out) * UNIFORM_NOISE_STD) for layer_id in engine.mc.moe_layer_ids]
+
+
+def share_slots(engine, share: float) -> int:
+    """Slots holding `share` of every expert of `engine`'s model; at 0, the least a slot cache
+    holds (one layer's experts: hybrid's copies then only pass through it)."""
+    mc = engine.mc
+    return max(mc.num_experts, int(round(share * len(mc.moe_layer_ids) * mc.num_experts)))
