@@ -21,27 +21,26 @@ from moeferry.layers.attention import Attention
 from moeferry.layers.linear import Linear
 from moeferry.models.registry import FamilySpec
 
-# The clamped SwiGLU's alpha of every released gpt-oss; transformers before its config grew a
-# `swiglu_alpha` field (and the released config.json files) leave it out.
+# The clamped SwiGLU's alpha and limit of every released gpt-oss. The released config.json
+# files leave alpha out; transformers versions whose config has no such fields hard-code both.
 SWIGLU_ALPHA = 1.702
+SWIGLU_LIMIT = 7.0
 
 
-def _model_wide(hf, name: str, default=None):
+def _model_wide(hf, name: str, default: float) -> float:
     """A config value every layer shares. Some transformers versions treat the SwiGLU values of
     a config with `layer_types` as per-layer and refuse the model-wide read; the first layer's
-    config then has it. Without either, `default` (None: the AttributeError stands)."""
+    config then has it. Without either, `default`."""
     for config in (hf, *(getattr(hf, "per_layer_config", None) or ())[:1]):
         try:
             return getattr(config, name)
         except AttributeError:
             pass
-    if default is None:
-        raise AttributeError(f"the gpt-oss config has no {name!r}")
     return default
 
 
 def _activation(hf):
-    return clamped_swiglu(_model_wide(hf, "swiglu_alpha", SWIGLU_ALPHA), _model_wide(hf, "swiglu_limit"))
+    return clamped_swiglu(_model_wide(hf, "swiglu_alpha", SWIGLU_ALPHA), _model_wide(hf, "swiglu_limit", SWIGLU_LIMIT))
 
 
 def _stacked(kind: str, t: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,17 @@ def family(request, tmp_path_factory):
     name, config = request.param
     path = str(tmp_path_factory.mktemp(name))
     hf = make_checkpoint(config, path)
+    declare_swiglu(hf, config)
     return name, config, hf, path
+
+
+def declare_swiglu(hf, config) -> None:
+    """Make the transformers model clamp with the SwiGLU alpha and limit its config declares (the
+    released values where it declares none). Versions that hard-code 1.702 and 7.0 in the
+    experts ignore a config's own; elsewhere this changes nothing."""
+    alpha, limit = getattr(config, "swiglu_alpha", 1.702), getattr(config, "swiglu_limit", 7.0)
+    for experts in (layer.mlp.experts for layer in hf.model.layers):
+        experts.alpha, experts.limit = alpha, limit
 
 
 def test_logits_match_transformers_through_chunked_prefill_and_batched_decode(family):
@@ -275,9 +285,10 @@ def test_greedy_tokens_match_transformers_on_cuda_with_graphs(family, strategy):
 
 
 
-def test_the_clamped_swiglu_alpha_defaults_to_the_released_value():
+def test_the_clamped_swiglu_values_default_to_the_released_ones():
     """Released config.json files, and transformers versions whose GptOssConfig has no
-    `swiglu_alpha`, leave alpha out: the family takes gpt-oss's 1.702; a config that sets it wins."""
+    `swiglu_alpha` (or no `swiglu_limit`), leave them out: the family takes gpt-oss's 1.702 and
+    7.0; a config that sets them wins."""
     from types import SimpleNamespace
 
     from moeferry.models.gpt_oss import SPEC
@@ -285,6 +296,9 @@ def test_the_clamped_swiglu_alpha_defaults_to_the_released_value():
     assert SPEC.activation(SimpleNamespace(swiglu_limit=7.0)).alpha == pytest.approx(1.702)
     assert SPEC.activation(SimpleNamespace(swiglu_limit=7.0)).limit == 7.0
     assert SPEC.activation(SimpleNamespace(swiglu_limit=3.0, swiglu_alpha=2.0)).alpha == 2.0
+    assert SPEC.activation(SimpleNamespace(swiglu_limit=3.0)).limit == 3.0
+    bare = SPEC.activation(SimpleNamespace())
+    assert (bare.alpha, bare.limit) == (pytest.approx(1.702), 7.0)
 
 
 def test_the_swiglu_values_come_from_the_first_layer_where_the_config_refuses_a_model_wide_read():
@@ -302,5 +316,3 @@ def test_the_swiglu_values_come_from_the_first_layer_where_the_config_refuses_a_
 
     activation = SPEC.activation(PerLayer())
     assert activation.limit == 5.0 and activation.alpha == pytest.approx(1.702)
-    with pytest.raises(AttributeError):
-        SPEC.activation(SimpleNamespace())
