@@ -202,18 +202,25 @@ class OffloadStrategy(MoEStrategy):
         if is_decode:
             return
         self.decision = self.prefill_policy.begin(num_tokens)
+        self.slot_of_host = None
+        if self.decision.demand is None and self.cache is not None:
+            # auto: the residency, read once, before the chunk's work is queued (nothing admits
+            # until its first MoE layer decides). A cache holding every expert streams nothing,
+            # decided here: no wait on the first layer's routing in the middle of the forward.
+            self.slot_of_host = self.cache.slot_of.cpu()
+            if bool((self.slot_of_host >= 0).all()):
+                self.decision = self.prefill_policy.decide(False)
         if self.decision.demand is False:
-            self._start_stream()
+            self._start_stream(self.slot_of_host)
 
     def _start_stream(self, slot_of_host: torch.Tensor | None = None) -> None:
         self.stream.begin(self.banks, self.cache.slot_of if self.cache is not None else None, slot_of_host)
 
     def _decide_at_first_layer(self, layer_id: int, topk_ids: torch.Tensor) -> None:
-        slot_of = self.cache.slot_of.cpu()  # the residency, read once for the decision and the stream
-        self.decision = self.prefill_policy.decide_auto(topk_ids, self.moe_layer_of[layer_id], slot_of,
+        self.decision = self.prefill_policy.decide_auto(topk_ids, self.moe_layer_of[layer_id], self.slot_of_host,
                                                         self.expert_bytes)
         if not self.decision.demand:
-            self._start_stream(slot_of)
+            self._start_stream(self.slot_of_host)
 
     def _through_cache(self, layer_id, hidden, topk_weights, topk_ids, phase, sum_routes):
         host = self.banks[layer_id]

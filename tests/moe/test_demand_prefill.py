@@ -96,6 +96,24 @@ def test_auto_takes_short_chunks_on_demand_and_streams_chunks_that_need_every_ex
         assert strategy.decision.demand is expect_demand, (tokens, strategy.decision)
 
 
+def test_auto_streams_a_fully_resident_cache_without_waiting_for_the_first_layer(monkeypatch):
+    """Every expert resident: the chunk streams nothing, decided before any layer runs (no
+    read of the first layer's routing in the middle of the forward), and its output is the
+    one the slots give."""
+    strategy = _strategy("auto")
+    strategy.restart_cache()  # warm: 2 x 160 slots hold both layers' experts
+    assert bool((strategy.cache.slot_of >= 0).all())
+    monkeypatch.setattr(strategy.prefill_policy, "decide_auto", lambda *a: pytest.fail("waited for the routing"))
+    gen = torch.Generator().manual_seed(3)
+    hidden, weights, ids = _chunk(4, gen)
+    strategy.begin_forward(False, 4)
+    assert strategy.decision.demand is False and strategy.stream.copied == [0, 0]
+    got = strategy.forward(0, hidden, weights, ids, is_decode=False)
+    host = strategy.banks[0]
+    assert torch.equal(got, fused_moe(hidden, host.w13, host.w2, weights, ids, num_routed_experts=E))
+    assert strategy.stats()["prefill_chunks"] == {"demand": 0, "stream": 1}
+
+
 def test_demand_prefill_is_refused_without_gpu_offload_decode():
     for strategy in ("gpu", "uva", "offload"):
         ec = EngineConfig(device="cpu", moe_strategy=strategy, moe_prefill_demand_tokens=8)
