@@ -44,7 +44,7 @@ def parse_args(argv):
                         "the host's DRAM)")
     p.add_argument("--big-layers", type=int, default=48, help="the `big` part: hybrid at 25%% on this many layers")
     p.add_argument("--threads", type=int, nargs="+", default=[4, 8, 16], help="host kernel table")
-    p.add_argument("--dispatch", nargs="+", choices=["host_function", "mailbox"], default=["host_function"],
+    p.add_argument("--dispatch", nargs="+", choices=["host_function", "mailbox"], default=["mailbox"],
                    help="cpu and hybrid rows once per host-kernel dispatch (moe/host_experts.py): a CUDA host "
                         "function on the side stream, or the mailbox worker awaited by a kernel (kernel staging)")
     p.add_argument("--staging", nargs="+", choices=["kernel", "copy"], default=["kernel"],
@@ -203,7 +203,9 @@ def contention_rows(args, seconds: float = 2.0) -> list[list]:
     """Both channels read the host's DRAM: GB/s of the host kernel (one token on 8 experts a
     call, over 1.2 GB of experts, 16 threads or --threads' largest) and of pinned H2D copies of
     whole experts, each alone for `seconds`, then both at once (the kernel on a Python thread,
-    which ctypes runs without the GIL)."""
+    which ctypes runs without the GIL), then the host kernel alone again: a second figure that
+    tells a drift (warm-up, clock) from contention. Each run times only after a quarter second
+    untimed."""
     import threading
 
     from moeferry.kernels.fused_moe import host
@@ -211,8 +213,8 @@ def contention_rows(args, seconds: float = 2.0) -> list[list]:
     cfg = QWEN3_30B_DIR_CONFIG
     hidden, inter, experts, top_k = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts"], 8
     threads = max(args.threads)
-    w13 = torch.zeros(experts, 2 * inter, hidden, dtype=torch.bfloat16).pin_memory()
-    w2 = torch.zeros(experts, hidden, inter, dtype=torch.bfloat16).pin_memory()
+    w13 = (torch.randn(experts, 2 * inter, hidden, dtype=torch.bfloat16) * 0.02).pin_memory()
+    w2 = (torch.randn(experts, hidden, inter, dtype=torch.bfloat16) * 0.02).pin_memory()
     expert_bytes = (w13[0].numel() + w2[0].numel()) * 2
     x = torch.randn(1, hidden).bfloat16()
     weights = torch.full((1, top_k), 1.0 / top_k)
@@ -223,15 +225,19 @@ def contention_rows(args, seconds: float = 2.0) -> list[list]:
     slots13 = torch.empty(top_k, 2 * inter, hidden, dtype=torch.bfloat16, device="cuda")
     slots2 = torch.empty(top_k, hidden, inter, dtype=torch.bfloat16, device="cuda")
 
-    def host_channel(stop, result):
-        done, start = 0, time.perf_counter()
+    def host_channel(stop, result, go):
+        done = 0
+        go.wait()
+        start = time.perf_counter()
         while not stop.is_set():
             host.run(calls[done % len(calls)])
             done += 1
         result["host"] = done * top_k * expert_bytes / (time.perf_counter() - start) / 1e9
 
-    def copy_channel(stop, result):
-        done, start = 0, time.perf_counter()
+    def copy_channel(stop, result, go):
+        done = 0
+        go.wait()
+        start = time.perf_counter()
         while not stop.is_set():
             first = (done * top_k) % experts
             slots13.copy_(w13[first:first + top_k], non_blocking=True)
@@ -240,17 +246,25 @@ def contention_rows(args, seconds: float = 2.0) -> list[list]:
             done += 1
         result["pcie"] = done * top_k * expert_bytes / (time.perf_counter() - start) / 1e9
 
-    rows = []
-    for label, channels in (("host kernel alone", [host_channel]), ("H2D copies alone", [copy_channel]),
-                            ("both at once", [host_channel, copy_channel])):
-        stop, result = threading.Event(), {}
-        workers = [threading.Thread(target=fn, args=(stop, result)) for fn in channels]
+    def run_together(channels, duration: float) -> dict:
+        """Run `channels` on threads at once for `duration` seconds; their figures."""
+        stop, result, go = threading.Event(), {}, threading.Event()
+        workers = [threading.Thread(target=fn, args=(stop, result, go)) for fn in channels]
         for w in workers:
             w.start()
-        time.sleep(seconds)
+        go.set()
+        time.sleep(duration)
         stop.set()
         for w in workers:
             w.join()
+        return result
+
+    rows = []
+    for label, channels in (("host kernel alone", [host_channel]), ("H2D copies alone", [copy_channel]),
+                            ("both at once", [host_channel, copy_channel]),
+                            ("host kernel alone, again", [host_channel])):
+        run_together(channels, 0.25)  # untimed
+        result = run_together(channels, seconds)
         host_gb, pcie_gb = result.get("host"), result.get("pcie")
         rows.append([label, threads, f"{host_gb:.1f}" if host_gb else "-", f"{pcie_gb:.1f}" if pcie_gb else "-",
                      f"{(host_gb or 0) + (pcie_gb or 0):.1f}"])
@@ -293,7 +307,8 @@ def main(argv, args) -> int:
                markdown_table(["run", "threads", "host kernel GB/s", "H2D GB/s", "sum GB/s"], rows),
                "Qwen3-30B-A3B experts (9.44 MB each, bf16, pinned): the host kernel on one token routed to 8 "
                "experts a call, cycling over 128; H2D copies of 8 whole experts at a time into device slots; "
-               "2 s each alone, then both at once. The two-channel floor assumes the sum of the alone figures.",
+               "each run 2 s timed after 0.25 s untimed: alone, both at once, then the host kernel alone again. "
+               "The two-channel floor assumes the sum of the alone figures.",
                args.results)
     if "big" in args.parts:
         rows = big_rows(config_dir, args, h2d)

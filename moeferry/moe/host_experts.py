@@ -1,30 +1,29 @@
 """The host channel: routed experts computed by the CPU from the pinned host banks, beside the
 PCIe link (the `cpu` and `hybrid` strategies, moe/hybrid.py).
 
-On a GPU, one layer's host work is a branch of the step's stream graph:
+On a GPU, one layer's host work runs beside the GPU's own experts. By default (`dispatch =
+"mailbox"`) a worker thread of the kernel's library polls a mailbox in pinned memory, and two
+one-program kernels on the main stream post the layer's call and, before unstaging, wait
+until the worker has published it done (kernels/host_mailbox). The graph holds kernels only,
+on one stream; the GPU's own experts run between the post and the wait while the host
+computes:
+
+    main stream   ... router -> stage -> post -> admit, copy misses, fused_moe -> wait done -> unstage -> combine
+    worker thread                        |<-------- host kernel -------->|
+
+Staging is one small Triton kernel each way (kernels/host_staging) that writes the inputs into
+the pinned buffers and reads the route outputs back over PCIe, on the main stream.
+
+`dispatch = "host_function"` runs the kernel as a CUDA host function on a side stream forked
+from the main one instead (graph capture records it as a host node), with no Python and no
+GIL; the join waits for the slower branch:
 
     main stream   ... router -> stage x, ids, weights -> [fork] -- admit, copy misses, fused_moe -> [join] -> unstage -> combine
     side stream                                              host kernel (CUDA host function)
 
-Staging is one small Triton kernel each way (kernels/host_staging) that writes the inputs into
-the pinned buffers and reads the route outputs back over PCIe, on the main stream, so the side
-branch is the host function alone: no memcpy node in it waits in a copy engine's queue or
-behind the miss gather. (`staging = "copy"` stages with `copy_` on the side stream instead,
-for benchmarks to compare.)
-
-`dispatch = "mailbox"` runs the host kernel without CUDA host functions: a
-worker thread of the kernel's library polls a mailbox in pinned memory, and two one-program
-kernels on the main stream post the layer's call and, before unstaging, wait until the worker
-has published it done (kernels/host_mailbox). The graph then holds kernels only and no side
-stream; the GPU's own experts run between the post and the wait while the host computes.
-
-    main stream   ... stage -> post -> admit, copy misses, fused_moe -> wait done -> unstage -> combine
-    worker thread            |<-------- host kernel -------->|
-
-The host kernel (kernels/fused_moe/host_experts.cpp) runs as a CUDA host function on the side
-stream, so it needs no Python and no GIL and a captured decode graph replays it like any other
-node: the step stays one CUDA graph. Both branches run at once; the join waits for the slower.
-On a CPU-only machine the kernel simply runs in place.
+(`staging = "copy"`, with the host function only, stages with `copy_` on the side stream
+instead, for benchmarks to compare.) Either way the step stays one CUDA graph. On a CPU-only
+machine the kernel simply runs in place.
 
 `split_routes` decides, on the device and inside the graph, which routes of a step go to the
 host: the misses of the slot cache, a share of them set by the two channels' measured speeds.
@@ -148,16 +147,16 @@ class HostExpertChannel:
     shared by two calls in flight. Routes not given to the host come back as zeros.
     `staging` (a class default an instance may override before its graphs are captured):
     "kernel" stages through kernels/host_staging on the main stream, "copy" through `copy_` on
-    the side stream (module docstring). `dispatch` (likewise): "host_function" runs the kernel
-    as a CUDA host function on the side stream, "mailbox" through the mailbox worker (kernel
-    staging only).
+    the side stream (module docstring). `dispatch` (likewise): "mailbox" runs the kernel through
+    the mailbox worker (kernel staging only), "host_function" as a CUDA host function on the
+    side stream.
     `dtype` is the model's compute dtype: the kernel computes a bf16 model's experts, their banks
     bf16 or quantized (fp8, int4, mxfp4), with or without biases, silu or gpt-oss's clamped
     SwiGLU; on a GPU nothing else runs here.
     """
 
     staging = "kernel"
-    dispatch = "host_function"
+    dispatch = "mailbox"  # the faster of the two in RESULTS hybrid/decode (bench_hybrid --dispatch)
 
     def __init__(self, banks: dict, max_tokens: int, top_k: int, device: torch.device, threads: int,
                  dtype: torch.dtype = torch.bfloat16):
