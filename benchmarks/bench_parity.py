@@ -38,10 +38,10 @@ def main(argv=None) -> int:
         print("bench_parity: no CUDA GPU, nothing measured")
         return 0
     from moeferry import LLM, SamplingParams
-    from moeferry.testing.fixtures import family_configs, make_checkpoint
+    from moeferry.testing.fixtures import deepseek_configs, family_configs, gpt_oss_configs, make_checkpoint
 
     rows = []
-    for name, config in family_configs():
+    for name, config in [*family_configs(), *deepseek_configs(), *gpt_oss_configs()]:
         path = tempfile.mkdtemp(prefix=name)
         hf = make_checkpoint(config, path)
         llm = LLM(path, dtype="bfloat16", max_running_requests=4, moe_strategy=args.strategy)

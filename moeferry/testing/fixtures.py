@@ -155,6 +155,18 @@ def _randomize_zero_buffers(model, seed: int) -> None:
                     param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
 
 
+def _declared_swiglu(model, config) -> None:
+    """A gpt-oss model clamps with the SwiGLU alpha and limit its config declares (gpt-oss's
+    released 1.702 and 7.0 where it declares none): transformers versions that hard-code those
+    two in the experts ignore a config's own, and the engine reads the config. Elsewhere this
+    changes nothing."""
+    if getattr(config, "model_type", None) != "gpt_oss":
+        return
+    alpha, limit = getattr(config, "swiglu_alpha", 1.702), getattr(config, "swiglu_limit", 7.0)
+    for layer in model.model.layers:
+        layer.mlp.experts.alpha, layer.mlp.experts.limit = alpha, limit
+
+
 def make_checkpoint(config, out_dir: str, seed: int = 0, shards: bool = False):
     """Save a random HF model of `config` to out_dir; returns the HF model (eval, float32)."""
     from transformers import AutoModelForCausalLM
@@ -162,6 +174,7 @@ def make_checkpoint(config, out_dir: str, seed: int = 0, shards: bool = False):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
     _randomize_zero_buffers(model, seed)
+    _declared_swiglu(model, config)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, max_shard_size="20KB" if shards else "5GB")
     return model

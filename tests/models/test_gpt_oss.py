@@ -27,18 +27,8 @@ PROMPTS = [[5, 17, 33, 2, 9, 71, 40], [88, 3, 12, 60], [12, 60, 61, 62, 7, 1, 90
 def family(request, tmp_path_factory):
     name, config = request.param
     path = str(tmp_path_factory.mktemp(name))
-    hf = make_checkpoint(config, path)
-    declare_swiglu(hf, config)
+    hf = make_checkpoint(config, path)  # clamping as the config declares, whatever the transformers version
     return name, config, hf, path
-
-
-def declare_swiglu(hf, config) -> None:
-    """Make the transformers model clamp with the SwiGLU alpha and limit its config declares (the
-    released values where it declares none). Versions that hard-code 1.702 and 7.0 in the
-    experts ignore a config's own; elsewhere this changes nothing."""
-    alpha, limit = getattr(config, "swiglu_alpha", 1.702), getattr(config, "swiglu_limit", 7.0)
-    for experts in (layer.mlp.experts for layer in hf.model.layers):
-        experts.alpha, experts.limit = alpha, limit
 
 
 def test_logits_match_transformers_through_chunked_prefill_and_batched_decode(family):
