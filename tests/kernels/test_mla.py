@@ -109,7 +109,8 @@ def test_the_split_count_comes_from_shapes_only():
     cpu = torch.device("cpu")
     for batch in (1, 16, 64):
         for tokens in (1024, 32768):
-            n = triton_attn.num_splits_for(batch, -(-128 // triton_mla._block_h(128)), tokens, cpu)
+            config = triton_mla.select_config(batch, 128, 512, tokens)
+            _, n = triton_mla.launch_shape(batch, 128, 512, tokens, config, cpu)
             assert n >= 1 and n & (n - 1) == 0
 
 
