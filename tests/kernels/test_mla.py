@@ -58,7 +58,7 @@ def poisoned_workspace(monkeypatch):
 CASES = [
     (1, 4, 16, 8, 16, 4, [64], torch.float32, 1),
     (3, 5, 32, 16, 4, 12, [1, 29, 48], torch.float32, 2),            # heads not a power of two
-    (4, 40, 16, 4, 8, 6, [1, 2, 47, 48], torch.float32, 8),          # two head blocks, more splits than blocks
+    (4, 40, 16, 4, 8, 6, [1, 2, 47, 48], torch.float32, 8),          # 40 heads of 64 rows, more splits than blocks
     (2, 4, 24, 8, 5, 70, [345, 200], torch.float32, 2),              # rank not a power of two, page 5
     (3, 8, 32, 16, 16, 4, [64, 1, 17], torch.bfloat16, 1),
     (2, 16, 64, 16, 16, 24, [380, 33], torch.bfloat16, 4),
