@@ -141,7 +141,7 @@ H100_SHARED_BYTES = 227 * 1024  # the most one block may take on sm_90
 
 
 @pytest.mark.slow
-def test_the_mla_decode_kernel_compiles_for_sm90_and_the_default_neither_spills_nor_overflows():
+def test_the_mla_decode_kernel_compiles_for_sm90_and_the_default_neither_spills_nor_overflows(tmp_path):
     """At DeepSeek-V3's shapes: select_config's default, with all 512 value columns a program,
     and with a quarter; ptxas' registers and spills per tile are in the output (pytest -s)."""
     if not _ptxas():
@@ -153,6 +153,7 @@ def test_the_mla_decode_kernel_compiles_for_sm90_and_the_default_neither_spills_
     items = [",".join(str(getattr(t, f.name)) for f in dataclasses.fields(t)) for t in tiles]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(pathlib.Path(__file__).resolve().parents[2])
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # a cached kernel runs no ptxas, so it would report nothing
     done = subprocess.run([sys.executable, "-c", MLA, *items], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     print(done.stdout)
