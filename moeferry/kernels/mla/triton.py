@@ -141,7 +141,7 @@ def _mla_decode_kernel(
         s = (_dot(q_lat, tl.trans(c), IEEE) + _dot(q_pe, tl.trans(k_pe), IEEE)) * qk_scale
         if V_BLOCKS == 1:
             v = c
-        else:  # this program's columns of the rows just read: a second load, served by L1
+        else:  # this program's columns of the rows just read: a second load, from the L2 the first filled
             v = tl.load(row + offs_v[None, :], mask=valid[:, None] & v_mask[None, :], other=0.0)
         m_i, l_i, acc = _online_softmax_step(s, valid, v, m_i, l_i, acc, IEEE)
 
