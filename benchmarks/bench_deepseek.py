@@ -149,7 +149,6 @@ def seconds_per_call(fn, iters: int, repeats: int) -> float:
 
 
 def mla_rows(args) -> list[list]:
-    from moeferry.kernels.attention.triton import num_splits_for
     from moeferry.kernels.mla import reference
     from moeferry.kernels.mla import triton as triton_mla
 
@@ -168,7 +167,8 @@ def mla_rows(args) -> list[list]:
             t = seconds_per_call(each_copy(triton_mla.mla_decode_attention), iters, 5)
             ref = seconds_per_call(each_copy(reference.mla_decode_attention), iters, 3) if args.with_reference else None
             floor = nbytes / HBM_BYTES_PER_S
-            splits = num_splits_for(batch, -(-HEADS // triton_mla._block_h(HEADS)), context, calls[0][0].device)
+            config = triton_mla.select_config(batch, HEADS, RANK, context)
+            _, splits = triton_mla.launch_shape(batch, HEADS, RANK, context, config, calls[0][0].device)
             rows.append([batch, context, f"{nbytes / 2**20:.1f}", splits, "-" if ref is None else f"{ref * 1e6:.1f}",
                          f"{t * 1e6:.1f}", f"{floor * 1e6:.1f}", f"{floor / t:.0%}"])
             print(rows[-1], flush=True)

@@ -1,10 +1,11 @@
 """MLA decode attention (kernels/mla) against its plain-torch oracle, and the oracle against the
 decompressed attention it replaces.
 
-The Triton kernel runs under TRITON_INTERPRET=1 on CPU (tests/conftest.py) at small sizes, and
-at DeepSeek-V3's (128 heads, rank 512, rope 64, bf16, 1k-32k tokens) on the GPU (-m gpu). Every
-slot a request does not own holds a large poison value, the output and the split workspace
-start as NaN, and every output element is compared.
+The Triton kernel runs under TRITON_INTERPRET=1 on CPU (tests/conftest.py) at small sizes, every
+tile axis of MLAConfig included, and at DeepSeek-V3's (128 heads, rank 512, rope 64, bf16, 1k-32k
+tokens) on the GPU (-m gpu), the default tiles and a few explicit ones. Every slot a request
+does not own holds a large poison value, the output and the split workspace start as NaN, and
+every output element is compared.
 """
 import pytest
 import torch
@@ -57,7 +58,7 @@ def poisoned_workspace(monkeypatch):
 CASES = [
     (1, 4, 16, 8, 16, 4, [64], torch.float32, 1),
     (3, 5, 32, 16, 4, 12, [1, 29, 48], torch.float32, 2),            # heads not a power of two
-    (4, 40, 16, 4, 8, 6, [1, 2, 47, 48], torch.float32, 8),          # two head blocks, more splits than blocks
+    (4, 40, 16, 4, 8, 6, [1, 2, 47, 48], torch.float32, 8),          # 40 heads of 64 rows, more splits than blocks
     (2, 4, 24, 8, 5, 70, [345, 200], torch.float32, 2),              # rank not a power of two, page 5
     (3, 8, 32, 16, 16, 4, [64, 1, 17], torch.bfloat16, 1),
     (2, 16, 64, 16, 16, 24, [380, 33], torch.bfloat16, 4),
@@ -73,6 +74,72 @@ def test_triton_mla_decode_matches_reference(case, poisoned_workspace):
     got = triton_mla.mla_decode_attention(q, cache, table, seq_lens, ps, scale, rank, num_splits=splits, out=out)
     assert got.data_ptr() == out.data_ptr() and got.dtype == dtype
     torch.testing.assert_close(got.float(), oracle(q, cache, table, seq_lens, ps, scale, rank), **TOL[dtype])
+
+
+C = triton_mla.MLAConfig
+# (config, batch, heads, rank, rope, page_size, max_pages, lens, dtype, num_splits)
+CONFIG_CASES = [
+    (C(16, 16, 16, 4, 2), 2, 4, 64, 16, 16, 8, [100, 7], torch.float32, 2),          # four value blocks
+    (C(16, 16, 16, 4, 1), 3, 5, 24, 8, 4, 20, [77, 1, 40], torch.float32, 4),        # last value block half masked
+    (C(64, 16, 32, 4, 2), 2, 5, 32, 16, 16, 6, [90, 3], torch.float32, 1),           # 64-row tile, 5 heads
+    (C(64, 32, 16, 8, 2), 2, 70, 16, 8, 8, 12, [95, 40], torch.float32, 2),          # a second, mostly masked block
+    (C(16, 64, 32, 4, 3), 3, 4, 32, 16, 16, 12, [190, 64, 65], torch.float32, 2),    # 64 tokens a step
+    (C(32, 64, 16, 4, 2), 2, 8, 32, 16, 16, 16, [256, 129], torch.bfloat16, 8),      # value blocks over 8 splits
+    (C(16, 32, 64, 4, 2), 1, 16, 64, 16, 16, 24, [380], torch.bfloat16, 1),          # no value split, one split
+]
+
+
+@pytest.mark.parametrize("case", CONFIG_CASES, ids=lambda c: f"h{c[0].block_h}-n{c[0].block_n}-v{c[0].block_v}-"
+                                                                  f"r{c[3]}-H{c[2]}-s{c[9]}")
+def test_every_tile_config_matches_the_reference(case, poisoned_workspace):
+    """Value blocks (each writes its columns; the lse the merge reads comes from the first), head
+    blocks wider than the heads, 64-token steps and several splits, against the oracle."""
+    config, batch, heads, rank, rope, ps, max_pages, lens, dtype, splits = case
+    q, cache, table, seq_lens = make_latent_case(7 + sum(lens), batch, heads, rank, rope, ps, max_pages, lens, dtype)
+    scale = 0.9 * (rank + rope) ** -0.5
+    out = torch.full((batch, heads, rank), float("nan"), dtype=dtype)
+    triton_mla.mla_decode_attention(q, cache, table, seq_lens, ps, scale, rank, num_splits=splits, out=out,
+                                    config=config)
+    torch.testing.assert_close(out.float(), oracle(q, cache, table, seq_lens, ps, scale, rank), **TOL[dtype])
+
+
+def test_the_wrapper_launches_select_configs_tiles(monkeypatch):
+    """Without config=, the kernel runs select_config's tiles, on a grid of (head blocks x value
+    blocks, B, splits) that launch_shape gives from the shapes."""
+    launches = []
+    kernel = triton_mla._mla_decode_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((grid, kwargs))
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(triton_mla, "_mla_decode_kernel", Recording())
+    batch, heads, rank, rope, ps, max_pages = 2, 40, 48, 16, 16, 6
+    q, cache, table, seq_lens = make_latent_case(11, batch, heads, rank, rope, ps, max_pages, [96, 30], torch.bfloat16)
+    got = triton_mla.mla_decode_attention(q, cache, table, seq_lens, ps, 0.2, rank)
+    want = triton_mla.select_config(batch, heads, rank, max_pages * ps, torch.bfloat16)
+    assert want == triton_mla.select_config(batch, heads, rank, max_pages * ps)  # bf16 is the default dtype
+    programs, splits = triton_mla.launch_shape(batch, heads, rank, max_pages * ps, want, q.device)
+    (grid, kwargs), = launches
+    assert grid == (programs, batch, splits)
+    assert (kwargs["BLOCK_H"], kwargs["BLOCK_N"], kwargs["num_warps"], kwargs["num_stages"]) == (
+        want.block_h, want.block_n, want.num_warps, want.num_stages)
+    assert kwargs["BLOCK_V"] == min(want.block_v, 64) and kwargs["V_BLOCKS"] == -(-rank // kwargs["BLOCK_V"])
+    torch.testing.assert_close(got.float(), oracle(q, cache, table, seq_lens, ps, 0.2, rank), **TOL[torch.bfloat16])
+
+
+def test_select_config_narrows_the_default_to_small_calls_only():
+    default = triton_mla.MLAConfig(**triton_mla.DEFAULT_TILES)
+    assert triton_mla.select_config(64, 128, 512, 32768) == default
+    small = triton_mla.select_config(1, 4, 24, 20)
+    assert (small.block_h, small.block_n, small.block_v) == (16, 32, 32)
+    assert triton_mla.select_config(1, 128, 512, 4096, torch.float32).block_h == default.block_h // 2
+    for bad in (C(48, 16, 16, 4, 2), C(16, 8, 16, 4, 2), C(128, 16, 16, 4, 2), C(16, 16, 16, 3, 2)):
+        with pytest.raises(ValueError):
+            bad.check()
 
 
 def test_dispatch_takes_the_reference_on_cpu_and_triton_when_named():
@@ -109,7 +176,8 @@ def test_the_split_count_comes_from_shapes_only():
     cpu = torch.device("cpu")
     for batch in (1, 16, 64):
         for tokens in (1024, 32768):
-            n = triton_attn.num_splits_for(batch, -(-128 // triton_mla._block_h(128)), tokens, cpu)
+            config = triton_mla.select_config(batch, 128, 512, tokens)
+            _, n = triton_mla.launch_shape(batch, 128, 512, tokens, config, cpu)
             assert n >= 1 and n & (n - 1) == 0
 
 
@@ -139,6 +207,26 @@ def test_triton_mla_decode_gpu_v3_sizes(batch, context):
     torch.testing.assert_close(got.float(), want, **TOL[torch.bfloat16])
     for splits in (1, 8):
         got = triton_mla.mla_decode_attention(q, cache, table, seq_lens, 16, scale, 512, num_splits=splits)
+        torch.testing.assert_close(got.float(), want, **TOL[torch.bfloat16])
+
+
+V3_CONFIGS = [C(64, 32, 256, 8, 2), C(64, 32, 512, 8, 2), C(64, 16, 128, 8, 2), C(32, 64, 256, 8, 2),
+              C(32, 16, 512, 8, 2), C(64, 32, 256, 4, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", V3_CONFIGS, ids=lambda c: f"h{c.block_h}-n{c.block_n}-v{c.block_v}-w{c.num_warps}"
+                                                             f"-s{c.num_stages}")
+@pytest.mark.parametrize("batch,context", [(2, 4096), (1, 32768)])
+def test_triton_mla_decode_gpu_v3_sizes_every_config(config, batch, context):
+    """The tiles benchmarks/sweep_mla.py tries, at the V3 shapes, with the default splits and one."""
+    lens = [context, 1 + context // 3][:batch]
+    q, cache, table, seq_lens = _v3_case(context + batch, lens, context // 16)
+    scale = 192 ** -0.5
+    want = oracle(q, cache, table, seq_lens, 16, scale, 512)
+    for splits in (None, 1):
+        got = triton_mla.mla_decode_attention(q, cache, table, seq_lens, 16, scale, 512, num_splits=splits,
+                                              config=config)
         torch.testing.assert_close(got.float(), want, **TOL[torch.bfloat16])
 
 

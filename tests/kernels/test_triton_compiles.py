@@ -1,8 +1,10 @@
 """The fused MoE GEMM kernel compiles for an H100/H200 (sm_90) in every weight format, on a
 machine without a GPU (4-bit banks as split-field dots, gpt-oss's biases and clamped SwiGLU too): Triton's compiler and ptxas ship with the triton wheel, and they type
 what TRITON_INTERPRET=1 never does (a return's type behind a constexpr, a bitcast, an integer
-width). Run in a subprocess, since this process' kernels were made for the interpreter."""
+width). Run in a subprocess, since this process' kernels were made for the interpreter. The MLA
+decode kernel's tiles compile too, and ptxas' report (registers, spills) of each is printed."""
 
+import dataclasses
 import os
 import pathlib
 import subprocess
@@ -103,3 +105,59 @@ def test_the_host_channel_kernels_compile_for_sm90():
     assert done.returncode == 0, done.stderr[-3000:]
     for name in ("_post_request_kernel", "_wait_done_kernel", "_staged_copy_kernel"):
         assert f"{name} compiled" in done.stdout
+
+
+MLA = r"""
+import contextlib, inspect, io, os, re, sys
+os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"  # ptxas -v's report goes to stdout, read back below
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moeferry.kernels.mla.triton import MLAConfig, _mla_decode_kernel as kernel
+
+params = list(inspect.signature(kernel.fn).parameters)
+pointers = dict(q_ptr="*bf16", c_ptr="*bf16", pt_ptr="*i32", lens_ptr="*i32", out_ptr="*bf16", part_o_ptr="*fp32",
+                part_lse_ptr="*fp32", qk_scale="fp32")
+for item in sys.argv[1:]:
+    config = MLAConfig(*map(int, item.split(",")))
+    values = dict(NUM_HEADS=128, RANK=512, ROPE=64, PAGE_SIZE=16, NUM_SPLITS=2, V_BLOCKS=512 // config.block_v,
+                  BLOCK_H=config.block_h, BLOCK_N=config.block_n, BLOCK_R=512, BLOCK_V=config.block_v, BLOCK_P=64,
+                  IEEE=False, PDL=True)
+    signature = {p: "constexpr" if p in values else pointers.get(p, "i32") for p in params}
+    # what a launch at V3's shapes specialises: aligned pointers, strides and lengths multiples of 16
+    aligned = [p for p in params if p not in values and p not in ("qk_scale", "stride_plh")]
+    source = ASTSource(kernel, signature, constexprs={(params.index(p),): v for p, v in values.items()},
+                       attrs={(params.index(p),): [["tt.divisibility", 16]] for p in aligned})
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+    regs = re.search(r"Used (\d+) registers", log.getvalue()).group(1)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log.getvalue()).groups()
+    print(item, "compiled", f"registers={regs} spill_stores={spills[0]} spill_loads={spills[1]} "
+          f"shared={compiled.metadata.shared}")
+"""
+H100_SHARED_BYTES = 227 * 1024  # the most one block may take on sm_90
+
+
+@pytest.mark.slow
+def test_the_mla_decode_kernel_compiles_for_sm90_and_the_default_neither_spills_nor_overflows(tmp_path):
+    """At DeepSeek-V3's shapes: select_config's default, with all 512 value columns a program,
+    and with a quarter; ptxas' registers and spills per tile are in the output (pytest -s)."""
+    if not _ptxas():
+        pytest.skip("the triton wheel brings no ptxas here")
+    from moeferry.kernels.mla.triton import select_config
+
+    default = select_config(64, 128, 512, 32768)
+    tiles = [default, *(dataclasses.replace(default, block_v=v) for v in (512, 128))]
+    items = [",".join(str(getattr(t, f.name)) for f in dataclasses.fields(t)) for t in tiles]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(pathlib.Path(__file__).resolve().parents[2])
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # a cached kernel runs no ptxas, so it would report nothing
+    done = subprocess.run([sys.executable, "-c", MLA, *items], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    print(done.stdout)
+    report = {line.split()[0]: dict(kv.split("=") for kv in line.split()[2:]) for line in done.stdout.splitlines()
+              if " compiled " in line}
+    assert set(report) == set(items)
+    assert report[items[0]]["spill_stores"] == "0" and int(report[items[0]]["shared"]) <= H100_SHARED_BYTES

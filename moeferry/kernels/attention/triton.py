@@ -88,18 +88,19 @@ def _online_softmax_step(s, valid, values, m_i, l_i, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _store_split(acc, m_i, l_i, out_ptrs, part_o_ptrs, part_lse_ptrs, h_mask, col_mask, nonempty,
+def _store_split(acc, m_i, l_i, out_ptrs, part_o_ptrs, part_lse_ptrs, h_mask, col_mask, lse_mask, nonempty,
                  NUM_SPLITS: tl.constexpr):
     """A program's result: with one split, the normalised output at `out_ptrs`; with several,
-    the unnormalised partial and its base-2 log-sum-exp for the merge (an empty split stores
-    nothing; the merge skips it). An empty row (seq_len 0) stays 0."""
+    the normalised partial and its base-2 log-sum-exp for the merge (an empty split stores
+    nothing; the merge skips it). An empty row (seq_len 0) stays 0. `lse_mask` (h_mask, or
+    none of it) lets one of several programs that share a row's softmax write its lse."""
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_mask = h_mask[:, None] & col_mask[None, :]
     if NUM_SPLITS == 1:
         tl.store(out_ptrs, o.to(out_ptrs.dtype.element_ty), mask=out_mask)
     elif nonempty:
         tl.store(part_o_ptrs, o, mask=out_mask)
-        tl.store(part_lse_ptrs, m_i + tl.log2(l_i), mask=h_mask)
+        tl.store(part_lse_ptrs, m_i + tl.log2(l_i), mask=lse_mask)
 
 
 @triton.jit
@@ -148,7 +149,8 @@ def _decode_kernel(
 
     _store_split(acc, m_i, l_i, out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  part_o_ptr + b64 * stride_pob + heads[:, None] * stride_poh + split * stride_pos + offs_d[None, :],
-                 part_lse_ptr + b64 * stride_plb + heads * stride_plh + split, h_mask, d_mask, start < end, NUM_SPLITS)
+                 part_lse_ptr + b64 * stride_plb + heads * stride_plh + split, h_mask, d_mask, h_mask, start < end,
+                 NUM_SPLITS)
 
 
 @triton.jit
