@@ -133,10 +133,12 @@ def test_the_wrapper_launches_select_configs_tiles(monkeypatch):
 
 def test_select_config_narrows_the_default_to_small_calls_only():
     default = triton_mla.MLAConfig(**triton_mla.DEFAULT_TILES)
-    assert triton_mla.select_config(64, 128, 512, 32768) == default
+    one = triton_mla.MLAConfig(**triton_mla.ONE_REQUEST_TILES)
+    assert triton_mla.select_config(64, 128, 512, 32768) == triton_mla.select_config(2, 128, 512, 4096) == default
+    assert triton_mla.select_config(1, 128, 512, 32768) == one
     small = triton_mla.select_config(1, 4, 24, 20)
     assert (small.block_h, small.block_n, small.block_v) == (16, 32, 32)
-    assert triton_mla.select_config(1, 128, 512, 4096, torch.float32).block_h == default.block_h // 2
+    assert triton_mla.select_config(4, 128, 512, 4096, torch.float32).block_h == default.block_h // 2
     for bad in (C(48, 16, 16, 4, 2), C(16, 8, 16, 4, 2), C(128, 16, 16, 4, 2), C(16, 16, 16, 3, 2)):
         with pytest.raises(ValueError):
             bad.check()

@@ -66,14 +66,14 @@ class MLAConfig:
             raise ValueError(f"{self}: block_h and block_n at most 64, num_stages at least 1")
 
 
-# The default tiles (select_config), one place to change them. At DeepSeek-V3's 128 heads: 64
-# heads a program (FlashMLA's row count) fill the 64 rows of a Hopper warpgroup MMA; half the
-# 512 output columns a program keeps the [64, 256] fp32 accumulator at 64 registers a thread
-# with 8 warps (ptxas for sm_90: no spills, where all 512 columns spill a little);
-# 32 tokens a step with two stages in flight keep q and the latent tiles within one SM's
-# shared memory (64 tokens or a third stage do not fit beside q). benchmarks/sweep_mla.py
-# measures the alternatives.
-DEFAULT_TILES = dict(block_h=64, block_n=32, block_v=256, num_warps=8, num_stages=2)
+# The default tiles (select_config), one place to change them, from benchmarks/sweep_mla.py on
+# the H200 at DeepSeek-V3's shapes (RESULTS.md, "MLA decode tiles"). From two requests up: 64
+# heads a program (FlashMLA's row count, the 64 rows of a Hopper warpgroup MMA), all 512 value
+# columns (a split value dimension recomputes the scores per block, which costs more than the
+# accumulator's few spilled registers), 32 tokens a step, two stages. One request has too few
+# programs for 64-head tiles to fill the SMs: 32 heads, half the columns, 4 warps.
+DEFAULT_TILES = dict(block_h=64, block_n=32, block_v=512, num_warps=8, num_stages=2)
+ONE_REQUEST_TILES = dict(block_h=32, block_n=32, block_v=256, num_warps=4, num_stages=2)
 
 
 def _block_r(rank: int) -> int:
@@ -82,12 +82,11 @@ def _block_r(rank: int) -> int:
 
 def select_config(batch: int, heads: int, rank: int, max_tokens: int,
                   dtype: torch.dtype = torch.bfloat16) -> MLAConfig:
-    """Tiles from the shapes only (a captured graph's launch fits every later step): DEFAULT_TILES,
-    narrowed where the call is smaller than a tile (fewer heads than block_h, a page table
-    shorter than block_n, a rank below block_v), and halved in heads and tokens for 4-byte
-    elements, whose tiles take twice the shared memory."""
-    del batch  # the split count (num_splits_for) spreads small batches over the SMs
-    tiles = dict(DEFAULT_TILES)
+    """Tiles from the shapes only (a captured graph's launch fits every later step): DEFAULT_TILES
+    (ONE_REQUEST_TILES for a batch of one), narrowed where the call is smaller than a tile (fewer
+    heads than block_h, a page table shorter than block_n, a rank below block_v), and halved in
+    heads and tokens for 4-byte elements, whose tiles take twice the shared memory."""
+    tiles = dict(ONE_REQUEST_TILES if batch == 1 else DEFAULT_TILES)
     if dtype.itemsize > 2:
         tiles.update(block_h=tiles["block_h"] // 2, block_n=max(16, tiles["block_n"] // 2))
     tiles["block_h"] = min(tiles["block_h"], max(16, triton.next_power_of_2(heads)))
