@@ -39,9 +39,13 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2, help="runs per row, the fastest kept")
-    p.add_argument("--parts", nargs="+", choices=["decode", "kernel", "big", "contention"], default=["decode", "kernel"],
+    p.add_argument("--parts", nargs="+", choices=["decode", "kernel", "big", "contention", "timeline"],
+                   default=["decode", "kernel"],
                    help="contention: the host kernel's and pinned H2D copies' GB/s alone and at once (both read "
-                        "the host's DRAM)")
+                        "the host's DRAM); timeline: where a hybrid decode step's time goes, layer by layer "
+                        "(device timestamps inside the graph, moe/timeline.py)")
+    p.add_argument("--timeline-shares", type=float, nargs="+", default=[0.25, 0.75],
+                   help="the `timeline` part: hybrid at these shares of the experts on the GPU")
     p.add_argument("--big-layers", type=int, default=48, help="the `big` part: hybrid at 25%% on this many layers")
     p.add_argument("--threads", type=int, nargs="+", default=[4, 8, 16], help="host kernel table")
     p.add_argument("--dispatch", nargs="+", choices=["host_function", "mailbox"], default=["mailbox"],
@@ -135,6 +139,48 @@ def decode_rows(config_dir, args, h2d) -> tuple[list[list], float]:
         del engine, s
         free_engine_memory()
     return rows, host_bw
+
+
+TIMELINE_SPANS = ("split, stage, post", "admit, copy misses", "GPU experts", "wait for host, unstage", "combine")
+
+
+def timeline_rows(config_dir, args) -> list[list]:
+    """Per hybrid row: the mean microseconds a decode layer spends from each stamped point to
+    the next (moe/timeline.py HYBRID_POINTS, named by TIMELINE_SPANS), between layers
+    (attention, router, norms), over all MoE layers, and the host kernel's own time a layer."""
+    from moeferry.moe.timeline import HYBRID_POINTS, LayerTimeline
+
+    engine = make_engine(config_dir, args, "hybrid")
+    uniform_routing(engine)
+    s = engine.runner.strategy
+    layers = len(s.moe_layer_of)
+    rows = []
+    for share in args.timeline_shares:
+        s.build_cache(share_slots(engine, share))
+        s.timeline = LayerTimeline(HYBRID_POINTS, layers, s.device)
+        engine.runner.recapture_graphs()  # the stamps are nodes of the graph
+        for batch in args.batch:
+            s.restart_cache()
+            first = []
+
+            def counters(engine):  # before the timed steps: forget the prefill's and warm-up's stamps
+                if not first:
+                    s.timeline.reset()
+                    first.append(True)
+                return step_counters(engine)
+
+            run = timed_decode(engine, batch, args.prompt_len, args.warmup, args.steps, counters)
+            summary = s.timeline.summary()
+            spans = [summary[f"{a} -> {b}"] for a, b in zip(HYBRID_POINTS, HYBRID_POINTS[1:])]
+            rows.append([f"{share:.0%}", batch, f"{run['tok_s']:.1f}", f"{run['step_s'] * 1e6 / layers:.0f}",
+                         *(f"{v:.1f}" for v in spans), f"{summary['between layers']:.1f}",
+                         f"{run['host_s'] * 1e6 / layers:.1f}", f"{run['host'] / layers:.2f}",
+                         f"{run['copied'] / layers:.2f}", summary["steps"]])
+            print(rows[-1], flush=True)
+    s.timeline = None
+    del engine, s
+    free_engine_memory()
+    return rows
 
 
 def big_rows(config_dir, args, h2d) -> list[list]:
@@ -309,6 +355,18 @@ def main(argv, args) -> int:
                "experts a call, cycling over 128; H2D copies of 8 whole experts at a time into device slots; "
                "each run 2 s timed after 0.25 s untimed: alone, both at once, then the host kernel alone again. "
                "The two-channel floor assumes the sum of the alone figures.",
+               args.results)
+    if "timeline" in args.parts:
+        rows = timeline_rows(config_dir, args)
+        report("hybrid/timeline", "Where a hybrid decode layer's time goes", command,
+               markdown_table(["experts on GPU", "requests", "tok/s", "step us / layer",
+                               *(f"{span} us" for span in TIMELINE_SPANS), "between layers us",
+                               "host kernel us / layer", "host experts / layer", "copied experts / layer",
+                               "steps"], rows),
+               f"{args.layers} layers, uniform routing, bf16, the mailbox dispatch; device timestamps (%globaltimer, "
+               "kernels/timestamps) at six points of each MoE layer inside the decode graph, means over the timed "
+               "steps. The spans follow the GPU's stream: 'wait for host' is how long the GPU stood waiting for "
+               "the host's routes after its own experts; the host kernel's time is measured inside its calls.",
                args.results)
     if "big" in args.parts:
         rows = big_rows(config_dir, args, h2d)

@@ -134,6 +134,7 @@ class HybridStrategy(HostChannelMixin, OffloadStrategy):
     the routes the host computes are never admitted, so they cost the cache nothing."""
 
     name = "hybrid"
+    timeline = None  # a moe/timeline.py LayerTimeline over HYBRID_POINTS, set before capturing to profile
 
     def finalize(self, plan) -> None:
         super().finalize(plan)
@@ -148,19 +149,34 @@ class HybridStrategy(HostChannelMixin, OffloadStrategy):
         if self.cache.num_slots >= self.total_experts:  # nothing can miss: offload's path, no host node
             return super()._through_cache(layer_id, hidden, topk_weights, topk_ids, phase, sum_routes)
         moe_layer = self.moe_layer_of[layer_id]
+        mark = self._marker(moe_layer, phase)
+        mark("start")
         host_ids, device_ids, host_count = split_routes(topk_ids, self.cache.slot_of[moe_layer],
                                                         self.speeds.host_share, self.rotation, self.speeds.host_offset)
         if phase == "decode":
             self.host_experts[moe_layer] += host_count[0]
         self.channel.begin(layer_id, hidden, topk_weights, host_ids)
+        mark("posted")
         bank = self.banks[layer_id]
         slot_ids = self.cache.load_experts(moe_layer, device_ids, bank.tensors(), self.pool.tensors(), phase=phase)
+        mark("copied")
         on_host = host_ids >= 0
         device_routes = self._compute(hidden, self.pool, topk_weights.masked_fill(on_host, 0.0),
                                       slot_ids.clamp(min=0), bank.num_experts, sum_routes=False)
+        mark("computed")
         host_routes = self.channel.finish()
+        mark("joined")
         routes = torch.where(on_host.unsqueeze(-1), host_routes.to(device_routes.dtype), device_routes)
-        return _summed(routes, hidden.dtype, sum_routes)
+        out = _summed(routes, hidden.dtype, sum_routes)
+        mark("combined")
+        return out
+
+    def _marker(self, moe_layer: int, phase: str):
+        """Stamps a decode layer's points (moe/timeline.py HYBRID_POINTS) when a timeline is set."""
+        timeline = self.timeline
+        if timeline is None or phase != "decode":
+            return lambda point: None
+        return lambda point: timeline.mark(moe_layer, point)
 
     def stats(self) -> dict:
         """`offload`'s statistics plus the host channel's, and `decode_split`: the decode

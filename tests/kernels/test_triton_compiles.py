@@ -77,12 +77,14 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from moeferry.kernels.host_mailbox.triton import _post_request_kernel, _wait_done_kernel
 from moeferry.kernels.host_staging.triton import _staged_copy_kernel
+from moeferry.kernels.timestamps.triton import _stamp_kernel
 
 KERNELS = [  # kernel, pointer types, constexprs
     (_post_request_kernel, dict(box_ptr="*i64", counter_ptr="*i64"), dict(REQUEST_WORD=0, CALL_WORD=1, PDL=True)),
     (_wait_done_kernel, dict(box_ptr="*i64", counter_ptr="*i64"), dict(DONE_WORD=8, STALLED_WORD=1, PDL=True)),
     (_staged_copy_kernel, dict(src0="*bf16", dst0="*bf16", src1="*i64", dst1="*i32", src2="*fp32", dst2="*fp32"),
      dict(BLOCK=1024, PDL=True)),
+    (_stamp_kernel, dict(times_ptr="*i64", counter_ptr="*i64"), dict(ADVANCE=True, PDL=True)),
 ]
 for kernel, pointers, constexprs in KERNELS:
     params = list(inspect.signature(kernel.fn).parameters)
@@ -96,14 +98,14 @@ for kernel, pointers, constexprs in KERNELS:
 @pytest.mark.slow
 def test_the_host_channel_kernels_compile_for_sm90():
     """The mailbox's post and wait (a system-scope release exchange, volatile polls of host
-    memory) and the staging copy, with PDL."""
+    memory), the staging copy and the timestamp (inline PTX reading %globaltimer), with PDL."""
     if not _ptxas():
         pytest.skip("the triton wheel brings no ptxas here")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(pathlib.Path(__file__).resolve().parents[2])
     done = subprocess.run([sys.executable, "-c", SMALL], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    for name in ("_post_request_kernel", "_wait_done_kernel", "_staged_copy_kernel"):
+    for name in ("_post_request_kernel", "_wait_done_kernel", "_staged_copy_kernel", "_stamp_kernel"):
         assert f"{name} compiled" in done.stdout
 
 

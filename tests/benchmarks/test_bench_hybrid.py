@@ -1,0 +1,26 @@
+"""bench_hybrid's timeline part on the CPU at a tiny shape: one row per share and batch, every
+span of the layer timeline filled, the steps it averaged those timed (the graph part runs on
+the GPU only; the stamps here are the host clock's)."""
+import os
+
+from benchmarks import bench_hybrid
+from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
+
+
+def test_the_timeline_part_gives_every_span_per_share_and_batch(tmp_path, monkeypatch):
+    cfg = dict(QWEN3_30B_DIR_CONFIG, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+               num_experts=16, num_experts_per_tok=4)
+    config_dir = write_config_dir(os.path.join(tmp_path, "m"), cfg)
+    make_engine = bench_hybrid.make_engine
+    monkeypatch.setattr(bench_hybrid, "make_engine",
+                        lambda *a, **o: make_engine(*a, device="cpu", dtype="float32", **o))
+    monkeypatch.setattr(bench_hybrid, "free_engine_memory", lambda: None)
+    args = bench_hybrid.parse_args(["--parts", "timeline", "--batch", "1", "2", "--timeline-shares", "0.25", "0.75"])
+    args.layers, args.warmup, args.steps = 3, 2, 4
+    rows = bench_hybrid.timeline_rows(config_dir, args)
+    assert [(r[0], r[1]) for r in rows] == [("25%", 1), ("25%", 2), ("75%", 1), ("75%", 2)]
+    for row in rows:
+        spans = [float(v) for v in row[4:4 + len(bench_hybrid.TIMELINE_SPANS)]]
+        assert all(v >= 0 for v in spans) and sum(spans) > 0
+        assert row[-1] == 4  # the timed steps, not the prefill's or the warm-up's
