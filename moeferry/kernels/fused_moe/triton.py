@@ -282,13 +282,13 @@ def _e2m1_scaled_weight(code, fold, dtype: tl.constexpr):
     `dtype` (bf16 or float32), exact. bf16 from the bits, the scale added to the exponent: a
     magnitude m = code & 7 of 2 or more is (1 + m_0 / 2) 2^(m_21 - 1) (m_21 its exponent bits,
     m_0 its mantissa bit), whose scaled bf16 pattern is 2^(s - 128)'s plus m << 6 (exponent
-    field + m_21, mantissa bit 6 = m_0); m = 1 (0.5) is 2^(s - 128) itself, and m = 0 stays
-    zero, +0 or -0. float32: value times scale."""
+    field + m_21, mantissa bit 6 = m_0); m = 1 (0.5) is 2^(s - 128) itself and m = 0 zero, so
+    m * fold below 2; the sign is code's bit 3 at bf16's bit 15 (-0 stays -0). One select a
+    weight, the multiplies single integer multiply-adds. float32: value times scale."""
     if dtype == tl.bfloat16:
         magnitude = code & 7
-        bits = tl.where(magnitude > 1, fold + (magnitude << 6), fold)
-        bits = tl.where(magnitude == 0, 0, bits) | -((code & 8) << 12)  # the sign bit, sign-extended: narrows exactly
-        return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        bits = tl.where(magnitude < 2, magnitude * fold, fold + (magnitude << 6)) | ((code & 8) << 12)
+        return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)  # the low 16 bits: the sign bit kept
     else:
         return _e2m1_value(code) * fold
 
