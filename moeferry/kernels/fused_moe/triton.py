@@ -514,12 +514,9 @@ def _launch_gemm(a, b, c, route_weights, blocks, topk_ids, *, gated, weighted, a
     n_out = c.shape[1]
     k_in = a.shape[1]
     quant = scales is not None
-    mxfp4 = quant and b.dtype == torch.uint8  # scales every weight before the dot: any K tile
+    mxfp4 = quant and b.dtype == torch.uint8
     packed = quant and b.dtype == torch.int32
-    if mxfp4 and _mxfp4_words(config, b, a.dtype, k_in, block_shape[1]):
-        b = b.view(torch.int32)  # int4's word layout; K tiles of whole scale blocks, folded per weight
-    elif (quant and not mxfp4) or (mxfp4 and config.split_fields):  # split MXFP4 bytes: one scale per column
-        config = replace(config, block_k=quantized_block_k(config.block_k, block_shape[1]))
+    config, b = _k_tiles(config, a, b, quant, block_shape)
     if not quant:  # unread placeholders
         scales, block_shape = route_weights, (1, 1)
     scale_strides = scales.stride() if quant else (0, 0, 0)
@@ -540,6 +537,19 @@ def _launch_gemm(a, b, c, route_weights, blocks, topk_ids, *, gated, weighted, a
         GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.stages(gated),
         **pdl_launch(a.device),
     )
+
+
+def _k_tiles(config: FusedMoEConfig, a: torch.Tensor, b: torch.Tensor, quant: bool, block_shape):
+    """(config, b) as a GEMM of a [M, K] and the bank b runs them: MXFP4 bytes read as int32
+    words where `_mxfp4_words` allows (K tiles of whole scale blocks, each folded into its
+    weights); otherwise K tiles inside one scale block wherever a tile's fp32 sum is scaled
+    (fp8, int4, split MXFP4 bytes). Unsplit MXFP4 scales every weight before the dot: any tile."""
+    mxfp4 = quant and b.dtype == torch.uint8
+    if mxfp4 and _mxfp4_words(config, b, a.dtype, a.shape[1], block_shape[1]):
+        return config, b.view(torch.int32)  # int4's word layout: nibble i of word w is value 8w + i
+    if (quant and not mxfp4) or (mxfp4 and config.split_fields):
+        return replace(config, block_k=quantized_block_k(config.block_k, block_shape[1])), b
+    return config, b
 
 
 def _splits_fields(config: FusedMoEConfig, pack: int) -> bool:
