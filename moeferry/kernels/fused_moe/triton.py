@@ -284,7 +284,7 @@ def _e2m1_scaled_weight(code, fold, dtype: tl.constexpr):
     m_0 its mantissa bit), whose scaled bf16 pattern is 2^(s - 128)'s plus m << 6 (exponent
     field + m_21, mantissa bit 6 = m_0); m = 1 (0.5) is 2^(s - 128) itself and m = 0 zero, so
     m * fold below 2; the sign is code's bit 3 at bf16's bit 15 (-0 stays -0). One select a
-    weight, the multiplies single integer multiply-adds. float32: value times scale."""
+    weight, each side of it one integer multiply-add. float32: value times scale."""
     if dtype == tl.bfloat16:
         magnitude = code & 7
         bits = tl.where(magnitude < 2, magnitude * fold, fold + (magnitude << 6)) | ((code & 8) << 12)
