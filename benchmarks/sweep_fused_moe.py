@@ -3,9 +3,13 @@ layer (a CUDA graph over bench_fused_moe's 8 distinct layer banks) against the f
 bytes of the distinct experts' rows of that bank (weights and scales as stored) over 4.3 TB/s.
   python -m benchmarks.sweep_fused_moe [--format bf16|fp8|int4|mxfp4] [--tokens 1 4]
       [--block-n 16 32 64] [--block-k 128 256] [--warps 2 4] [--stages 3 5]
-4-bit formats try every tile with and without split-field dots (FusedMoEConfig.split_fields)."""
+4-bit formats try every tile with and without split-field dots (FusedMoEConfig.split_fields),
+MXFP4 its split tiles both ways: int32 words (FusedMoEConfig.mxfp4_words; K tiles of
+--block-k) and bytes (one 32-value scale block a tile). The "K tile" column says what ran and
+how deep: one dot over the values in K order, or split fields over words or bytes."""
 import argparse
 import itertools
+from dataclasses import replace
 
 import torch
 import triton.testing
@@ -42,6 +46,21 @@ def gemm_inputs(layers, banks, config):
     return out
 
 
+# Per format, the (split_fields, mxfp4_words) pairs a sweep tries for every tile.
+TILE_KINDS = {"int4": [(False, False), (True, False)], "mxfp4": [(False, False), (True, False), (True, True)]}
+
+
+def k_tile(inputs, gated: bool, config, block_shape) -> tuple[str, int]:
+    """What a K tile of the first layer's bank runs as under `config` (fused_moe's own choice),
+    and its depth."""
+    hidden, (w13, s13), (w2, s2), *_, act, _, _ = inputs[0]
+    a, bank = (hidden, w13) if gated else (act, w2)
+    tiles, stored = fm._k_tiles(config, a, bank, block_shape is not None, block_shape)
+    if not fm._splits_fields(tiles, fm._pack(stored)):
+        return "one dot", tiles.block_k
+    return ("bytes" if stored.dtype == torch.uint8 else "words"), tiles.block_k
+
+
 def time_gemm(inputs, gated: bool, config, block_shape) -> float:
     def step():
         for hidden, (w13, s13), (w2, s2), weights, blocks, flat, act, route_out, naive in inputs:
@@ -69,8 +88,8 @@ def main() -> None:
     block_shape = None if args.format == "bf16" else expert_format(None, args.format).block_shape
     print(f"{torch.cuda.get_device_name()}; H={HIDDEN}, I={INTERMEDIATE}, E={NUM_EXPERTS}, top-{TOP_K}, "
           f"{args.format} experts, bf16 activations")
-    print("| tokens | GEMM | block_n | block_k | warps | stages | split fields | us / layer | floor us | of floor |")
-    print("|---:|---|---:|---:|---:|---:|---|---:|---:|---:|")
+    print("| tokens | GEMM | block_n | K tile | warps | stages | us / layer | floor us | of floor |")
+    print("|---:|---|---:|---|---:|---:|---:|---:|---:|")
     for tokens in args.tokens:
         layers = _make_layers(tokens)
         distinct = sum(int(ids.unique().numel()) for *_, ids, _ in layers) / len(layers)
@@ -80,21 +99,27 @@ def main() -> None:
         for gated in (True, False):
             floor_us = distinct * bank_bytes(banks[0][0 if gated else 1]) / HBM_BYTES_PER_S * 1e6
             name = "w13 (gate+up)" if gated else "w2 (down)"
-            splits = (False, True) if args.format in ("int4", "mxfp4") else (False,)
+            kinds = TILE_KINDS.get(args.format, [(False, False)])
             configs = [current] + [
-                fm.FusedMoEConfig(current.block_m, n, k, current.group_m, w, s, split_fields=split)
-                for n, k, w, s, split in itertools.product(args.block_n, args.block_k, args.warps, args.stages,
-                                                           splits)]
+                fm.FusedMoEConfig(current.block_m, n, k, current.group_m, w, s, split_fields=split, mxfp4_words=words)
+                for n, k, w, s, (split, words) in itertools.product(args.block_n, args.block_k, args.warps,
+                                                                    args.stages, kinds)]
+            seen = set()
             for i, config in enumerate(configs):
+                kind, depth = k_tile(inputs, gated, config, block_shape)
+                ran = (replace(config, block_k=depth, split_fields=kind != "one dot", mxfp4_words=kind == "words"),
+                       config.stages(gated))
+                if i > 0 and ran in seen:  # byte tiles are 32 deep whatever --block-k asked
+                    continue
+                seen.add(ran)
                 try:
                     us = f"{time_gemm(inputs, gated, config, block_shape):.2f}"
                     share = f"{floor_us / float(us):.0%}"
                 except Exception as e:  # noqa: BLE001 (out of shared memory, say): the row says so
                     us, share = type(e).__name__, "-"
                 label = " (current)" if i == 0 else ""
-                print(f"| {tokens} | {name}{label} | {config.block_n} | {config.block_k} | {config.num_warps} "
-                      f"| {config.stages(gated)} | {fm._splits_fields(config, 8 if args.format == 'int4' else 2)} "
-                      f"| {us} | {floor_us:.2f} | {share} |", flush=True)
+                print(f"| {tokens} | {name}{label} | {config.block_n} | {kind} {depth} | {config.num_warps} "
+                      f"| {config.stages(gated)} | {us} | {floor_us:.2f} | {share} |", flush=True)
         del layers, banks, inputs
         torch.cuda.empty_cache()
 

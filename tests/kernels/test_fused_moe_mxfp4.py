@@ -2,19 +2,25 @@
 values): the dequantizer against transformers' own (convert_moe_packed_tensors, FP4_VALUES), the
 OCP quantizer (exact on representable values, round to nearest even, its error bound), the
 reference against a float64 oracle over dequantized weights, the Triton kernel
-(TRITON_INTERPRET=1 on CPU) against the reference, slot-pool bit identity; GPU tests at the
-Qwen3-30B-A3B expert shape."""
+(TRITON_INTERPRET=1 on CPU) against the reference, in its byte tiles and in its word tiles (the
+bytes read as int32 words, each E8M0 power of two folded into its weights: every code times
+every scale exactly; the default where a launch allows it), slot-pool bit identity; GPU tests
+at the Qwen3-30B-A3B expert shape and gpt-oss's."""
+from dataclasses import replace
+
 import pytest
 import torch
 import triton
 import triton.language as tl
 
-from moeferry.kernels.fused_moe import E2M1_VALUES, fused_moe
+from moeferry.kernels.fused_moe import E2M1_VALUES, clamped_swiglu, fused_moe
+from moeferry.kernels.fused_moe import triton as fm
 from moeferry.kernels.fused_moe.reference import dequantize_blocks, e8m0_to_float, unpack_mxfp4
-from moeferry.kernels.fused_moe.triton import _e2m1_weight, _int4_weight
+from moeferry.kernels.fused_moe.triton import _e2m1_scaled_weight, _e2m1_weight, _e8m0_fold, _int4_weight
 from moeferry.moe.formats import pack_mxfp4, quantize_mxfp4
 from tests.kernels.test_fused_moe import make_layer, make_routes, oracle, rel_err
 from tests.kernels.test_fused_moe_fp8 import assert_triton_matches_reference
+from tests.kernels.test_fused_moe_gpt_oss import make_biases
 from tests.kernels.test_fused_moe_int4 import assert_quantized_banks_match_reference_on_gpu, force_split_fields
 
 BLOCK = (1, 32)
@@ -146,6 +152,117 @@ def test_split_field_tiles_match_reference_on_mxfp4_banks(monkeypatch, dtype, nu
     assert taken == [True, True]
 
 
+def record_word_tiles(monkeypatch) -> list[bool]:
+    """Per MXFP4 GEMM launch, whether its K tiles read the bytes as int32 words."""
+    taken, words = [], fm._mxfp4_words
+
+    def recording(*args):
+        taken.append(words(*args))
+        return taken[-1]
+    monkeypatch.setattr(fm, "_mxfp4_words", recording)
+    return taken
+
+
+def spread_scales(scales: torch.Tensor, seed: int) -> torch.Tensor:
+    """`scales` times a random power of two per block, 2^-12 .. 2^2, so the blocks of a K tile
+    span a checkpoint's spread of exponents while the outputs stay near 1."""
+    gen = torch.Generator().manual_seed(seed)
+    return (scales.int() + torch.randint(-12, 3, scales.shape, generator=gen)).to(torch.uint8)
+
+
+def word_layer(num_experts, hidden_size, intermediate_size, seed):
+    """An MXFP4 layer with spread scales, zero codes of both signs and a few all-zero blocks."""
+    (q13, s13, q2, s2), _ = mxfp4_layer(num_experts, hidden_size, intermediate_size, seed=seed)
+    q13[:, :, 3], q2[:, :, 5] = 0x80, 0x08  # -0 and +0 codes in every row
+    q13[0, :, :16] = 0  # expert 0's first gate/up block all zero
+    return q13, spread_scales(s13, seed), q2, spread_scales(s2, seed + 1)
+
+
+# H = 288 (two 128-deep K tiles and a 32-value tail), I = 160 (one tile and a tail): the masks
+WORD_SHAPE = (32, 2, 288, 160)  # experts, top-k, hidden, intermediate
+
+
+@pytest.mark.parametrize("num_tokens,assignment", [(3, "naive"), (9, "sorted")])
+def test_word_tiles_are_the_bf16_default_and_match_reference(monkeypatch, num_tokens, assignment):
+    taken = record_word_tiles(monkeypatch)
+    num_experts, top_k, hidden_size, intermediate_size = WORD_SHAPE
+    q13, s13, q2, s2 = word_layer(num_experts, hidden_size, intermediate_size, seed=num_tokens)
+    assert_triton_matches_reference(q13, q2, dict(w13_scale=s13, w2_scale=s2, block_shape=BLOCK), num_tokens,
+                                    top_k, assignment, torch.bfloat16)
+    assert taken == [True, True]
+
+
+@pytest.mark.parametrize("dtype,block_k", [(torch.float32, 128), (torch.bfloat16, 256), (torch.float32, 256)])
+def test_word_tiles_of_any_depth_match_reference(monkeypatch, dtype, block_k):
+    """float32's own K tile (32) is too shallow for words: 128 and 256 forced, 4 and 8 blocks a tile."""
+    words = record_word_tiles(monkeypatch)
+    split = force_split_fields(monkeypatch, block_k=block_k)
+    num_experts, top_k, hidden_size, intermediate_size = WORD_SHAPE
+    q13, s13, q2, s2 = word_layer(num_experts, hidden_size, intermediate_size, seed=block_k)
+    assert_triton_matches_reference(q13, q2, dict(w13_scale=s13, w2_scale=s2, block_shape=BLOCK), 5, top_k,
+                                    "sorted", dtype)
+    assert words == [True, True] and split == [True, True]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_word_tiles_with_gpt_oss_biases_and_clamped_swiglu_match_reference(monkeypatch, dtype):
+    taken = record_word_tiles(monkeypatch)
+    force_split_fields(monkeypatch, block_k=128)
+    num_experts, top_k, hidden_size, intermediate_size = WORD_SHAPE
+    q13, s13, q2, s2 = word_layer(num_experts, hidden_size, intermediate_size, seed=7)
+    b13, b2 = make_biases(num_experts, hidden_size, intermediate_size, dtype)
+    hidden, weights, ids = make_routes(4, hidden_size, num_experts, top_k, dtype)
+    kwargs = dict(num_routed_experts=num_experts, w13_scale=s13, w2_scale=s2, block_shape=BLOCK, w13_bias=b13,
+                  w2_bias=b2, activation=clamped_swiglu(1.702, 0.5))  # a limit the gate and up values pass
+    got = fused_moe(hidden, q13, q2, weights, ids, impl="triton", **kwargs)
+    ref = fused_moe(hidden, q13, q2, weights, ids, impl="reference", **kwargs)
+    assert got.abs().max() > 0.1 and taken == [True, True]
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(got.float(), ref.float(), atol=3e-2, rtol=2e-2)
+        assert rel_err(got, ref) < 1e-2
+
+
+def test_byte_tiles_still_run_when_words_are_turned_off(monkeypatch):
+    words = record_word_tiles(monkeypatch)
+    split = force_split_fields(monkeypatch, mxfp4_words=False)
+    num_experts, top_k, hidden_size, intermediate_size = WORD_SHAPE
+    q13, s13, q2, s2 = word_layer(num_experts, hidden_size, intermediate_size, seed=3)
+    assert_triton_matches_reference(q13, q2, dict(w13_scale=s13, w2_scale=s2, block_shape=BLOCK), 5, top_k,
+                                    "sorted", torch.bfloat16)
+    assert words == [False, False] and split == [True, True]
+
+
+def test_a_gemm_whose_k_is_not_whole_scale_blocks_reads_bytes(monkeypatch):
+    """H = 272 (8.5 blocks): the gate/up GEMM falls back to byte tiles, the down GEMM (I = 160)
+    still reads words; both match the reference."""
+    taken = record_word_tiles(monkeypatch)
+    (q13, s13, q2, s2), _ = mxfp4_layer(32, 272, 160, seed=4)
+    assert_triton_matches_reference(q13, q2, dict(w13_scale=s13, w2_scale=s2, block_shape=BLOCK), 3, 2, "naive",
+                                    torch.bfloat16)
+    assert taken == [False, True]
+
+
+def test_words_need_aligned_rows_deep_tiles_and_bf16_or_float32():
+    config = fm.select_config(1, 8, 2048, 768, 128, torch.bfloat16)
+    bank = torch.zeros(4, 64, 160, dtype=torch.uint8)  # K = 320
+    assert config.split_fields and config.mxfp4_words and fm._mxfp4_words(config, bank, torch.bfloat16, 320, 32)
+    assert fm._mxfp4_words(config, bank, torch.float32, 320, 32)
+    assert fm._mxfp4_words(config, bank[1:3, 5:], torch.bfloat16, 320, 32)  # a pool's rows: aligned still
+    refused = [
+        (config, bank, torch.float16, 320, 32),  # fp16's exponent range could round a folded scale
+        (config, bank, torch.bfloat16, 304, 32),  # not whole scale blocks
+        (replace(config, block_k=64), bank, torch.bfloat16, 320, 32),  # 8-deep dots
+        (replace(config, mxfp4_words=False), bank, torch.bfloat16, 320, 32),
+        (replace(config, split_fields=False), bank, torch.bfloat16, 320, 32),
+        (config, torch.zeros(4, 64, 162, dtype=torch.uint8)[..., :160], torch.bfloat16, 320, 32),  # row stride 162
+        (config, torch.zeros(4 * 64 * 160 + 2, dtype=torch.uint8)[2:].view(4, 64, 160), torch.bfloat16, 320, 32),
+    ]
+    for args in refused:
+        assert not fm._mxfp4_words(*args), args[1:]
+
+
 @pytest.mark.parametrize("impl", ["triton", "reference"])
 def test_mxfp4_slot_pool_gives_bit_identical_output(impl):
     num_experts, top_k, hidden_size, intermediate_size, num_slots = 16, 2, 64, 32, 300
@@ -186,17 +303,39 @@ def test_triton_mxfp4_matches_reference_on_gpu(num_tokens):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("words", [True, False])
 @pytest.mark.parametrize("num_tokens", [1, 4, 64])
-def test_split_field_mxfp4_tiles_match_reference_on_gpu(monkeypatch, num_tokens):
-    taken = force_split_fields(monkeypatch)
+def test_split_field_mxfp4_tiles_match_reference_on_gpu(monkeypatch, num_tokens, words):
+    """Both split tiles: int32 words (the default) and 32-value blocks of bytes."""
+    taken = force_split_fields(monkeypatch, mxfp4_words=words)
+    read_words = record_word_tiles(monkeypatch)
     banks, _ = mxfp4_layer(128, 2048, 768, device="cuda")
     assert_quantized_banks_match_reference_on_gpu(banks, BLOCK, num_tokens)
-    assert taken and all(taken)
+    assert taken and all(taken) and read_words and all(w == words for w in read_words)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 4, 64])
+def test_word_tiles_match_reference_at_gpt_oss_shapes_on_gpu(monkeypatch, num_tokens):
+    """gpt-oss-20b's expert shape (H = I = 2880: 128-deep K tiles end in a 64-value tail), its
+    biases and clamped SwiGLU, scales spread over a checkpoint's range; 8 experts, top-4."""
+    taken = record_word_tiles(monkeypatch)
+    q13, s13, q2, s2 = (t.cuda() for t in word_layer(8, 2880, 2880, seed=num_tokens))
+    b13, b2 = make_biases(8, 2880, 2880, torch.bfloat16, "cuda")
+    hidden, weights, ids = make_routes(num_tokens, 2880, 8, 4, torch.bfloat16, "cuda", 1)
+    kwargs = dict(num_routed_experts=8, w13_scale=s13, w2_scale=s2, block_shape=BLOCK, w13_bias=b13, w2_bias=b2,
+                  activation=clamped_swiglu(1.702, 7.0))
+    ref = fused_moe(hidden, q13, q2, weights, ids, impl="reference", **kwargs)
+    got = fused_moe(hidden, q13, q2, weights, ids, **kwargs)
+    assert taken == [True, True] and rel_err(got, ref) < 1e-2
+    torch.testing.assert_close(got.float(), ref.float(), atol=5e-2, rtol=5e-2)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 600])
-def test_mxfp4_pinned_host_banks_give_the_device_banks_bits_on_gpu(num_tokens):
+def test_mxfp4_pinned_host_banks_give_the_device_banks_bits_on_gpu(monkeypatch, num_tokens):
+    """Pinned host banks are read in place (UVA) as int32 words, as device banks are."""
+    taken = record_word_tiles(monkeypatch)
     banks, _ = mxfp4_layer(128, 2048, 768, device="cuda")
     hidden, weights, ids = make_routes(num_tokens, 2048, 128, 8, torch.bfloat16, "cuda", 1)
     host = [t.cpu().pin_memory() for t in banks]
@@ -204,7 +343,7 @@ def test_mxfp4_pinned_host_banks_give_the_device_banks_bits_on_gpu(num_tokens):
                           block_assignment="sorted", w13_scale=banks[1], w2_scale=banks[3], block_shape=BLOCK)
     from_host = fused_moe(hidden, host[0], host[2], weights, ids, num_routed_experts=128,
                           w13_scale=host[1], w2_scale=host[3], block_shape=BLOCK)
-    assert torch.equal(from_host, on_device)
+    assert torch.equal(from_host, on_device) and taken == [True] * 4
 
 
 @triton.jit
@@ -229,3 +368,30 @@ def test_the_kernels_4bit_decoders_give_every_code_exactly(dtype):
     assert torch.equal(int4, torch.arange(16, dtype=dtype) - 8)
     want = torch.tensor(E2M1_VALUES, dtype=dtype)
     assert torch.equal(e2m1, want) and torch.equal(torch.signbit(e2m1), torch.signbit(want))
+
+
+@triton.jit
+def _scaled_codes_kernel(scales_ptr, out_ptr, NUM_SCALES: tl.constexpr, DTYPE: tl.constexpr):
+    codes, rows = tl.arange(0, 16), tl.arange(0, NUM_SCALES)
+    fold = _e8m0_fold(tl.load(scales_ptr + rows).to(tl.int32), DTYPE)
+    tl.store(out_ptr + rows[:, None] * 16 + codes[None, :], _e2m1_scaled_weight(codes[None, :], fold[:, None], DTYPE))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_word_tiles_fold_every_scale_into_every_code_exactly(dtype):
+    """Every E2M1 code times every E8M0 scale 2..252 (2^-125 .. 2^125, beyond any real
+    checkpoint's spread), as the word tiles decode it (bf16: the scale added to the exponent
+    bits), is the float32 product exactly, zeros keeping their sign; in bf16 a scale outside
+    that range is taken as the nearest end."""
+    scales = torch.arange(256, dtype=torch.uint8)
+    scales[255 if dtype == torch.bfloat16 else 253:] = 127  # E8M0's NaN; 6 x 2^126 overflows float32
+    got = torch.full((256, 16), 99.0, dtype=dtype)
+    _scaled_codes_kernel[(1,)](scales, got, NUM_SCALES=256,
+                               DTYPE=tl.bfloat16 if dtype == torch.bfloat16 else tl.float32)
+    want = (torch.tensor(E2M1_VALUES, dtype=torch.float64)[None, :]
+            * torch.pow(2.0, scales.double() - 127)[:, None]).float()
+    inside = slice(2, 253)
+    assert torch.equal(got[inside].float(), want[inside])
+    assert torch.equal(torch.signbit(got[inside]), torch.signbit(want[inside]))
+    if dtype == torch.bfloat16:
+        assert torch.equal(got[:2], got[2:3].expand(2, 16)) and torch.equal(got[253:255], got[252:253].expand(2, 16))

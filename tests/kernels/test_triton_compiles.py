@@ -1,8 +1,10 @@
 """The fused MoE GEMM kernel compiles for an H100/H200 (sm_90) in every weight format, on a
-machine without a GPU (4-bit banks as split-field dots, gpt-oss's biases and clamped SwiGLU too): Triton's compiler and ptxas ship with the triton wheel, and they type
-what TRITON_INTERPRET=1 never does (a return's type behind a constexpr, a bitcast, an integer
-width). Run in a subprocess, since this process' kernels were made for the interpreter. The MLA
-decode kernel's tiles compile too, and ptxas' report (registers, spills) of each is printed."""
+machine without a GPU (4-bit banks as split-field dots, MXFP4's as bytes and as int32 words,
+gpt-oss's biases and clamped SwiGLU too): Triton's compiler and ptxas ship with the triton
+wheel, and they type what TRITON_INTERPRET=1 never does (a return's type behind a constexpr, a
+bitcast, an integer width). Run in a subprocess, since this process' kernels were made for the
+interpreter. The MLA decode kernel's tiles compile too; ptxas' report (registers, spills) of
+each kernel is printed."""
 
 import dataclasses
 import os
@@ -13,7 +15,8 @@ import sys
 import pytest
 
 COMPILE = r"""
-import inspect, sys
+import contextlib, inspect, io, os, re, sys
+os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"  # ptxas -v's report goes to stdout, read back below
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -27,7 +30,9 @@ FORMATS = {  # weight, scale pointer, constexprs
     "int4-split": ("i32", "fp32", dict(QUANT=True, PACKED=True, PACK=8, MXFP4=False, SCALE_BN=1, SCALE_BK=128,
                                       SPLIT=True)),
     "mxfp4-split": ("u8", "u8", dict(QUANT=False, PACKED=False, PACK=2, MXFP4=True, SCALE_BN=1, SCALE_BK=32,
-                                     SPLIT=True, BLOCK_K=32)),  # a split MXFP4 tile is one scale block
+                                     SPLIT=True, BLOCK_K=32)),  # a split tile of bytes is one scale block
+    "mxfp4-words": ("i32", "u8", dict(QUANT=False, PACKED=False, PACK=8, MXFP4=True, SCALE_BN=1, SCALE_BK=32,
+                                     SPLIT=True)),  # the bytes as int32 words: four scale blocks a tile
     "bf16-biased-clamped": ("bf16", "fp32", dict(QUANT=False, PACKED=False, PACK=1, MXFP4=False, SCALE_BN=1,
                                                  SCALE_BK=1, BIAS=True, CLAMPED=True)),
 }
@@ -40,12 +45,21 @@ for name in sys.argv[1:]:
                       WEIGHTED=not gated, NAIVE=False, IEEE=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1,
                       PDL=False)
         values.update(constexprs)
+        values.update(stride_ak=1, stride_bk=1, stride_cn=1)  # as a launch specialises contiguous rows
         pointers = dict(a_ptr="*bf16", b_ptr="*" + weight, c_ptr="*bf16", route_weight_ptr="*fp32",
                         sorted_route_ptr="*i32", block_expert_ptr="*i32", num_post_padded_ptr="*i32", ids_ptr="*i32",
                         scale_ptr="*" + scale, bias_ptr="*bf16", **SCALARS)
         signature = {p: "constexpr" if p in values else pointers.get(p, "i32") for p in params}
-        source = ASTSource(kernel, signature, constexprs={(params.index(p),): v for p, v in values.items()})
-        triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+        aligned = [p for p in params if signature[p].startswith("*")]  # the allocators' 16-byte alignment
+        source = ASTSource(kernel, signature, constexprs={(params.index(p),): v for p, v in values.items()},
+                           attrs={(params.index(p),): [["tt.divisibility", 16]] for p in aligned})
+        log = io.StringIO()
+        with contextlib.redirect_stdout(log):
+            triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+        regs = re.search(r"Used (\d+) registers", log.getvalue()).group(1)
+        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log.getvalue()).groups()
+        print(name, "gate+up" if gated else "down", f"registers={regs} spill_stores={spills[0]} "
+              f"spill_loads={spills[1]}")
     print(name, "compiled")
 """
 
@@ -58,15 +72,20 @@ def _ptxas() -> bool:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("weight_format", ["bf16", "fp8", "int4", "mxfp4", "int4-split", "mxfp4-split",
-                                           "bf16-biased-clamped"])
-def test_the_fused_moe_gemm_compiles_for_sm90(weight_format):
+                                           "mxfp4-words", "bf16-biased-clamped"])
+def test_the_fused_moe_gemm_compiles_for_sm90(weight_format, tmp_path):
+    """Both GEMMs (gate+up, down) at the decode tiles (16 x 64 x 128, 4 warps, 3 stages), unit
+    strides along K and aligned pointers as a launch specialises them; ptxas' registers and
+    spills of each are in the output (pytest -s)."""
     if not _ptxas():
         pytest.skip("the triton wheel brings no ptxas here")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(pathlib.Path(__file__).resolve().parents[2])
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # a cached kernel runs no ptxas, so it would report nothing
     done = subprocess.run([sys.executable, "-c", COMPILE, weight_format], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    print(done.stdout)
     assert f"{weight_format} compiled" in done.stdout
 
 

@@ -14,12 +14,17 @@ Contract (the oracle is moeferry.kernels.fused_moe.reference):
                   the fp32 partial product is scaled per output column by its block's scale
                   before it joins the accumulator (W8A16 / W4A16; no weight is rounded).
                   MXFP4 (banks uint8, two E2M1 codes a byte, uint8 E8M0 scales per row and 32
-                  values): decoded from the nibbles' bits; with split-field tiles (the
-                  default) a K tile is one 32-value block whose power of two scales the fp32
-                  partial product like int4's group scale, otherwise each weight is scaled
-                  before the dot (exact either way in bf16 and fp32, which share fp32's
-                  exponent range). 4-bit K tiles run as one dot per field of the stored
-                  elements (FusedMoEConfig.split_fields).
+                  values): decoded from the nibbles' bits. With split-field tiles (the
+                  default) the bytes are read as int32 words, int4's layout (the codes are
+                  contiguous along K, so nibble i of word w is value 8w + i), and each
+                  weight carries its block's power of two into the dot (bf16: added to its
+                  exponent bits) over K tiles of several blocks; where a launch cannot read
+                  words (FusedMoEConfig.mxfp4_words) a split tile is one 32-value block of
+                  bytes whose power of two scales the fp32 partial product like int4's
+                  group scale; without split fields each weight is scaled before the dot
+                  (exact every way in bf16 and fp32, which share fp32's exponent range).
+                  4-bit K tiles run as one dot per field of the stored elements
+                  (FusedMoEConfig.split_fields).
                   Either bank may be host-resident (pinned CPU memory while hidden is on
                   CUDA): the kernels read it in place over PCIe (UVA), never copying it.
     topk_weights  [T, K] float32; topk_ids [T, K] int32|int64, each in [0, S).
@@ -77,8 +82,11 @@ class FusedMoEConfig:
     pipelines ``down_num_stages`` K tiles when given, else ``num_stages`` like the first.
     ``split_fields`` (4-bit banks only, int4 and MXFP4): a K tile is PACK dots, one per field
     of the stored elements against the matching strided columns of a, instead of one dot over
-    the fields rearranged into K order (no reshape of the weight tile); the K tile then stays
-    inside one scale block (MXFP4: 32 values), whose scale multiplies the tile's fp32 sum."""
+    the fields rearranged into K order (no reshape of the weight tile). ``mxfp4_words`` (with
+    split_fields, MXFP4 only): the bank's bytes are read as int32 words of eight codes, int4's
+    layout, so a K tile is eight dots and spans BLOCK_K / 32 scale blocks, each power of two
+    folded into its weights before the dot (`_mxfp4_words` says when a launch can); otherwise
+    a split MXFP4 tile is one 32-value block of bytes whose scale multiplies the tile's fp32 sum."""
 
     block_m: int
     block_n: int
@@ -88,6 +96,7 @@ class FusedMoEConfig:
     num_stages: int
     down_num_stages: int | None = None
     split_fields: bool = False
+    mxfp4_words: bool = False
 
     def stages(self, gated: bool) -> int:
         """Pipeline depth of the gate+up GEMM (gated) or of the down GEMM."""
@@ -109,7 +118,8 @@ def select_config(num_tokens: int, top_k: int, hidden_size: int, intermediate_si
     benchmarks/RESULTS.md, Findings): 3 stages for the down GEMM up to one token per expert,
     and for gate+up from 2 tokens; at 1 token gate+up keeps 4, which measured faster there.
     4-bit banks take split-field dots (FusedMoEConfig.split_fields): on the same sweep with
-    int4 banks they cut the decode GEMMs' time by a fifth to a third."""
+    int4 banks they cut the decode GEMMs' time by a fifth to a third. MXFP4 banks take them
+    over int32 words (FusedMoEConfig.mxfp4_words) where the launch allows, int4's tile depth."""
     tokens_per_expert = num_tokens * top_k / max(1, num_routed_experts)
     down_num_stages = None
     if tokens_per_expert <= 1:
@@ -133,6 +143,7 @@ def select_config(num_tokens: int, top_k: int, hidden_size: int, intermediate_si
         num_stages=num_stages,
         down_num_stages=down_num_stages,
         split_fields=True,
+        mxfp4_words=True,
     )
 
 
@@ -252,6 +263,55 @@ def _e2m1_weight(code, dtype: tl.constexpr):
 
 
 @triton.jit
+def _e8m0_fold(scale, dtype: tl.constexpr):
+    """E8M0 bytes s (int32) as `_e2m1_scaled_weight` folds them into the weights of their block,
+    computed once per scale rather than per weight. bf16: (s - 1) << 7, the bits of 2^(s - 128),
+    E2M1 code 1's value 0.5 scaled, with s clamped to 2..252, the scales for which every scaled
+    non-zero E2M1 value is a normal bf16 number (2^-126 .. 6 x 2^125). Real checkpoints' scales
+    sit far inside that range; one outside it is taken as the nearest end rather than let the
+    exponent wrap into the sign bit. float32: the value 2^(s - 127) (_e8m0_value)."""
+    if dtype == tl.bfloat16:
+        return (tl.minimum(tl.maximum(scale, 2), 252) - 1) << 7
+    else:
+        return _e8m0_value(scale)
+
+
+@triton.jit
+def _e2m1_scaled_weight(code, fold, dtype: tl.constexpr):
+    """E2M1 codes (int32 0..15) times their blocks' powers of two (`fold`: _e8m0_fold), in
+    `dtype` (bf16 or float32), exact. bf16 from the bits, the scale added to the exponent: a
+    magnitude m = code & 7 of 2 or more is (1 + m_0 / 2) 2^(m_21 - 1) (m_21 its exponent bits,
+    m_0 its mantissa bit), whose scaled bf16 pattern is 2^(s - 128)'s plus m << 6 (exponent
+    field + m_21, mantissa bit 6 = m_0); m = 1 (0.5) is 2^(s - 128) itself and m = 0 zero, so
+    m * fold below 2; the sign is code's bit 3 at bf16's bit 15 (-0 stays -0). One select a
+    weight, each side of it one integer multiply-add. float32: value times scale."""
+    if dtype == tl.bfloat16:
+        magnitude = code & 7
+        bits = tl.where(magnitude < 2, magnitude * fold, fold + (magnitude << 6)) | ((code & 8) << 12)
+        return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)  # the low 16 bits: the sign bit kept
+    else:
+        return _e2m1_value(code) * fold
+
+
+@triton.jit
+def _word_scales(scale_rows_ptrs, stride_sk, k0, k_in, col_valid, dtype: tl.constexpr, PACK: tl.constexpr,
+                 SCALE_BK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The E8M0 scales of an MXFP4 K tile at k0 (a multiple of SCALE_BK) read as int32 words,
+    [BLOCK_K / PACK, BLOCK_N] to match the words: the tile's BLOCK_K / SCALE_BK blocks are
+    loaded once (scale_rows_ptrs [BLOCK_N]: the columns' rows of scales) and each repeated for
+    the SCALE_BK / PACK words it covers (word j lies in block k0 / SCALE_BK + j // (SCALE_BK /
+    PACK)), folded for `dtype` (_e8m0_fold). Blocks past k_in read as 2^0."""
+    BLOCKS: tl.constexpr = BLOCK_K // SCALE_BK
+    offs_s = tl.arange(0, BLOCKS)
+    scale_ptrs = scale_rows_ptrs[None, :] + (k0 // SCALE_BK + offs_s)[:, None] * stride_sk
+    scales = tl.load(scale_ptrs, mask=(k0 + offs_s * SCALE_BK < k_in)[:, None] & col_valid[None, :], other=127)
+    fold = _e8m0_fold(scales.to(tl.int32), dtype)
+    block_n: tl.constexpr = col_valid.shape[0]
+    repeated = tl.broadcast_to(fold[:, None, :], (BLOCKS, SCALE_BK // PACK, block_n))
+    return tl.reshape(repeated, (BLOCK_K // PACK, block_n))
+
+
+@triton.jit
 def _split_fields_dot(a_rows_ptrs, row_valid, k0, k_in, stride_ak, b_ptrs, b_mask, scale_rows_ptrs, stride_sk,
                       col_valid, acc, MXFP4: tl.constexpr, PACK: tl.constexpr, SCALE_BK: tl.constexpr,
                       BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
@@ -259,29 +319,45 @@ def _split_fields_dot(a_rows_ptrs, row_valid, k0, k_in, stride_ak, b_ptrs, b_mas
     ([BLOCK_K / PACK, BLOCK_N] at b_ptrs) read once and never rearranged: field i of element j
     is column k0 + PACK * j + i, so the tile is PACK dots of field i (int4: the value; MXFP4:
     the E2M1 value) against a's columns k0 + i, k0 + PACK + i, ... (a_rows_ptrs [BLOCK_M]: a's
-    rows). The tile lies inside one scale block (BLOCK_K <= SCALE_BK), so the fp32 sum of the
-    dots is scaled per output column (scale_rows_ptrs [BLOCK_N] at k0 // SCALE_BK): a float32
-    group scale, or MXFP4's E8M0 power of two (exact)."""
-    tl.static_assert(BLOCK_K <= SCALE_BK)
+    rows). The scales (scale_rows_ptrs [BLOCK_N]: the columns' rows of scales):
+    - int4 words, MXFP4 bytes (PACK 2): the tile lies inside one scale block (BLOCK_K <=
+      SCALE_BK), so the fp32 sum of the dots is scaled per output column (at k0 // SCALE_BK):
+      a float32 group scale, or MXFP4's E8M0 power of two (exact).
+    - MXFP4 words (PACK 8: the bytes read as int32, int4's layout; `_mxfp4_words`): the tile
+      spans BLOCK_K / SCALE_BK blocks, so each power of two is folded into its weights before
+      the dots (_word_scales, _e2m1_scaled_weight: exact in bf16 and float32), which then
+      accumulate into acc directly."""
     stored = tl.load(b_ptrs, mask=b_mask, other=0).to(tl.int32)
     offs_j = tl.arange(0, BLOCK_K // PACK)
-    partial = tl.zeros(acc.shape, dtype=tl.float32)
+    if MXFP4 and PACK == 8:
+        tl.static_assert(BLOCK_K % SCALE_BK == 0 and SCALE_BK % PACK == 0)
+        fold = _word_scales(scale_rows_ptrs, stride_sk, k0, k_in, col_valid, a_rows_ptrs.dtype.element_ty, PACK,
+                            SCALE_BK, BLOCK_K)
+        partial = acc
+    else:
+        tl.static_assert(BLOCK_K <= SCALE_BK)
+        partial = tl.zeros(acc.shape, dtype=tl.float32)
     for i in tl.static_range(PACK):
         cols = k0 + offs_j * PACK + i
         a = tl.load(a_rows_ptrs[:, None] + cols[None, :] * stride_ak, mask=row_valid[:, None] & (cols < k_in)[None, :],
                     other=0.0)
         field = (stored >> (4 * i)) & 0xF
-        if MXFP4:
+        if MXFP4 and PACK == 8:
+            b = _e2m1_scaled_weight(field, fold, a.dtype)
+        elif MXFP4:
             b = _e2m1_weight(field, a.dtype)
         else:
             b = _int4_weight(field, a.dtype)
         partial = dot(a, b, partial, IEEE)
-    scale_ptrs = scale_rows_ptrs + k0 // SCALE_BK * stride_sk
-    if MXFP4:
-        scales = _e8m0_value(tl.load(scale_ptrs, mask=col_valid, other=127).to(tl.int32))
+    if MXFP4 and PACK == 8:
+        return partial
     else:
-        scales = tl.load(scale_ptrs, mask=col_valid, other=0.0)
-    return acc + partial * scales[None, :]
+        scale_ptrs = scale_rows_ptrs + k0 // SCALE_BK * stride_sk
+        if MXFP4:
+            scales = _e8m0_value(tl.load(scale_ptrs, mask=col_valid, other=127).to(tl.int32))
+        else:
+            scales = tl.load(scale_ptrs, mask=col_valid, other=0.0)
+        return acc + partial * scales[None, :]
 
 
 @triton.jit
@@ -317,7 +393,7 @@ def _moe_gemm_kernel(
     scale_ptr, stride_se, stride_sn, stride_sk, up_scale_row,
     QUANT: tl.constexpr,  # b is quantized with float32 scales per (SCALE_BN, SCALE_BK) block
     PACKED: tl.constexpr, PACK: tl.constexpr,  # b is int4, PACK = 8 values per int32 along k
-    MXFP4: tl.constexpr,  # b is MXFP4 (PACK = 2 E2M1 codes a byte), E8M0 scales per (1, SCALE_BK)
+    MXFP4: tl.constexpr,  # b is MXFP4 (PACK = 2 E2M1 codes a byte, or 8 an int32 word), E8M0 scales per (1, SCALE_BK)
     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     A_ROWS_PER_ROUTE_DIV: tl.constexpr,  # a row = route // this (K for hidden, 1 for act)
     GATED: tl.constexpr,  # b rows [0:n_out] gate, [n_out:2 n_out] up; c = silu(gate) * up
@@ -326,7 +402,8 @@ def _moe_gemm_kernel(
     BIAS: tl.constexpr,  # bias [S, n_out] (gated: [S, 2 n_out], gate then up) added to the accumulators
     CLAMPED: tl.constexpr,  # gated: c = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
     NAIVE: tl.constexpr, IEEE: tl.constexpr,
-    SPLIT: tl.constexpr,  # PACKED or MXFP4: a K tile is PACK dots, one per stored field (_split_fields_dot)
+    SPLIT: tl.constexpr,  # PACKED or MXFP4: a K tile is PACK dots, one per stored field (_split_fields_dot);
+    # MXFP4 with PACK = 8: the bytes read as int32 words, K tiles of several scale blocks
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -437,9 +514,9 @@ def _launch_gemm(a, b, c, route_weights, blocks, topk_ids, *, gated, weighted, a
     n_out = c.shape[1]
     k_in = a.shape[1]
     quant = scales is not None
-    mxfp4 = quant and b.dtype == torch.uint8  # scales every weight before the dot: any K tile
-    if (quant and not mxfp4) or (mxfp4 and config.split_fields):  # split MXFP4 tiles: one scale per column
-        config = replace(config, block_k=quantized_block_k(config.block_k, block_shape[1]))
+    mxfp4 = quant and b.dtype == torch.uint8
+    packed = quant and b.dtype == torch.int32
+    config, b = _k_tiles(config, a, b, quant, block_shape)
     if not quant:  # unread placeholders
         scales, block_shape = route_weights, (1, 1)
     scale_strides = scales.stride() if quant else (0, 0, 0)
@@ -449,7 +526,7 @@ def _launch_gemm(a, b, c, route_weights, blocks, topk_ids, *, gated, weighted, a
         topk_ids.numel(), n_out, k_in, num_m_blocks,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         scales, *scale_strides, triton.cdiv(n_out, block_shape[0]),
-        QUANT=quant and not mxfp4, PACKED=b.dtype == torch.int32, PACK=_pack(b), MXFP4=mxfp4,
+        QUANT=quant and not mxfp4, PACKED=packed, PACK=_pack(b), MXFP4=mxfp4,
         SCALE_BN=block_shape[0], SCALE_BK=block_shape[1],
         A_ROWS_PER_ROUTE_DIV=a_div, GATED=gated, WEIGHTED=weighted,
         bias_ptr=route_weights if bias is None else bias, stride_bias_e=0 if bias is None else bias.stride(0),
@@ -462,14 +539,43 @@ def _launch_gemm(a, b, c, route_weights, blocks, topk_ids, *, gated, weighted, a
     )
 
 
+def _k_tiles(config: FusedMoEConfig, a: torch.Tensor, b: torch.Tensor, quant: bool, block_shape):
+    """(config, b) as a GEMM of a [M, K] and the bank b runs them: MXFP4 bytes read as int32
+    words where `_mxfp4_words` allows (K tiles of whole scale blocks, each folded into its
+    weights); otherwise K tiles inside one scale block wherever a tile's fp32 sum is scaled
+    (fp8, int4, split MXFP4 bytes). Unsplit MXFP4 scales every weight before the dot: any tile."""
+    mxfp4 = quant and b.dtype == torch.uint8
+    if mxfp4 and _mxfp4_words(config, b, a.dtype, a.shape[1], block_shape[1]):
+        return config, b.view(torch.int32)  # int4's word layout: nibble i of word w is value 8w + i
+    if (quant and not mxfp4) or (mxfp4 and config.split_fields):
+        return replace(config, block_k=quantized_block_k(config.block_k, block_shape[1])), b
+    return config, b
+
+
 def _splits_fields(config: FusedMoEConfig, pack: int) -> bool:
     """Whether a 4-bit bank's K tiles run as one dot per field: asked for, and each dot at
     least 16 deep (tl.dot's smallest K)."""
     return config.split_fields and pack > 1 and config.block_k // pack >= 16
 
 
+def _mxfp4_words(config: FusedMoEConfig, bank: torch.Tensor, dtype: torch.dtype, k_in: int,
+                 scale_block_k: int) -> bool:
+    """Whether an MXFP4 bank's K tiles read its bytes as int32 words of eight codes
+    (FusedMoEConfig.mxfp4_words; `_split_fields_dot`): asked for with split fields; a K tile of
+    whole scale blocks and 16-deep dots (BLOCK_K >= 128); rows of whole scale blocks (K a
+    multiple of 32) in 4-byte aligned words (the bank's base and strides: a layer's bank, a slot
+    pool and a pinned host bank alike); bf16 or float32 activations, in which a folded scale is
+    exact (`_e2m1_scaled_weight`). Otherwise the bank is read as bytes."""
+    return (config.mxfp4_words and config.split_fields and config.block_k // 8 >= 16
+            and config.block_k % scale_block_k == 0 and scale_block_k % 8 == 0 and k_in % scale_block_k == 0
+            and dtype in (torch.bfloat16, torch.float32) and bank.stride(-1) == 1
+            and bank.storage_offset() % 4 == 0 and bank.data_ptr() % 4 == 0
+            and all(stride % 4 == 0 for stride in bank.stride()[:-1]))
+
+
 def _pack(weight: torch.Tensor) -> int:
-    """Values per stored element along K: 8 for int4 packed in int32, 2 for MXFP4 bytes, else 1."""
+    """Values per stored element along K: 8 for int4 packed in int32 (or MXFP4 bytes read as
+    int32 words), 2 for MXFP4 bytes, else 1."""
     return {torch.int32: 8, torch.uint8: 2}.get(weight.dtype, 1)
 
 
