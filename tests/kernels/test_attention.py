@@ -144,6 +144,25 @@ def test_sdpa_prefill_matches_reference(case):
     torch.testing.assert_close(got.float(), want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("q_start, window, sinks", [(0, None, False), (30, None, False), (0, 9, False),
+                                                   (30, None, True)])
+def test_sdpa_prefill_runs_in_a_fused_kernel(q_start, window, sinks):
+    """The fused kernels take only 4-D inputs; 3-D ones fall to the math kernel, which computes
+    bf16 in float32 (on a GPU several times slower). With the math kernel ruled out, a whole
+    prompt (grouped kv heads), a chunk after a prefix, a window and sinks still run, and match."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gen = torch.Generator().manual_seed(q_start + 1)
+    q = torch.randn(12, 8, 16, generator=gen).to(torch.bfloat16)
+    k = torch.randn(q_start + 12, 2, 16, generator=gen).to(torch.bfloat16)
+    v = torch.randn(q_start + 12, 2, 16, generator=gen).to(torch.bfloat16)
+    sink_logits = torch.randn(8, generator=gen) if sinks else None
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        got = attn_ops.prefill_attention(q, k, v, q_start, 0.25, window, sink_logits, use_sdpa=True)
+    want = reference.prefill_attention(q.float(), k.float(), v.float(), q_start, 0.25, window, sink_logits)
+    torch.testing.assert_close(got.float(), want, **TOL[torch.bfloat16])
+
+
 # --- GPU: real sizes (Qwen3-30B-A3B attention: 32 q heads, 4 kv heads, head_dim 128, bf16) ---
 
 QWEN3 = dict(q_heads=32, kv_heads=4, head_dim=128, page_size=16)

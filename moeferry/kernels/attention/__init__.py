@@ -67,9 +67,9 @@ def _sdpa_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
     q_pos = torch.arange(q_start, q_start + tq, device=q.device)
     mask = torch.ones(tq, tk + 1, dtype=torch.bool, device=q.device)
     mask[:, 1:] = reference._window_mask(q_pos, torch.arange(tk, device=q.device), window)
-    out = F.scaled_dot_product_attention(qq.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1),
-                                         attn_mask=mask, scale=scale)
-    return out.transpose(0, 1)[..., :d]
+    out = F.scaled_dot_product_attention(qq.transpose(0, 1)[None], kk.transpose(0, 1)[None], vv.transpose(0, 1)[None],
+                                         attn_mask=mask, scale=scale)  # 4-D: the fused kernels take no other
+    return out[0].transpose(0, 1)[..., :d]
 
 
 def sdpa_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float,
@@ -80,18 +80,20 @@ def sdpa_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
     the flash kernel, which takes grouped kv heads as they are (fp16/bf16). A chunk after a prefix, or a
     sliding window, needs an explicit [Tq, Tk] boolean mask (True = attend; every query sees
     at least itself, so no row is empty); the memory-efficient kernel that takes a mask does
-    not group heads, so kv heads are repeated for it.
+    not group heads, so kv heads are repeated for it. The fused kernels take only 4-D inputs
+    ([batch, heads, tokens, dim]; 3-D ones fall to the math kernel, which computes bf16 in
+    float32), hence the batch of one.
     """
     tq, hq, _ = q.shape
     tk, hkv = k.shape[0], k.shape[1]
     rep = hq // hkv
-    qh = q.transpose(0, 1)  # [Hq, Tq, D]
+    qh = q.transpose(0, 1)[None]  # [1, Hq, Tq, D]
     causal = q_start == 0 and tk == tq and not window
     if causal and (rep == 1 or (_SDPA_GQA and q.dtype in _FLASH_DTYPES)):
         kwargs = {"enable_gqa": True} if rep > 1 else {}
-        out = F.scaled_dot_product_attention(qh, k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+        out = F.scaled_dot_product_attention(qh, k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True,
                                              scale=scale, **kwargs)
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     mask = None
@@ -99,6 +101,6 @@ def sdpa_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
         q_pos = torch.arange(q_start, q_start + tq, device=q.device)
         k_pos = torch.arange(tk, device=q.device)
         mask = reference._window_mask(q_pos, k_pos, window)
-    out = F.scaled_dot_product_attention(qh, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+    out = F.scaled_dot_product_attention(qh, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
                                          is_causal=causal, scale=scale)
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
