@@ -14,12 +14,24 @@ import sys
 
 import pytest
 
-COMPILE = r"""
+PTXAS = r"""
 import contextlib, inspect, io, os, re, sys
 os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"  # ptxas -v's report goes to stdout, read back below
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+
+
+def compile_reported(source, options):  # for sm_90: the kernel, and ptxas' registers and spills
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    regs = re.search(r"Used (\d+) registers", log.getvalue()).group(1)
+    stores, loads = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log.getvalue()).groups()
+    return compiled, f"registers={regs} spill_stores={stores} spill_loads={loads}"
+"""
+
+COMPILE = PTXAS + r"""
 from moeferry.kernels.fused_moe.triton import _moe_gemm_kernel as kernel
 
 FORMATS = {  # weight, scale pointer, constexprs
@@ -53,21 +65,28 @@ for name in sys.argv[1:]:
         aligned = [p for p in params if signature[p].startswith("*")]  # the allocators' 16-byte alignment
         source = ASTSource(kernel, signature, constexprs={(params.index(p),): v for p, v in values.items()},
                            attrs={(params.index(p),): [["tt.divisibility", 16]] for p in aligned})
-        log = io.StringIO()
-        with contextlib.redirect_stdout(log):
-            triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
-        regs = re.search(r"Used (\d+) registers", log.getvalue()).group(1)
-        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log.getvalue()).groups()
-        print(name, "gate+up" if gated else "down", f"registers={regs} spill_stores={spills[0]} "
-              f"spill_loads={spills[1]}")
+        _, report = compile_reported(source, {"num_warps": 4, "num_stages": 3})
+        print(name, "gate+up" if gated else "down", report)
     print(name, "compiled")
 """
 
 
-def _ptxas() -> bool:
+def _compiled(script: str, *args: str, cache_dir=None) -> str:
+    """Run `script` with `args` in a fresh process without the interpreter (`cache_dir`: a fresh
+    Triton cache, since a cached kernel runs no ptxas and so reports nothing); its stdout.
+    Skips where the triton wheel brings no ptxas."""
     import triton
 
-    return (pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
+    if not (pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("the triton wheel brings no ptxas here")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(pathlib.Path(__file__).resolve().parents[2])
+    if cache_dir is not None:
+        env["TRITON_CACHE_DIR"] = str(cache_dir)
+    done = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    print(done.stdout)
+    return done.stdout
 
 
 @pytest.mark.slow
@@ -77,16 +96,7 @@ def test_the_fused_moe_gemm_compiles_for_sm90(weight_format, tmp_path):
     """Both GEMMs (gate+up, down) at the decode tiles (16 x 64 x 128, 4 warps, 3 stages), unit
     strides along K and aligned pointers as a launch specialises them; ptxas' registers and
     spills of each are in the output (pytest -s)."""
-    if not _ptxas():
-        pytest.skip("the triton wheel brings no ptxas here")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(pathlib.Path(__file__).resolve().parents[2])
-    env["TRITON_CACHE_DIR"] = str(tmp_path)  # a cached kernel runs no ptxas, so it would report nothing
-    done = subprocess.run([sys.executable, "-c", COMPILE, weight_format], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    print(done.stdout)
-    assert f"{weight_format} compiled" in done.stdout
+    assert f"{weight_format} compiled" in _compiled(COMPILE, weight_format, cache_dir=tmp_path)
 
 
 SMALL = r"""
@@ -118,22 +128,12 @@ for kernel, pointers, constexprs in KERNELS:
 def test_the_host_channel_kernels_compile_for_sm90():
     """The mailbox's post and wait (a system-scope release exchange, volatile polls of host
     memory), the staging copy and the timestamp (inline PTX reading %globaltimer), with PDL."""
-    if not _ptxas():
-        pytest.skip("the triton wheel brings no ptxas here")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(pathlib.Path(__file__).resolve().parents[2])
-    done = subprocess.run([sys.executable, "-c", SMALL], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    stdout = _compiled(SMALL)
     for name in ("_post_request_kernel", "_wait_done_kernel", "_staged_copy_kernel", "_stamp_kernel"):
-        assert f"{name} compiled" in done.stdout
+        assert f"{name} compiled" in stdout
 
 
-MLA = r"""
-import contextlib, inspect, io, os, re, sys
-os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"  # ptxas -v's report goes to stdout, read back below
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+MLA = PTXAS + r"""
 from moeferry.kernels.mla.triton import MLAConfig, _mla_decode_kernel as kernel
 
 params = list(inspect.signature(kernel.fn).parameters)
@@ -149,14 +149,8 @@ for item in sys.argv[1:]:
     aligned = [p for p in params if p not in values and p not in ("qk_scale", "stride_plh")]
     source = ASTSource(kernel, signature, constexprs={(params.index(p),): v for p, v in values.items()},
                        attrs={(params.index(p),): [["tt.divisibility", 16]] for p in aligned})
-    log = io.StringIO()
-    with contextlib.redirect_stdout(log):
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": config.num_warps, "num_stages": config.num_stages})
-    regs = re.search(r"Used (\d+) registers", log.getvalue()).group(1)
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log.getvalue()).groups()
-    print(item, "compiled", f"registers={regs} spill_stores={spills[0]} spill_loads={spills[1]} "
-          f"shared={compiled.metadata.shared}")
+    compiled, report = compile_reported(source, {"num_warps": config.num_warps, "num_stages": config.num_stages})
+    print(item, "compiled", report, f"shared={compiled.metadata.shared}")
 """
 H100_SHARED_BYTES = 227 * 1024  # the most one block may take on sm_90
 
@@ -168,20 +162,13 @@ def test_the_mla_decode_kernel_compiles_for_sm90_and_the_defaults_fit_a_block(tm
     per tile are in the output (pytest -s). The many-request default spills a few bytes (the
     sweep measured it fastest all the same); neither spills more than a few words, and both
     fit one block's shared memory."""
-    if not _ptxas():
-        pytest.skip("the triton wheel brings no ptxas here")
     from moeferry.kernels.mla.triton import select_config
 
     default = select_config(64, 128, 512, 32768)
     tiles = [default, select_config(1, 128, 512, 32768), *(dataclasses.replace(default, block_v=v) for v in (256, 128))]
     items = [",".join(str(getattr(t, f.name)) for f in dataclasses.fields(t)) for t in tiles]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(pathlib.Path(__file__).resolve().parents[2])
-    env["TRITON_CACHE_DIR"] = str(tmp_path)  # a cached kernel runs no ptxas, so it would report nothing
-    done = subprocess.run([sys.executable, "-c", MLA, *items], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    print(done.stdout)
-    report = {line.split()[0]: dict(kv.split("=") for kv in line.split()[2:]) for line in done.stdout.splitlines()
+    stdout = _compiled(MLA, *items, cache_dir=tmp_path)
+    report = {line.split()[0]: dict(kv.split("=") for kv in line.split()[2:]) for line in stdout.splitlines()
               if " compiled " in line}
     assert set(report) == set(items)
     for item in items[:2]:
