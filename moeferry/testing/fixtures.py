@@ -156,15 +156,17 @@ def _randomize_zero_buffers(model, seed: int) -> None:
 
 
 def _declared_swiglu(model, config) -> None:
-    """A gpt-oss model clamps with the SwiGLU alpha and limit its config declares (gpt-oss's
-    released 1.702 and 7.0 where it declares none): transformers versions that hard-code those
-    two in the experts ignore a config's own, and the engine reads the config. Elsewhere this
+    """A gpt-oss model clamps with the SwiGLU alpha and limit its config declares, as the engine
+    reads them (models/gpt_oss.py: the released values where it declares none): transformers
+    versions that hard-code those two in the experts ignore a config's own. Elsewhere this
     changes nothing."""
     if getattr(config, "model_type", None) != "gpt_oss":
         return
-    alpha, limit = getattr(config, "swiglu_alpha", 1.702), getattr(config, "swiglu_limit", 7.0)
+    from moeferry.models.gpt_oss import SPEC
+
+    declared = SPEC.activation(config)
     for layer in model.model.layers:
-        layer.mlp.experts.alpha, layer.mlp.experts.limit = alpha, limit
+        layer.mlp.experts.alpha, layer.mlp.experts.limit = declared.alpha, declared.limit
 
 
 def make_checkpoint(config, out_dir: str, seed: int = 0, shards: bool = False):
