@@ -35,14 +35,13 @@ def _staged_copy_kernel(src0, dst0, n0, src1, dst1, n1, src2, dst2, n2, BLOCK: t
 
 def staged_copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     check_pairs(pairs)
-    on_gpu = any(t.is_cuda for pair in pairs for t in pair)
+    device = next((t.device for pair in pairs for t in pair if t.is_cuda), pairs[0][1].device)
+    on_gpu = device.type == "cuda"
     args, longest = [], 1
     for src, dst in pairs:
         args += [kernel_argument(src, on_gpu), kernel_argument(dst, on_gpu), src.numel()]
         longest = max(longest, src.numel())
     for _ in range(MAX_PAIRS - len(pairs)):  # unused pairs: a copy of nothing (distinct tensors,
         # since the interpreter copies every argument back after the launch)
-        unused = pairs[0][1].device if pairs[0][1].is_cuda or not on_gpu else pairs[0][0].device
-        args += [torch.empty(1, device=unused), torch.empty(1, device=unused), 0]
-    device = next((t.device for pair in pairs for t in pair if t.is_cuda), pairs[0][1].device)
+        args += [torch.empty(1, device=device), torch.empty(1, device=device), 0]
     _staged_copy_kernel[(triton.cdiv(longest, BLOCK), len(pairs))](*args, BLOCK=BLOCK, **pdl_launch(device))
