@@ -145,6 +145,7 @@ class OffloadStrategy(MoEStrategy):
         self.cache: SlotCache | None = None
         self.stream: LayerStream | None = None
         self.decision = PrefillDecision(False)
+        self.slot_of_host: torch.Tensor | None = None  # auto: the residency a prefill chunk read once
         self.streamed_bytes = 0
 
     def bank_device(self) -> torch.device:
@@ -201,15 +202,11 @@ class OffloadStrategy(MoEStrategy):
     def begin_forward(self, is_decode: bool, num_tokens: int) -> None:
         if is_decode:
             return
-        self.decision = self.prefill_policy.begin(num_tokens)
-        self.slot_of_host = None
-        if self.decision.demand is None and self.cache is not None:
-            # auto: the residency, read once, before the chunk's work is queued (nothing admits
-            # until its first MoE layer decides). A cache holding every expert streams nothing,
-            # decided here: no wait on the first layer's routing in the middle of the forward.
-            self.slot_of_host = self.cache.slot_of.cpu()
-            if bool((self.slot_of_host >= 0).all()):
-                self.decision = self.prefill_policy.decide(False)
+        # auto: the residency, read once, before the chunk's work is queued (nothing admits until
+        # its first MoE layer decides); the decision and the stream both read this copy
+        auto = self.prefill_policy.auto and self.cache is not None
+        self.slot_of_host = self.cache.slot_of.cpu() if auto else None
+        self.decision = self.prefill_policy.begin(num_tokens, self.slot_of_host)
         if self.decision.demand is False:
             self._start_stream(self.slot_of_host)
 

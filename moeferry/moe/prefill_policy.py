@@ -85,8 +85,14 @@ class PrefillPolicy:
     def auto(self) -> bool:
         return self.threshold == AUTO
 
-    def begin(self, num_tokens: int) -> PrefillDecision:
+    def begin(self, num_tokens: int, residency: torch.Tensor | None = None) -> PrefillDecision:
+        """A chunk's decision where it can be taken before the forward: by the threshold; under
+        auto, stream when `residency` (a host copy of slot_of [L, E]) holds every expert, since
+        nothing would cross the link either way; otherwise None, for `decide_auto` at the first
+        MoE layer (whose routing it needs: a device sync in the middle of the forward)."""
         if self.auto:
+            if residency is not None and bool((residency >= 0).all()):
+                return self._record(PrefillDecision(False))
             return PrefillDecision(None)
         return self._record(PrefillDecision(0 < num_tokens <= self.threshold))
 

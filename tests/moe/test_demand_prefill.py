@@ -85,6 +85,15 @@ def test_threshold_picks_the_chunks(threshold, on_demand):
     assert [n for n in (1, 2, 3, 96) if policy.begin(n).demand] == on_demand
 
 
+def test_auto_decides_before_the_forward_only_when_every_expert_is_resident():
+    policy = PrefillPolicy("auto")
+    held = torch.zeros(2, 8, dtype=torch.int32)
+    assert policy.begin(4, held).demand is False and policy.decisions == {"demand": 0, "stream": 1}
+    held[1, 3] = -1
+    assert policy.begin(4, held).demand is None and policy.begin(4).demand is None
+    assert policy.decisions == {"demand": 0, "stream": 1}  # undecided chunks are counted when decided
+
+
 def test_auto_takes_short_chunks_on_demand_and_streams_chunks_that_need_every_expert():
     strategy = _strategy("auto")
     gen = torch.Generator().manual_seed(2)
