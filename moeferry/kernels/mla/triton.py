@@ -156,8 +156,14 @@ def launch_shape(batch: int, heads: int, rank: int, max_tokens: int, config: MLA
     """(programs per request and split: head blocks x value blocks, the default split count) of
     a call, whose grid is (programs, B, splits); the splits spread the programs to about two
     per SM (num_splits_for), from shapes only."""
-    programs = -(-heads // config.block_h) * -(-rank // min(config.block_v, _block_r(rank)))
+    programs = -(-heads // config.block_h) * _value_tiles(config, rank)[1]
     return programs, num_splits_for(batch, programs, max_tokens, device)
+
+
+def _value_tiles(config: MLAConfig, rank: int) -> tuple[int, int]:
+    """(BLOCK_V, the value blocks over the rank): config.block_v, at most the rank's tile."""
+    block_v = min(config.block_v, _block_r(rank))
+    return block_v, -(-rank // block_v)
 
 
 def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -179,7 +185,7 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, page_table: torch
         config = select_config(b, h, rank, max_tokens, q.dtype)
     config.check()
     block_r = _block_r(rank)
-    block_v = min(config.block_v, block_r)
+    block_v, v_blocks = _value_tiles(config, rank)
     programs, default_splits = launch_shape(b, h, rank, max_tokens, config, q.device)
     num_splits = default_splits if num_splits is None else num_splits
     if num_splits < 1 or num_splits & (num_splits - 1):
@@ -196,7 +202,7 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, page_table: torch
         *(part_o.stride()[:3] if num_splits > 1 else (0, 0, 0)),
         *(part_lse.stride()[:2] if num_splits > 1 else (0, 0)),
         NUM_HEADS=h, RANK=rank, ROPE=rope, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
-        V_BLOCKS=-(-rank // block_v), BLOCK_H=config.block_h, BLOCK_N=config.block_n, BLOCK_R=block_r,
+        V_BLOCKS=v_blocks, BLOCK_H=config.block_h, BLOCK_N=config.block_n, BLOCK_R=block_r,
         BLOCK_V=block_v, BLOCK_P=max(16, triton.next_power_of_2(rope)), IEEE=exact_dot(q.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(q.device),
     )
