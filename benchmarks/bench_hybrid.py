@@ -271,26 +271,27 @@ def contention_rows(args, seconds: float = 2.0) -> list[list]:
     slots13 = torch.empty(top_k, 2 * inter, hidden, dtype=torch.bfloat16, device="cuda")
     slots2 = torch.empty(top_k, hidden, inter, dtype=torch.bfloat16, device="cuda")
 
-    def host_channel(stop, result, go):
-        done = 0
-        go.wait()
-        start = time.perf_counter()
-        while not stop.is_set():
-            host.run(calls[done % len(calls)])
-            done += 1
-        result["host"] = done * top_k * expert_bytes / (time.perf_counter() - start) / 1e9
+    def channel(step, key: str):
+        """A channel's loop on a thread: `step(i)` moves the i-th call's experts until stopped,
+        timed from `go`; its GB/s under `key`."""
+        def run(stop, result, go):
+            done = 0
+            go.wait()
+            start = time.perf_counter()
+            while not stop.is_set():
+                step(done)
+                done += 1
+            result[key] = done * top_k * expert_bytes / (time.perf_counter() - start) / 1e9
+        return run
 
-    def copy_channel(stop, result, go):
-        done = 0
-        go.wait()
-        start = time.perf_counter()
-        while not stop.is_set():
-            first = (done * top_k) % experts
-            slots13.copy_(w13[first:first + top_k], non_blocking=True)
-            slots2.copy_(w2[first:first + top_k], non_blocking=True)
-            torch.cuda.synchronize()
-            done += 1
-        result["pcie"] = done * top_k * expert_bytes / (time.perf_counter() - start) / 1e9
+    def copy_step(i: int) -> None:
+        first = (i * top_k) % experts
+        slots13.copy_(w13[first:first + top_k], non_blocking=True)
+        slots2.copy_(w2[first:first + top_k], non_blocking=True)
+        torch.cuda.synchronize()
+
+    host_channel = channel(lambda i: host.run(calls[i % len(calls)]), "host")
+    copy_channel = channel(copy_step, "pcie")
 
     def run_together(channels, duration: float) -> dict:
         """Run `channels` on threads at once for `duration` seconds; their figures."""
