@@ -141,7 +141,7 @@ def decode_rows(config_dir, args, h2d) -> tuple[list[list], float]:
     return rows, host_bw
 
 
-TIMELINE_SPANS = ("split, stage, post", "admit, copy misses", "GPU experts", "wait for host, unstage", "combine")
+TIMELINE_SPANS = ("split routes", "stage, post", "admit, copy misses", "GPU experts", "wait for host, unstage", "combine")
 
 
 def timeline_rows(config_dir, args) -> list[list]:

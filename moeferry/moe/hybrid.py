@@ -153,6 +153,7 @@ class HybridStrategy(HostChannelMixin, OffloadStrategy):
         mark("start")
         host_ids, device_ids, host_count = split_routes(topk_ids, self.cache.slot_of[moe_layer],
                                                         self.speeds.host_share, self.rotation, self.speeds.host_offset)
+        mark("split")
         if phase == "decode":
             self.host_experts[moe_layer] += host_count[0]
         self.channel.begin(layer_id, hidden, topk_weights, host_ids)

@@ -9,7 +9,7 @@ import torch
 from moeferry.kernels.timestamps import stamp
 
 # The points `hybrid` stamps in a decode layer (moe/hybrid.py), in order.
-HYBRID_POINTS = ("start", "posted", "copied", "computed", "joined", "combined")
+HYBRID_POINTS = ("start", "split", "posted", "copied", "computed", "joined", "combined")
 
 
 class LayerTimeline:
