@@ -318,7 +318,9 @@ def test_split_field_mxfp4_tiles_match_reference_on_gpu(monkeypatch, num_tokens,
 @pytest.mark.parametrize("num_tokens", [1, 4, 64])
 def test_word_tiles_match_reference_at_gpt_oss_shapes_on_gpu(monkeypatch, num_tokens):
     """gpt-oss-20b's expert shape (H = I = 2880: 128-deep K tiles end in a 64-value tail), its
-    biases and clamped SwiGLU, scales spread over a checkpoint's range; 8 experts, top-4."""
+    biases and clamped SwiGLU, scales spread over a checkpoint's range; 8 experts, top-4.
+    Outputs here reach 40 (mean 5), so the absolute tolerance is bf16's own: how far the
+    reference in bf16 lies from the reference in float32 on this very layer."""
     taken = record_word_tiles(monkeypatch)
     q13, s13, q2, s2 = (t.cuda() for t in word_layer(8, 2880, 2880, seed=num_tokens))
     b13, b2 = make_biases(8, 2880, 2880, torch.bfloat16, "cuda")
@@ -326,9 +328,11 @@ def test_word_tiles_match_reference_at_gpt_oss_shapes_on_gpu(monkeypatch, num_to
     kwargs = dict(num_routed_experts=8, w13_scale=s13, w2_scale=s2, block_shape=BLOCK, w13_bias=b13, w2_bias=b2,
                   activation=clamped_swiglu(1.702, 7.0))
     ref = fused_moe(hidden, q13, q2, weights, ids, impl="reference", **kwargs)
+    ref_fp32 = fused_moe(hidden.float(), q13, q2, weights, ids, impl="reference", **kwargs)
+    bf16_error = (ref.float() - ref_fp32).abs().max().item()
     got = fused_moe(hidden, q13, q2, weights, ids, **kwargs)
     assert taken == [True, True] and rel_err(got, ref) < 1e-2
-    torch.testing.assert_close(got.float(), ref.float(), atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(got.float(), ref.float(), atol=max(5e-2, bf16_error), rtol=5e-2)
 
 
 @pytest.mark.gpu
