@@ -25,8 +25,9 @@ GIL; the join waits for the slower branch:
 instead, for benchmarks to compare.) Either way the step stays one CUDA graph. On a CPU-only
 machine the kernel simply runs in place.
 
-`split_routes` decides, on the device and inside the graph, which routes of a step go to the
-host: the misses of the slot cache, a share of them set by the two channels' measured speeds.
+Which routes of a step go to the host is decided on the device, inside the graph
+(kernels/route_split): the misses of the slot cache, a share of them set by the two channels'
+measured speeds (`ChannelSpeeds`).
 """
 from __future__ import annotations
 
@@ -259,34 +260,6 @@ class HostExpertChannel:
                 staged_copy([(self.out[:routes.shape[0]], routes)])
         self._inflight = ()
         return routes
-
-
-def split_routes(topk_ids: torch.Tensor, slot_of_layer: torch.Tensor, host_share: float,
-                 rotation: torch.Tensor, host_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Which routes the host computes: of the distinct experts the step routes to that are
-    not resident (`slot_of_layer[e] < 0`), the first round(host_share * misses - host_offset)
-    (at least 0) in expert order starting at `rotation` (a device counter advanced here, so
-    no expert is always the host's); every route to such an expert goes to the host. Device
-    ops only, no host sync.
-
-    Returns (host_ids, device_ids, host_experts): topk_ids with -1 where the other channel
-    computes the route, and the number of distinct host experts (int64 [1])."""
-    ids = topk_ids.long()
-    num_experts = slot_of_layer.shape[0]
-    missing_route = (slot_of_layer[ids] < 0).to(torch.int32).reshape(-1)
-    missed = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
-    missed.index_add_(0, ids.reshape(-1), missing_route)
-    missed = (missed > 0).to(torch.int32)
-    order = (torch.arange(num_experts, device=ids.device) + rotation) % num_experts  # position -> expert
-    rank_in_order = torch.cumsum(missed[order], 0)
-    rank = torch.empty_like(rank_in_order).scatter_(0, order, rank_in_order)  # expert -> its rank among misses
-    host_count = torch.floor(missed.sum() * host_share - host_offset + 0.5).clamp(min=0).to(rank.dtype)
-    host_expert = (missed > 0) & (rank <= host_count)
-    rotation.add_(1).remainder_(num_experts)
-    host_route = host_expert[ids]
-    minus_one = torch.full_like(topk_ids, -1)
-    return (torch.where(host_route, topk_ids, minus_one), torch.where(host_route, minus_one, topk_ids),
-            host_expert.sum(dtype=torch.int64).reshape(1))
 
 
 def measure_speeds(banks: dict, channel: HostExpertChannel, top_k: int, device: torch.device,

@@ -24,7 +24,8 @@ import torch
 
 from moeferry.kernels.fused_moe import host as host_kernel
 from moeferry.kernels.fused_moe.reference import sum_route_partials
-from moeferry.moe.host_experts import HostExpertChannel, measure_speeds, split_routes
+from moeferry.kernels.route_split import split_routes
+from moeferry.moe.host_experts import HostExpertChannel, measure_speeds
 from moeferry.moe.offload import LayerStream, OffloadStrategy
 from moeferry.moe.prefill_policy import AUTO
 from moeferry.moe.strategies import ExpertNeeds
@@ -151,11 +152,10 @@ class HybridStrategy(HostChannelMixin, OffloadStrategy):
         moe_layer = self.moe_layer_of[layer_id]
         mark = self._marker(moe_layer, phase)
         mark("start")
-        host_ids, device_ids, host_count = split_routes(topk_ids, self.cache.slot_of[moe_layer],
-                                                        self.speeds.host_share, self.rotation, self.speeds.host_offset)
+        tally = self.host_experts[moe_layer:moe_layer + 1] if phase == "decode" else None
+        host_ids, device_ids, _ = split_routes(topk_ids, self.cache.slot_of[moe_layer], self.speeds.host_share,
+                                               self.rotation, self.speeds.host_offset, tally)
         mark("split")
-        if phase == "decode":
-            self.host_experts[moe_layer] += host_count[0]
         self.channel.begin(layer_id, hidden, topk_weights, host_ids)
         mark("posted")
         bank = self.banks[layer_id]

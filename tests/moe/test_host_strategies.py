@@ -7,7 +7,7 @@ import torch
 
 from moeferry import LLM, SamplingParams
 from moeferry.config import ConfigError
-from moeferry.moe.host_experts import ChannelSpeeds, split_routes
+from moeferry.moe.host_experts import ChannelSpeeds
 from moeferry.testing.fixtures import family_configs, make_checkpoint
 
 FAMILIES = family_configs()
@@ -50,33 +50,6 @@ def test_cpu_and_hybrid_generate_what_gpu_generates(ckpt, dtype):
     assert stats["host_experts"] > 0 and stats["decode"]["total"]["misses"] > 0  # both channels carried experts
 
 
-def test_the_host_computes_its_share_of_the_misses_and_nothing_resident():
-    gen = torch.Generator().manual_seed(0)
-    num_experts, rotation = 32, torch.zeros(1, dtype=torch.int64)
-    for step in range(20):
-        slot_of = torch.where(torch.rand(num_experts, generator=gen) < 0.4, 3, -1).int()
-        ids = torch.stack([torch.randperm(num_experts, generator=gen)[:4] for _ in range(5)])
-        share = [0.0, 0.3, 0.5, 1.0][step % 4]
-        host_ids, device_ids, host_count = split_routes(ids, slot_of, share, rotation)
-        assert torch.equal(torch.where(host_ids >= 0, host_ids, device_ids), ids)  # every route, one channel
-        assert bool(((host_ids < 0) | (device_ids < 0)).all())
-        host_experts = set(host_ids[host_ids >= 0].tolist())
-        missed = {e for e in ids.view(-1).tolist() if slot_of[e] < 0}
-        assert host_experts <= missed  # a resident expert always runs on the device
-        assert len(host_experts) == int(host_count) == int(len(missed) * share + 0.5)
-        assert int(rotation) == (step + 1) % num_experts
-
-
-def test_rotation_spreads_the_host_share_over_the_missed_experts():
-    num_experts = 16
-    ids, slot_of = torch.arange(8).view(2, 4), torch.full((num_experts,), -1, dtype=torch.int32)
-    rotation, seen = torch.zeros(1, dtype=torch.int64), set()
-    for _ in range(num_experts):
-        host_ids, _, _ = split_routes(ids, slot_of, 0.25, rotation)
-        seen |= set(host_ids[host_ids >= 0].tolist())
-    assert seen == set(range(8))
-
-
 def test_the_share_balances_the_two_channels():
     assert ChannelSpeeds(55e9, 65e9).host_share == pytest.approx(65 / 120)
     assert ChannelSpeeds(55e9, 65e9, share=0.1).host_share == 0.1
@@ -88,12 +61,6 @@ def test_the_share_balances_the_two_channels():
         host = max(0, int(misses * speeds.host_share - speeds.host_offset + 0.5))
         best = min(range(misses + 1), key=lambda h: max(h * t_host + (200e-6 if h else 0), (misses - h) * t_copy))
         assert abs(host - best) <= 1
-
-
-def test_the_fixed_cost_keeps_small_miss_counts_on_pcie():
-    ids, slot_of = torch.tensor([[0, 1]]), torch.full((8,), -1, dtype=torch.int32)
-    host_ids, device_ids, count = split_routes(ids, slot_of, 0.5, torch.zeros(1, dtype=torch.int64), host_offset=1.5)
-    assert int(count) == 0 and bool((host_ids < 0).all()) and torch.equal(device_ids, ids)
 
 
 @pytest.mark.parametrize("options, message", [

@@ -1,0 +1,26 @@
+"""The host channel's route split in plain torch: the oracle of kernels/route_split/triton.py
+(the contract: kernels/route_split/__init__.py). Device ops only, so it also runs in a graph."""
+from __future__ import annotations
+
+import torch
+
+
+def split_routes(topk_ids, slot_of_layer, host_share, rotation, host_offset, tally):
+    ids = topk_ids.long()
+    num_experts = slot_of_layer.shape[0]
+    missing_route = (slot_of_layer[ids] < 0).to(torch.int32).reshape(-1)
+    missed = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
+    missed.index_add_(0, ids.reshape(-1), missing_route)
+    missed = (missed > 0).to(torch.int32)
+    order = (torch.arange(num_experts, device=ids.device) + rotation) % num_experts  # position -> expert
+    rank_in_order = torch.cumsum(missed[order], 0)
+    rank = torch.empty_like(rank_in_order).scatter_(0, order, rank_in_order)  # expert -> its rank among misses
+    count = (missed.sum().to(torch.float32) * host_share - host_offset + 0.5).floor().clamp(min=0).to(rank.dtype)
+    host_expert = (missed > 0) & (rank <= count)
+    rotation.add_(1).remainder_(num_experts)
+    host_count = host_expert.sum(dtype=torch.int64).reshape(1)
+    if tally is not None:
+        tally += host_count
+    host_route = host_expert[ids]
+    minus_one = torch.full_like(topk_ids, -1)
+    return torch.where(host_route, topk_ids, minus_one), torch.where(host_route, minus_one, topk_ids), host_count
