@@ -106,6 +106,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from moeferry.kernels.host_mailbox.triton import _post_request_kernel, _wait_done_kernel
 from moeferry.kernels.host_staging.triton import _staged_copy_kernel
+from moeferry.kernels.route_split.triton import _split_routes_kernel
 from moeferry.kernels.timestamps.triton import _stamp_kernel
 
 KERNELS = [  # kernel, pointer types, constexprs
@@ -114,6 +115,10 @@ KERNELS = [  # kernel, pointer types, constexprs
     (_staged_copy_kernel, dict(src0="*bf16", dst0="*bf16", src1="*i64", dst1="*i32", src2="*fp32", dst2="*fp32"),
      dict(BLOCK=1024, PDL=True)),
     (_stamp_kernel, dict(times_ptr="*i64", counter_ptr="*i64"), dict(ADVANCE=True, PDL=True)),
+    (_split_routes_kernel, dict(ids_ptr="*i64", slot_ptr="*i32", host_ids_ptr="*i64", device_ids_ptr="*i64",
+                                count_ptr="*i64", rotation_ptr="*i64", tally_ptr="*i64", flags_ptr="*i32",
+                                host_share="fp32", host_offset="fp32"),
+     dict(BLOCK_E=128, BLOCK_R=256, HAS_TALLY=True, PDL=True)),
 ]
 for kernel, pointers, constexprs in KERNELS:
     params = list(inspect.signature(kernel.fn).parameters)
@@ -127,9 +132,11 @@ for kernel, pointers, constexprs in KERNELS:
 @pytest.mark.slow
 def test_the_host_channel_kernels_compile_for_sm90():
     """The mailbox's post and wait (a system-scope release exchange, volatile polls of host
-    memory), the staging copy and the timestamp (inline PTX reading %globaltimer), with PDL."""
+    memory), the staging copy, the timestamp (inline PTX reading %globaltimer) and the route
+    split (barriers around a scratch row, a cumulative sum), with PDL."""
     stdout = _compiled(SMALL)
-    for name in ("_post_request_kernel", "_wait_done_kernel", "_staged_copy_kernel", "_stamp_kernel"):
+    for name in ("_post_request_kernel", "_wait_done_kernel", "_staged_copy_kernel", "_stamp_kernel",
+                 "_split_routes_kernel"):
         assert f"{name} compiled" in stdout
 
 
