@@ -81,11 +81,7 @@ def step_counters(engine) -> dict:
             "host_s": kernel["seconds"]}
 
 
-def decode_row(engine, args, label, share, batch, expert_bytes, h2d, speeds) -> list:
-    """One row of DECODE_HEADER; `speeds`: the host channel's start-up measurement
-    (moe/host_experts.py ChannelSpeeds), None before any strategy with a host channel ran."""
-    host_bw = speeds.host_bytes_per_s if speeds else 0.0
-    at_once = speeds.pcie_contended_bytes_per_s + speeds.host_contended_bytes_per_s if speeds else 0.0
+def decode_row(engine, args, label, share, batch, expert_bytes, h2d, host_bw) -> list:
     runs = []
     for _ in range(args.repeats):
         if hasattr(engine.runner.strategy, "restart_cache"):
@@ -98,11 +94,10 @@ def decode_row(engine, args, label, share, batch, expert_bytes, h2d, speeds) -> 
     host_ms = run["host"] * expert_bytes / host_bw * 1e3 if host_bw else 0.0
     missed = run["copied"] + run["host"]
     two_ms = missed * expert_bytes / (h2d + host_bw) * 1e3
-    at_once_ms = f"{missed * expert_bytes / at_once * 1e3:.2f}" if at_once else "-"
     llama = LLAMA_CPP_BATCH1.get(share) if batch == 1 else None
     row = [f"{share:.0%}", batch, label, f"{run['tok_s']:.1f}", f"{run['step_s'] * 1e3:.2f}",
            f"{hit / total:.2f}" if total else "-", f"{hit:.0f} / {run['copied']:.0f} / {run['host']:.0f}",
-           f"{pcie_ms:.2f}", f"{host_ms:.2f}", f"{run['host_s'] * 1e3:.2f}", f"{two_ms:.2f}", at_once_ms,
+           f"{pcie_ms:.2f}", f"{host_ms:.2f}", f"{run['host_s'] * 1e3:.2f}", f"{two_ms:.2f}",
            f"{llama:.1f}" if llama else "-", f"{run['tok_s'] / llama:.2f}x" if llama else "-"]
     print(row, flush=True)
     return row
@@ -115,8 +110,8 @@ def host_channel_modes(args) -> list[tuple[str, str]]:
     return modes + ([("mailbox", "kernel")] if "mailbox" in args.dispatch else [])
 
 
-def decode_rows(config_dir, args, h2d) -> tuple[list[list], object]:
-    rows, speeds = [], None
+def decode_rows(config_dir, args, h2d) -> tuple[list[list], float]:
+    rows, host_bw = [], 0.0
     plan = [("cpu", [s for s in args.shares if s == 0.0]),
             ("offload", [s for s in args.shares if 0.0 < s < 1.0]),
             ("hybrid", [s for s in args.shares if 0.0 <= s <= 1.0]),
@@ -127,7 +122,8 @@ def decode_rows(config_dir, args, h2d) -> tuple[list[list], object]:
         engine = make_engine(config_dir, args, strategy)
         uniform_routing(engine)
         s = engine.runner.strategy
-        speeds = getattr(s, "speeds", None) or speeds
+        speeds = getattr(s, "speeds", None)
+        host_bw = speeds.host_bytes_per_s if speeds else host_bw
         for share in shares:
             if strategy in ("offload", "hybrid"):
                 s.build_cache(share_slots(engine, share))
@@ -139,10 +135,10 @@ def decode_rows(config_dir, args, h2d) -> tuple[list[list], object]:
                 if channel and len(host_channel_modes(args)) > 1:
                     label += ", mailbox" if channel[0] == "mailbox" else f", {channel[1]} staging"
                 for batch in args.batch:
-                    rows.append(decode_row(engine, args, label, share, batch, s.expert_bytes, h2d, speeds))
+                    rows.append(decode_row(engine, args, label, share, batch, s.expert_bytes, h2d, host_bw))
         del engine, s
         free_engine_memory()
-    return rows, speeds
+    return rows, host_bw
 
 
 TIMELINE_SPANS = ("split routes", "stage, post", "admit, copy misses", "GPU experts", "wait for host, unstage", "combine")
@@ -197,8 +193,8 @@ def big_rows(config_dir, args, h2d) -> list[list]:
     rows = []
     for batch in args.batch:
         row = decode_row(engine, args, f"hybrid, {args.big_layers} layers", 0.25, batch, s.expert_bytes, h2d,
-                         s.speeds)
-        rows.append(row[:12] + [f"{host_gib:.1f}"])
+                         s.speeds.host_bytes_per_s)
+        rows.append(row[:11] + [f"{host_gib:.1f}"])
     del engine, s
     free_engine_memory()
     return rows
@@ -325,7 +321,7 @@ def contention_rows(args, seconds: float = 2.0) -> list[list]:
 
 DECODE_HEADER = ["experts on GPU", "requests", "strategy", "tok/s", "ms/step", "hit rate",
                  "experts/step hit / copied / host", "PCIe floor ms", "host floor ms", "host kernel ms",
-                 "two-channel floor ms", "both at once floor ms",
+                 "two-channel floor ms",
                  "llama.cpp tok/s", "vs llama.cpp"]
 
 
@@ -342,17 +338,15 @@ def main(argv, args) -> int:
                "uniform top-8 routing, 10 timed calls after 2 untimed; GB/s of distinct expert weights read. torch: "
                "F.linear per routed expert over its tokens, torch's own threads set to the same count.",
                args.results)
+    host_bw = 0.0
     if "decode" in args.parts:
-        rows, speeds = decode_rows(config_dir, args, h2d)
-        measured = (f"host kernel {speeds.host_bytes_per_s / 1e9:.1f} GB/s; both at once PCIe "
-                    f"{speeds.pcie_contended_bytes_per_s / 1e9:.1f} and host kernel "
-                    f"{speeds.host_contended_bytes_per_s / 1e9:.1f} GB/s (the strategy's start-up measurement, "
-                    "one token per expert; the split balances the pair at once)" if speeds else "no host channel")
+        rows, host_bw = decode_rows(config_dir, args, h2d)
         report("hybrid/decode", "Decode with the host channel, uniform routing", command,
                markdown_table(DECODE_HEADER, rows),
                f"{args.layers} layers, 128 experts, top-8, bf16, dummy weights, uniform routing (router logits + "
                f"N(0, 100) noise in the graph); prompt {args.prompt_len}, {args.warmup} warm-up + {args.steps} timed "
-               f"steps, cache restarted warm before each row. Measured H2D {h2d / 1e9:.1f} GB/s, {measured}.",
+               f"steps, cache restarted warm before each row. Measured H2D {h2d / 1e9:.1f} GB/s, host kernel "
+               f"{host_bw / 1e9:.1f} GB/s (the strategy's start-up measurement, one token per expert).",
                args.results)
     if "contention" in args.parts:
         rows = contention_rows(args)
@@ -371,14 +365,14 @@ def main(argv, args) -> int:
                                "host kernel us / layer", "host experts / layer", "copied experts / layer",
                                "steps"], rows),
                f"{args.layers} layers, uniform routing, bf16, the mailbox dispatch; device timestamps (%globaltimer, "
-               "kernels/timestamps) at seven points of each MoE layer inside the decode graph, means over the timed "
+               "kernels/timestamps) at six points of each MoE layer inside the decode graph, means over the timed "
                "steps. The spans follow the GPU's stream: 'wait for host' is how long the GPU stood waiting for "
                "the host's routes after its own experts; the host kernel's time is measured inside its calls.",
                args.results)
     if "big" in args.parts:
         rows = big_rows(config_dir, args, h2d)
         report("hybrid/big", "Hybrid on the full-depth model", command,
-               markdown_table(DECODE_HEADER[:12] + ["pinned host GiB"], rows),
+               markdown_table(DECODE_HEADER[:11] + ["pinned host GiB"], rows),
                "The full 48-layer Qwen3-30B-A3B shape at 25% of the experts on the GPU: the host store holds "
                "every expert once (the pinned GiB column), the only copy the host channel and PCIe both read.",
                args.results)

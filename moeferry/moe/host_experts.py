@@ -35,7 +35,7 @@ import ctypes
 import logging
 import time
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -53,26 +53,13 @@ class ChannelSpeeds:
     """Measured once at start-up: bytes of expert weights per second over PCIe (pinned host to
     device copy) and through the host kernel (one token per expert, the decode case), and the
     host kernel's fixed cost per call (`host_call_s`: waking its threads, its barriers),
-    which a layer pays whenever the host takes any of its experts.
-
-    Both channels read the same host DRAM, so each is slower while the other runs: on a GPU
-    the two are also timed at once (`*_contended_bytes_per_s`, 0 where not measured), and the
-    split, which runs them at once, balances those figures."""
+    which a layer pays whenever the host takes any of its experts."""
 
     pcie_bytes_per_s: float
     host_bytes_per_s: float
     host_call_s: float = 0.0
     expert_bytes: int = 0
     share: float | None = None  # --moe-host-share: the share, with no fixed cost
-    pcie_contended_bytes_per_s: float = 0.0
-    host_contended_bytes_per_s: float = 0.0
-
-    @property
-    def balanced_rates(self) -> tuple[float, float]:
-        """(PCIe, host) bytes per second the split balances: the contended pair when measured."""
-        if self.pcie_contended_bytes_per_s > 0 and self.host_contended_bytes_per_s > 0:
-            return self.pcie_contended_bytes_per_s, self.host_contended_bytes_per_s
-        return self.pcie_bytes_per_s, self.host_bytes_per_s
 
     @property
     def host_share(self) -> float:
@@ -80,25 +67,22 @@ class ChannelSpeeds:
         together, before the fixed cost: host / (host + PCIe) bytes per second."""
         if self.share is not None:
             return self.share
-        pcie, host = self.balanced_rates
-        return host / (pcie + host) if pcie + host > 0 else 0.0
+        total = self.pcie_bytes_per_s + self.host_bytes_per_s
+        return self.host_bytes_per_s / total if total > 0 else 0.0
 
     @property
     def host_offset(self) -> float:
         """Experts the fixed cost is worth: with n misses the host takes round(n * share -
         offset) of them (at least 0), the count that balances n_host * t_host + call cost
         against (n - n_host) * t_copy."""
-        pcie, host = self.balanced_rates
-        if self.share is not None or not (pcie > 0 and host > 0):
+        if self.share is not None or not (self.pcie_bytes_per_s > 0 and self.host_bytes_per_s > 0):
             return 0.0
-        per_expert = self.expert_bytes / pcie + self.expert_bytes / host
+        per_expert = self.expert_bytes / self.pcie_bytes_per_s + self.expert_bytes / self.host_bytes_per_s
         return self.host_call_s / per_expert if per_expert > 0 else 0.0
 
     def as_dict(self) -> dict:
         return {"pcie_gb_per_s": round(self.pcie_bytes_per_s / 1e9, 2),
                 "host_gb_per_s": round(self.host_bytes_per_s / 1e9, 2),
-                "pcie_contended_gb_per_s": round(self.pcie_contended_bytes_per_s / 1e9, 2),
-                "host_contended_gb_per_s": round(self.host_contended_bytes_per_s / 1e9, 2),
                 "host_call_us": round(self.host_call_s * 1e6, 1), "host_share": round(self.host_share, 3),
                 "host_offset_experts": round(self.host_offset, 2)}
 
@@ -283,8 +267,7 @@ def measure_speeds(banks: dict, channel: HostExpertChannel, top_k: int, device: 
     """Both channels, timed on this machine with the model's own banks: the copy channel by
     copying `top_k` experts of one layer to the compute device (PCIe on a GPU, a memory copy
     on a CPU-only machine); the host kernel by one token routed to 1 and to `top_k` distinct
-    experts (median times; the slope is its bytes per second, the rest its cost per call);
-    on a GPU, then both at once (`_contended_speeds`).
+    experts (median times; the slope is its bytes per second, the rest its cost per call).
     A bank the kernel does not compute (a float32 model) measures 0 for the host."""
     layers = sorted(banks)
     bank = banks[layers[0]]
@@ -295,48 +278,8 @@ def measure_speeds(banks: dict, channel: HostExpertChannel, top_k: int, device: 
     one = _host_call_time(banks, channel, 1, repeats)
     many = _host_call_time(banks, channel, count, repeats)
     per_expert = (many - one) / (count - 1) if count > 1 and many > one else many / count
-    call_s = max(0.0, many - count * per_expert)
-    speeds = ChannelSpeeds(pcie, bank.bytes_per_expert / per_expert, call_s, bank.bytes_per_expert)
-    if device.type != "cuda":
-        return speeds
-    pcie_contended, many_contended = _contended_speeds(banks, channel, count, device, pcie)
-    if many_contended <= call_s or pcie_contended <= 0:
-        return speeds
-    host_contended = count * bank.bytes_per_expert / (many_contended - call_s)
-    return replace(speeds, pcie_contended_bytes_per_s=pcie_contended,
-                               host_contended_bytes_per_s=host_contended)
-
-
-def _contended_speeds(banks: dict, channel: HostExpertChannel, count: int, device: torch.device, pcie: float,
-                      seconds: float = 0.04) -> tuple[float, float]:
-    """Both channels at once, as a hybrid layer runs them: about `seconds` of copies of `count`
-    experts at a time queued on a side stream, and meanwhile host kernel calls of one token
-    routed to `count` experts, back to back until the copies end. Returns the copies' bytes per
-    second over their whole span (the host ran throughout) and the median time of the host
-    calls that ended while copies still ran (0.0 where none did)."""
-    bank = banks[sorted(banks)[0]]
-    w13 = torch.empty((count, *bank.w13.shape[1:]), dtype=bank.w13.dtype, device=device)
-    w2 = torch.empty((count, *bank.w2.shape[1:]), dtype=bank.w2.dtype, device=device)
-    rounds = min(256, max(4, int(seconds * pcie / (count * bank.bytes_per_expert))))
-    side = torch.cuda.Stream(device)
-    first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    _synchronize(device)
-    with torch.cuda.stream(side):
-        first.record(side)
-        for i in range(rounds):
-            start = (i * count) % max(1, bank.num_experts - count + 1)
-            w13.copy_(bank.w13[start:start + count], non_blocking=True)
-            w2.copy_(bank.w2[start:start + count], non_blocking=True)
-        last.record(side)
-    times = []
-    for run in range(10 * rounds):
-        took = _host_call(banks, channel, count, run)
-        if last.query():
-            break
-        times.append(took)
-    _synchronize(device)
-    copied = rounds * count * bank.bytes_per_expert / (first.elapsed_time(last) / 1e3)
-    return copied, sorted(times)[len(times) // 2] if times else 0.0
+    return ChannelSpeeds(pcie, bank.bytes_per_expert / per_expert, max(0.0, many - count * per_expert),
+                         bank.bytes_per_expert)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -357,26 +300,23 @@ def _copy_speed(bank, count: int, device: torch.device, repeats: int) -> float:
     return repeats * count * bank.bytes_per_expert / (time.perf_counter() - start)
 
 
-def _host_call(banks: dict, channel: HostExpertChannel, experts: int, run: int) -> float:
-    """Seconds of one host kernel call: one token routed to `experts` distinct experts, which
-    run `run` picks so that consecutive runs read experts (and layers) the runs before did
-    not, while they last."""
+def _host_call_time(banks: dict, channel: HostExpertChannel, experts: int, repeats: int) -> float:
+    """Median seconds of one host kernel call: one token routed to `experts` distinct experts,
+    each run on experts (and layers) the runs before did not read, while they last."""
     layers = sorted(banks)
     sample = banks[layers[0]]
     hidden = torch.randn(1, sample.w2.shape[1]).to(torch.bfloat16)
     weights = torch.full((1, experts), 1.0 / experts)
     out = torch.empty(1, experts, hidden.shape[1], dtype=torch.bfloat16)
-    bank = banks[layers[run % len(layers)]]
-    ids = ((torch.arange(experts) + run * experts) % sample.num_experts).to(torch.int32).reshape(1, experts)
-    call = host_kernel.make_call(hidden, ids, weights, out, bank.w13, bank.w2, channel.act, channel.threads,
-                                 **bank.kernel_args())
-    start = time.perf_counter()
-    host_kernel.run(call)
-    return time.perf_counter() - start
-
-
-def _host_call_time(banks: dict, channel: HostExpertChannel, experts: int, repeats: int) -> float:
-    """Median seconds of one host kernel call (`_host_call`) over `repeats` runs after one
-    that starts the threads."""
-    times = sorted([_host_call(banks, channel, experts, run) for run in range(repeats + 1)][1:])
+    times = []
+    for run in range(repeats + 1):
+        layer = layers[run % len(layers)]
+        ids = ((torch.arange(experts) + run * experts) % sample.num_experts).to(torch.int32).reshape(1, experts)
+        bank = banks[layer]
+        call = host_kernel.make_call(hidden, ids, weights, out, bank.w13, bank.w2, channel.act, channel.threads,
+                                     **bank.kernel_args())
+        start = time.perf_counter()
+        host_kernel.run(call)
+        times.append(time.perf_counter() - start)
+    times = sorted(times[1:])  # the first run starts the threads
     return times[len(times) // 2]

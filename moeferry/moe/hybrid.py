@@ -64,12 +64,10 @@ class HostChannelMixin:
         if ec.moe_host_share is not None:
             self.speeds = dataclasses.replace(self.speeds, share=ec.moe_host_share)
         self.host_experts = torch.zeros(len(self.moe_layer_of), dtype=torch.int64, device=self.device)
-        sp = self.speeds
         logger.info("host channel: %d threads; expert bytes/s: PCIe %.1f GB/s, host kernel %.1f GB/s + %.0f us a "
-                    "call; both at once %.1f and %.1f GB/s; the host takes round(%.2f x misses - %.2f) of a "
-                    "layer's missed experts", threads, sp.pcie_bytes_per_s / 1e9, sp.host_bytes_per_s / 1e9,
-                    sp.host_call_s * 1e6, sp.pcie_contended_bytes_per_s / 1e9, sp.host_contended_bytes_per_s / 1e9,
-                    sp.host_share, sp.host_offset)
+                    "call; the host takes round(%.2f x misses - %.2f) of a layer's missed experts", threads,
+                    self.speeds.pcie_bytes_per_s / 1e9, self.speeds.host_bytes_per_s / 1e9,
+                    self.speeds.host_call_s * 1e6, self.speeds.host_share, self.speeds.host_offset)
 
     def _host_routes(self, layer_id, hidden, topk_weights, host_ids) -> torch.Tensor:
         self.channel.begin(layer_id, hidden, topk_weights, host_ids)

@@ -138,24 +138,3 @@ def test_host_strategies_generate_what_gpu_generates_on_quantized_and_biased_exp
     assert stats["host_experts"] > 0 and stats["host_kernel"]["calls"] > 0
     if strategy == "hybrid":
         assert stats["decode"]["total"]["misses"] > 0
-
-
-def test_start_up_times_both_channels_alone_and_at_once():
-    """Qwen3-30B-A3B-sized experts (9.4 MB each): each channel's contended figure is measured and
-    no faster than the channel alone (both read one host DRAM), and the split balances the
-    contended pair."""
-    from moeferry.kernels.fused_moe import host as host_kernel
-    from moeferry.moe.host_experts import HostExpertChannel, measure_speeds
-    from moeferry.moe.strategies import ExpertBanks
-
-    experts, hidden_size, inter = 32, 2048, 768
-    banks = {layer: ExpertBanks(torch.zeros(experts, 2 * inter, hidden_size, dtype=torch.bfloat16).normal_(0, 0.03).pin_memory(),
-                                torch.zeros(experts, hidden_size, inter, dtype=torch.bfloat16).normal_(0, 0.03).pin_memory())
-             for layer in range(2)}
-    device = torch.device("cuda")
-    channel = HostExpertChannel(banks, 4, 8, device, host_kernel.default_threads())
-    speeds = measure_speeds(banks, channel, 8, device)
-    assert 0 < speeds.pcie_contended_bytes_per_s < 1.1 * speeds.pcie_bytes_per_s
-    assert 0 < speeds.host_contended_bytes_per_s < 1.1 * speeds.host_bytes_per_s
-    pcie, host = speeds.pcie_contended_bytes_per_s, speeds.host_contended_bytes_per_s
-    assert speeds.host_share == pytest.approx(host / (pcie + host))
