@@ -365,7 +365,7 @@ def main(argv, args) -> int:
                                "host kernel us / layer", "host experts / layer", "copied experts / layer",
                                "steps"], rows),
                f"{args.layers} layers, uniform routing, bf16, the mailbox dispatch; device timestamps (%globaltimer, "
-               "kernels/timestamps) at six points of each MoE layer inside the decode graph, means over the timed "
+               "kernels/timestamps) at seven points of each MoE layer inside the decode graph, means over the timed "
                "steps. The spans follow the GPU's stream: 'wait for host' is how long the GPU stood waiting for "
                "the host's routes after its own experts; the host kernel's time is measured inside its calls.",
                args.results)
