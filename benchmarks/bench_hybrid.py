@@ -95,9 +95,11 @@ def decode_row(engine, args, label, share, batch, expert_bytes, h2d, host_bw) ->
     missed = run["copied"] + run["host"]
     two_ms = missed * expert_bytes / (h2d + host_bw) * 1e3
     llama = LLAMA_CPP_BATCH1.get(share) if batch == 1 else None
+    tuned = engine.runner.strategy.stats().get("split_now")
     row = [f"{share:.0%}", batch, label, f"{run['tok_s']:.1f}", f"{run['step_s'] * 1e3:.2f}",
            f"{hit / total:.2f}" if total else "-", f"{hit:.0f} / {run['copied']:.0f} / {run['host']:.0f}",
            f"{pcie_ms:.2f}", f"{host_ms:.2f}", f"{run['host_s'] * 1e3:.2f}", f"{two_ms:.2f}",
+           f"{tuned['host_share']:.2f}" if tuned else "-",
            f"{llama:.1f}" if llama else "-", f"{run['tok_s'] / llama:.2f}x" if llama else "-"]
     print(row, flush=True)
     return row
@@ -194,7 +196,7 @@ def big_rows(config_dir, args, h2d) -> list[list]:
     for batch in args.batch:
         row = decode_row(engine, args, f"hybrid, {args.big_layers} layers", 0.25, batch, s.expert_bytes, h2d,
                          s.speeds.host_bytes_per_s)
-        rows.append(row[:11] + [f"{host_gib:.1f}"])
+        rows.append(row[:12] + [f"{host_gib:.1f}"])
     del engine, s
     free_engine_memory()
     return rows
@@ -321,7 +323,7 @@ def contention_rows(args, seconds: float = 2.0) -> list[list]:
 
 DECODE_HEADER = ["experts on GPU", "requests", "strategy", "tok/s", "ms/step", "hit rate",
                  "experts/step hit / copied / host", "PCIe floor ms", "host floor ms", "host kernel ms",
-                 "two-channel floor ms",
+                 "two-channel floor ms", "host share at the end",
                  "llama.cpp tok/s", "vs llama.cpp"]
 
 
@@ -372,7 +374,7 @@ def main(argv, args) -> int:
     if "big" in args.parts:
         rows = big_rows(config_dir, args, h2d)
         report("hybrid/big", "Hybrid on the full-depth model", command,
-               markdown_table(DECODE_HEADER[:11] + ["pinned host GiB"], rows),
+               markdown_table(DECODE_HEADER[:12] + ["pinned host GiB"], rows),
                "The full 48-layer Qwen3-30B-A3B shape at 25% of the experts on the GPU: the host store holds "
                "every expert once (the pinned GiB column), the only copy the host channel and PCIe both read.",
                args.results)

@@ -158,6 +158,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run_decode(self, reqs) -> torch.Tensor:
         """The logits of one decode step of `reqs`, nothing sampled."""
+        self.strategy.begin_decode_step()
         with self._recorded(True, len(reqs)):
             if self.graphs is not None and self.graphs.can_run(len(reqs)):
                 return self.graphs.run(reqs)[0]
@@ -167,6 +168,7 @@ class ModelRunner:
     def decode(self, reqs) -> SampledTokens:
         """One decode step of `reqs` (bound to sampler slots) and a token for each, sampled on
         the device (inside the step's CUDA graph where there is one)."""
+        self.strategy.begin_decode_step()
         with self._recorded(True, len(reqs)):
             if self.graphs is not None and self.graphs.can_run(len(reqs)):
                 _, samples = self.graphs.run(reqs, self.sampler.slots(reqs))

@@ -27,7 +27,7 @@ machine the kernel simply runs in place.
 
 Which routes of a step go to the host is decided on the device, inside the graph
 (kernels/route_split): the misses of the slot cache, a share of them set by the two channels'
-measured speeds (`ChannelSpeeds`).
+measured speeds (`ChannelSpeeds`), the host's kept current during decode (`SplitTuner`).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ import ctypes
 import logging
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -85,6 +85,73 @@ class ChannelSpeeds:
                 "host_gb_per_s": round(self.host_bytes_per_s / 1e9, 2),
                 "host_call_us": round(self.host_call_s * 1e6, 1), "host_share": round(self.host_share, 3),
                 "host_offset_experts": round(self.host_offset, 2)}
+
+
+class SplitTuner:
+    """The host's share of a layer's misses, kept matched to the host kernel's speed as decode
+    finds it. The start-up figure is one moment of a host that other work (the copies over
+    the same DRAM, other processes) slows by a varying amount; a share set from a figure the
+    host no longer reaches leaves every layer waiting for it. So every `PERIOD` decode steps
+    the host kernel's own counters (kernels/fused_moe/host.py timing: seconds and distinct
+    experts of its calls) give the bytes per second it achieved, less its fixed cost per
+    call, and the estimate moves halfway there; the share and offset follow (`ChannelSpeeds`).
+
+    Invariants: `split` (float32 [2] on the compute device: share, offset, what
+    kernels/route_split reads) is allocated once and written only in place, in stream order,
+    so captured graphs follow it; the estimate never falls below `FLOOR` of the start-up
+    figure, so the host keeps a few experts to measure and the estimate can recover; a share
+    the user fixed (--moe-host-share) never moves; a prefill's host calls (`interrupt`) and
+    periods with fewer than `MIN_EXPERTS` host experts are not measured. The counters are the
+    process's: one host channel in a process is what the figures assume."""
+
+    PERIOD = 8
+    MIN_EXPERTS = 8
+    WEIGHT = 0.5
+    FLOOR = 0.25
+
+    def __init__(self, speeds: ChannelSpeeds, device: torch.device):
+        self.start = self.speeds = speeds
+        self.fixed = speeds.share is not None or speeds.host_bytes_per_s <= 0  # user's share, or no host kernel
+        self.split = torch.tensor([speeds.host_share, speeds.host_offset], dtype=torch.float32, device=device)
+        self.updates = 0
+        self._mark: dict | None = None
+        self._steps = 0
+
+    def interrupt(self) -> None:
+        """Host calls that are not decode's ran (a prefill): measure from the next step on."""
+        self._mark = None
+
+    def decode_step(self) -> None:
+        """Called on the host before each decode step (outside any graph)."""
+        if self.fixed:
+            return
+        if self._mark is None:
+            self._mark, self._steps = host_kernel.timing(), 0
+            return
+        self._steps += 1
+        if self._steps < self.PERIOD:
+            return
+        now = host_kernel.timing()
+        calls, seconds, experts = (now[k] - self._mark[k] for k in ("calls", "seconds", "experts"))
+        self._mark, self._steps = now, 0
+        busy = seconds - calls * self.speeds.host_call_s
+        if experts < self.MIN_EXPERTS or busy <= 0:
+            return
+        self.observe(experts * self.speeds.expert_bytes / busy)
+
+    def observe(self, host_bytes_per_s: float) -> None:
+        """Move the host's estimate halfway to `host_bytes_per_s` (at least FLOOR of the
+        start-up figure) and write the split that balances it."""
+        estimate = (1 - self.WEIGHT) * self.speeds.host_bytes_per_s + self.WEIGHT * host_bytes_per_s
+        estimate = max(estimate, self.FLOOR * self.start.host_bytes_per_s)
+        self.speeds = replace(self.speeds, host_bytes_per_s=estimate)
+        self.split.copy_(torch.tensor([self.speeds.host_share, self.speeds.host_offset], dtype=torch.float32))
+        self.updates += 1
+
+    def as_dict(self) -> dict:
+        return {"host_gb_per_s": round(self.speeds.host_bytes_per_s / 1e9, 2),
+                "host_share": round(self.speeds.host_share, 3),
+                "host_offset_experts": round(self.speeds.host_offset, 2), "updates": self.updates}
 
 
 class _CudaHostFunctions:

@@ -7,7 +7,8 @@ prefill chunks stream layers through the double buffer, as `offload` does (every
 
 `hybrid`: `offload`'s slot cache, plus the host as a second channel. Per layer and step, the
 resident routed experts run on the GPU; of the misses, a share set by the two channels'
-measured speeds (`ChannelSpeeds.host_share`) is computed on the host while the rest is
+measured speeds (`ChannelSpeeds.host_share`, the host's figure kept current during decode by
+`SplitTuner`) is computed on the host while the rest is
 copied and admitted as `offload` does, both at once (moe/host_experts.py draws the timeline).
 The cache policy still decides what stays: host-computed experts are not admitted.
 
@@ -25,7 +26,7 @@ import torch
 from moeferry.kernels.fused_moe import host as host_kernel
 from moeferry.kernels.fused_moe.reference import sum_route_partials
 from moeferry.kernels.route_split import split_routes
-from moeferry.moe.host_experts import HostExpertChannel, measure_speeds
+from moeferry.moe.host_experts import HostExpertChannel, SplitTuner, measure_speeds
 from moeferry.moe.offload import LayerStream, OffloadStrategy
 from moeferry.moe.prefill_policy import AUTO
 from moeferry.moe.strategies import ExpertNeeds
@@ -140,7 +141,16 @@ class HybridStrategy(HostChannelMixin, OffloadStrategy):
     def finalize(self, plan) -> None:
         super().finalize(plan)
         self._build_channel()
+        self.tuner = SplitTuner(self.speeds, self.device)
         self.rotation = torch.zeros(1, dtype=torch.int64, device=self.device)
+
+    def begin_forward(self, is_decode: bool, num_tokens: int) -> None:
+        super().begin_forward(is_decode, num_tokens)
+        if not is_decode:
+            self.tuner.interrupt()
+
+    def begin_decode_step(self) -> None:
+        self.tuner.decode_step()
 
     def restart_cache(self) -> None:
         super().restart_cache()
@@ -153,8 +163,8 @@ class HybridStrategy(HostChannelMixin, OffloadStrategy):
         mark = self._marker(moe_layer, phase)
         mark("start")
         tally = self.host_experts[moe_layer:moe_layer + 1] if phase == "decode" else None
-        host_ids, device_ids, _ = split_routes(topk_ids, self.cache.slot_of[moe_layer], self.speeds.host_share,
-                                               self.rotation, self.speeds.host_offset, tally)
+        host_ids, device_ids, _ = split_routes(topk_ids, self.cache.slot_of[moe_layer], self.tuner.split,
+                                               self.rotation, tally)
         mark("split")
         self.channel.begin(layer_id, hidden, topk_weights, host_ids)
         mark("posted")
@@ -183,7 +193,7 @@ class HybridStrategy(HostChannelMixin, OffloadStrategy):
         """`offload`'s statistics plus the host channel's, and `decode_split`: the decode
         steps' distinct routed experts by channel (hit: resident; copied: over PCIe; host),
         totals and per step, with the bytes each channel moved."""
-        out = {**super().stats(), **self._channel_stats()}
+        out = {**super().stats(), **self._channel_stats(), "split_now": self.tuner.as_dict()}
         if "decode" in out:
             cache = out["decode"]["total"]
             steps = max(out["decode"]["per_layer"]["calls"], default=0)

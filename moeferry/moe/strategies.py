@@ -209,6 +209,10 @@ class MoEStrategy:
     def begin_forward(self, is_decode: bool, num_tokens: int) -> None:
         """Called at the start of every model forward, before the first layer."""
 
+    def begin_decode_step(self) -> None:
+        """Called on the host before every decode step, a graph's replay or an eager forward
+        alike (begin_forward runs only while a graph captures): host-side bookkeeping only."""
+
     def record_routes(self, layer_id: int, topk_ids: torch.Tensor) -> None:
         """Hand a layer's routes, before `forward` sees them, to the routing recorder if there
         is one: device work only, so it runs inside a decode graph (routing/recorder.py)."""

@@ -312,10 +312,12 @@ def test_the_host_op_computes_gpt_oss_experts_in_the_kernel(name, monkeypatch):
     options = dict(**scales, w13_bias=b13, w2_bias=b2, activation=CLAMPED, num_routed_experts=16)
     assert host.compiles(hidden.dtype, stored13.dtype, b13.dtype, CLAMPED)
     want = reference.fused_moe(*args, **options)
-    calls = host.timing()["calls"]
+    before = host.timing()
     monkeypatch.setattr(reference, "fused_moe", lambda *a, **k: pytest.fail("took the reference"))
     got = host.fused_moe(*args, **options)
-    assert host.timing()["calls"] == calls + 1
+    after = host.timing()
+    assert after["calls"] == before["calls"] + 1
+    assert after["experts"] == before["experts"] + len(set(ids.view(-1).tolist()))  # distinct experts computed
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
     err = (got.float() - want.float()).norm() / want.float().norm()
     assert float(err) < 1e-2  # bf16 rounding of the activation and of each route output

@@ -5,7 +5,7 @@ element on fresh random routes, rotation and tally included."""
 import pytest
 import torch
 
-from moeferry.kernels.route_split import split_routes
+from moeferry.kernels.route_split import split_routes, split_values
 
 IMPLS = ["reference", "triton"]
 
@@ -18,7 +18,7 @@ def test_the_host_computes_its_share_of_the_misses_and_nothing_resident(impl):
         slot_of = torch.where(torch.rand(num_experts, generator=gen) < 0.4, 3, -1).int()
         ids = torch.stack([torch.randperm(num_experts, generator=gen)[:4] for _ in range(5)])
         share = [0.0, 0.3, 0.5, 1.0][step % 4]
-        host_ids, device_ids, host_count = split_routes(ids, slot_of, share, rotation, impl=impl)
+        host_ids, device_ids, host_count = split_routes(ids, slot_of, split_values(share), rotation, impl=impl)
         assert torch.equal(torch.where(host_ids >= 0, host_ids, device_ids), ids)  # every route, one channel
         assert bool(((host_ids < 0) | (device_ids < 0)).all())
         host_experts = set(host_ids[host_ids >= 0].tolist())
@@ -34,7 +34,7 @@ def test_rotation_spreads_the_host_share_over_the_missed_experts(impl):
     ids, slot_of = torch.arange(8).view(2, 4), torch.full((num_experts,), -1, dtype=torch.int32)
     rotation, seen = torch.zeros(1, dtype=torch.int64), set()
     for _ in range(num_experts):
-        host_ids, _, _ = split_routes(ids, slot_of, 0.25, rotation, impl=impl)
+        host_ids, _, _ = split_routes(ids, slot_of, split_values(0.25), rotation, impl=impl)
         seen |= set(host_ids[host_ids >= 0].tolist())
     assert seen == set(range(8))
 
@@ -42,8 +42,8 @@ def test_rotation_spreads_the_host_share_over_the_missed_experts(impl):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_the_fixed_cost_keeps_small_miss_counts_on_pcie(impl):
     ids, slot_of = torch.tensor([[0, 1]]), torch.full((8,), -1, dtype=torch.int32)
-    host_ids, device_ids, count = split_routes(ids, slot_of, 0.5, torch.zeros(1, dtype=torch.int64),
-                                               host_offset=1.5, impl=impl)
+    host_ids, device_ids, count = split_routes(ids, slot_of, split_values(0.5, 1.5), torch.zeros(1, dtype=torch.int64),
+                                               impl=impl)
     assert int(count) == 0 and bool((host_ids < 0).all()) and torch.equal(device_ids, ids)
 
 
@@ -60,7 +60,7 @@ def assert_same_split(ids, slot_of, rotation, share, offset):
     outs, rotations, tallies = [], [], []
     for impl in IMPLS:
         r, tally = rotation.clone(), torch.full((1,), 7, dtype=torch.int64, device=ids.device)
-        outs.append(split_routes(ids, slot_of, share, r, offset, tally, impl=impl))
+        outs.append(split_routes(ids, slot_of, split_values(share, offset, ids.device), r, tally, impl=impl))
         rotations.append(r)
         tallies.append(tally)
     for want, got in zip(outs[0], outs[1]):
@@ -86,3 +86,18 @@ def test_triton_matches_reference_on_gpu(num_tokens):
     for share, offset in [(0.53, 0.4), (0.58, 0.0), (1.0, 0.0)]:
         ids, slot_of, rotation = random_case(gen, num_tokens, 128, 8, torch.int64, "cuda")
         assert_same_split(ids, slot_of, rotation, share, offset)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_new_split_written_in_place_is_the_one_read(impl):
+    """The split is read from its tensor at each call (a graph's replay reads what was written
+    since), and a malformed split is refused."""
+    ids, slot_of = torch.arange(8).view(2, 4), torch.full((16,), -1, dtype=torch.int32)
+    split = split_values(0.0)
+    counts = []
+    for share in (0.0, 0.5, 1.0):
+        split[0] = share
+        counts.append(int(split_routes(ids, slot_of, split, torch.zeros(1, dtype=torch.int64), impl=impl)[2]))
+    assert counts == [0, 4, 8]
+    with pytest.raises(ValueError, match="float32"):
+        split_routes(ids, slot_of, split.double(), torch.zeros(1, dtype=torch.int64), impl=impl)

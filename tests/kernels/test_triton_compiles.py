@@ -117,7 +117,7 @@ KERNELS = [  # kernel, pointer types, constexprs
     (_stamp_kernel, dict(times_ptr="*i64", counter_ptr="*i64"), dict(ADVANCE=True, PDL=True)),
     (_split_routes_kernel, dict(ids_ptr="*i64", slot_ptr="*i32", host_ids_ptr="*i64", device_ids_ptr="*i64",
                                 count_ptr="*i64", rotation_ptr="*i64", tally_ptr="*i64", flags_ptr="*i32",
-                                host_share="fp32", host_offset="fp32"),
+                                split_ptr="*fp32"),
      dict(BLOCK_E=128, BLOCK_R=256, HAS_TALLY=True, PDL=True)),
 ]
 for kernel, pointers, constexprs in KERNELS:

@@ -2,6 +2,8 @@
 family, in float32 (the reference computes the host's routes) and bfloat16 (the compiled host
 kernel, gpt-oss's biased, clamped experts too), and on fp8, int4 and mxfp4 experts (the kernel reads them as stored); the device-side
 split gives the host exactly its share of a step's misses; flags and statistics."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -134,3 +136,95 @@ def test_cpu_and_hybrid_compute_quantized_experts_as_gpu_does(quantized_ckpt, dt
         assert (host_kernel.timing()["calls"] > calls) == channel.compiled  # the kernel ran the host's routes
         if strategy == "hybrid":
             assert stats["decode"]["total"]["misses"] > 0  # both channels carried experts
+
+
+class FakeCounters:
+    """Stands in for the host kernel's process-wide counters (kernels/fused_moe/host.py timing)."""
+
+    def __init__(self):
+        self.now = {"calls": 0, "seconds": 0.0, "experts": 0}
+
+    def run(self, calls, seconds, experts):
+        self.now = {"calls": self.now["calls"] + calls, "seconds": self.now["seconds"] + seconds,
+                    "experts": self.now["experts"] + experts}
+
+    def __call__(self):
+        return dict(self.now)
+
+
+def tuned(monkeypatch, speeds):
+    from moeferry.moe import host_experts
+
+    counters = FakeCounters()
+    monkeypatch.setattr(host_experts.host_kernel, "timing", counters)
+    return host_experts.SplitTuner(speeds, torch.device("cpu")), counters
+
+
+def decode_period(tuner, counters, calls, seconds, experts):
+    """One PERIOD of decode steps, the host's calls spread over them."""
+    for _ in range(tuner.PERIOD):
+        counters.run(calls / tuner.PERIOD, seconds / tuner.PERIOD, experts / tuner.PERIOD)
+        tuner.decode_step()
+
+
+def test_the_split_follows_the_host_speed_decode_finds(monkeypatch):
+    """A host at a third of its start-up speed: the estimate moves halfway each period, the
+    split tensor (what the route split reads) follows, and it never falls below the floor."""
+    from moeferry.moe.host_experts import SplitTuner
+
+    start = ChannelSpeeds(50e9, 75e9, host_call_s=20e-6, expert_bytes=10**7)
+    tuner, counters = tuned(monkeypatch, start)
+    assert torch.allclose(tuner.split, torch.tensor([start.host_share, start.host_offset]))
+    tuner.decode_step()  # the first step only marks the counters
+    decode_period(tuner, counters, calls=96, seconds=96 * 20e-6 + 300 * 1e7 / 25e9, experts=300)
+    assert tuner.speeds.host_bytes_per_s == pytest.approx((75e9 + 25e9) / 2)
+    assert tuner.speeds.host_share < start.host_share and tuner.updates == 1
+    assert torch.allclose(tuner.split, torch.tensor([tuner.speeds.host_share, tuner.speeds.host_offset]))
+    for _ in range(8):
+        decode_period(tuner, counters, calls=96, seconds=96 * 20e-6 + 300 * 1e7 / 1e9, experts=300)
+    assert tuner.speeds.host_bytes_per_s == pytest.approx(SplitTuner.FLOOR * 75e9)
+    for _ in range(8):  # the host recovers: so does its share
+        decode_period(tuner, counters, calls=96, seconds=96 * 20e-6 + 300 * 1e7 / 75e9, experts=300)
+    assert tuner.speeds.host_share == pytest.approx(start.host_share, rel=1e-2)
+
+
+def test_the_split_stays_where_it_cannot_measure_or_must_not_move(monkeypatch):
+    start = ChannelSpeeds(50e9, 75e9, expert_bytes=10**7)
+    tuner, counters = tuned(monkeypatch, start)
+    tuner.decode_step()
+    decode_period(tuner, counters, calls=8, seconds=1.0, experts=tuner.MIN_EXPERTS - 1)  # too few experts
+    assert tuner.updates == 0
+    tuner.interrupt()  # a prefill's host calls are not decode's
+    counters.run(calls=1, seconds=5.0, experts=100)
+    tuner.decode_step()
+    decode_period(tuner, counters, calls=96, seconds=300 * 1e7 / 75e9, experts=300)
+    assert tuner.updates == 1 and tuner.speeds.host_bytes_per_s == pytest.approx(75e9)
+    fixed, counters = tuned(monkeypatch, replace(start, share=0.3))  # --moe-host-share
+    fixed.decode_step()
+    decode_period(fixed, counters, calls=96, seconds=1.0, experts=300)
+    assert fixed.updates == 0 and float(fixed.split[0]) == pytest.approx(0.3)
+
+
+def test_hybrid_decode_retunes_its_split_and_still_generates_what_gpu_generates(tmp_path, monkeypatch):
+    """The runner calls the tuner before each decode step; the split it writes is the one the
+    layers read (the host's expert count moves with it), and the tokens stay gpu's."""
+    from moeferry.moe import host_experts, hybrid
+
+    name, config = FAMILIES[0]
+    path = str(tmp_path / name)
+    make_checkpoint(config, path)
+    experts = getattr(config, "num_experts", None) or config.num_local_experts
+    monkeypatch.setattr(host_experts.SplitTuner, "PERIOD", 2)
+    monkeypatch.setattr(host_experts.SplitTuner, "MIN_EXPERTS", 1)
+    monkeypatch.setattr(hybrid, "measure_speeds", lambda banks, *a: ChannelSpeeds(
+        10e9, 10e9, expert_bytes=next(iter(banks.values())).bytes_per_expert))
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = [o.token_ids for o in LLM(path, dtype="bfloat16", device="cpu").generate(PROMPTS, params)]
+    llm = LLM(path, dtype="bfloat16", device="cpu", moe_strategy="hybrid", moe_cache_slots=experts,
+              moe_collect_stats=True)
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
+    stats = llm.engine.runner.strategy.stats()
+    tuner = llm.engine.runner.strategy.tuner
+    assert stats["split_now"]["updates"] > 0 and stats["host_experts"] > 0
+    assert float(tuner.split[0]) == pytest.approx(tuner.speeds.host_share)
+    assert tuner.speeds.host_bytes_per_s != 10e9  # moved toward what the kernel achieved here

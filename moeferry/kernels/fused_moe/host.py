@@ -118,10 +118,11 @@ def library() -> ctypes.CDLL:
 
 
 def timing() -> dict:
-    """Every call so far in this process: count, total and longest wall time in seconds."""
-    values = (ctypes.c_int64 * 3)()
+    """Every call so far in this process: count, total and longest wall time in seconds, and
+    the distinct experts the calls computed (`experts`, summed over calls)."""
+    values = (ctypes.c_int64 * 4)()
     library().moe_host_timing(values)
-    return {"calls": values[0], "seconds": values[1] / 1e9, "longest_s": values[2] / 1e9}
+    return {"calls": values[0], "seconds": values[1] / 1e9, "longest_s": values[2] / 1e9, "experts": values[3]}
 
 
 def available() -> bool:

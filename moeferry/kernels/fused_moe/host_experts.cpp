@@ -499,10 +499,11 @@ std::vector<Group> group_routes(const MoEHostCall& c, std::vector<int32_t>& orde
   return groups;
 }
 
-std::atomic<int64_t> g_calls{0}, g_total_ns{0}, g_max_ns{0};
+std::atomic<int64_t> g_calls{0}, g_total_ns{0}, g_max_ns{0}, g_experts{0};
 
-void record_time(int64_t ns) {
+void record_time(int64_t ns, int64_t experts) {
   g_calls.fetch_add(1, std::memory_order_relaxed);
+  g_experts.fetch_add(experts, std::memory_order_relaxed);
   g_total_ns.fetch_add(ns, std::memory_order_relaxed);
   int64_t seen = g_max_ns.load(std::memory_order_relaxed);
   while (ns > seen && !g_max_ns.compare_exchange_weak(seen, ns, std::memory_order_relaxed)) {
@@ -513,12 +514,14 @@ void record_time(int64_t ns) {
 
 extern "C" {
 
-// Calls run so far, their total and longest wall time in ns (every call, from any thread):
-// the host channel's share of a step, read by its statistics and profile.
+// Calls run so far, their total and longest wall time in ns, and the distinct experts they
+// computed (every call, from any thread): the host channel's share of a step, read by its
+// statistics and profile, and its speed as decode finds it (moe/host_experts.py SplitTuner).
 void moe_host_timing(int64_t* out) {
   out[0] = g_calls.load();
   out[1] = g_total_ns.load();
   out[2] = g_max_ns.load();
+  out[3] = g_experts.load();
 }
 
 int moe_host_has_avx512_bf16() {
@@ -548,7 +551,7 @@ void moe_host_run(void* arg) {
   const int64_t routes = c.T * c.K;
   if (groups.empty()) {  // no route is the host's: zeros, without waking the threads
     std::memset(c.out, 0, routes * c.H * sizeof(uint16_t));
-    record_time(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
+    record_time(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count(), 0);
     return;
   }
 #pragma omp parallel num_threads(c.threads)
@@ -568,7 +571,8 @@ void moe_host_run(void* arg) {
       down_unit(c, groups, order.data(), n0, std::min(c.H, n0 + kRowsB), avx512);
     }
   }
-  record_time(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
+  record_time(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count(),
+              static_cast<int64_t>(groups.size()));
 }
 
 }  // extern "C"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 
-def split_routes(topk_ids, slot_of_layer, host_share, rotation, host_offset, tally):
+def split_routes(topk_ids, slot_of_layer, split, rotation, tally):
     ids = topk_ids.long()
     num_experts = slot_of_layer.shape[0]
     missing_route = (slot_of_layer[ids] < 0).to(torch.int32).reshape(-1)
@@ -15,7 +15,7 @@ def split_routes(topk_ids, slot_of_layer, host_share, rotation, host_offset, tal
     order = (torch.arange(num_experts, device=ids.device) + rotation) % num_experts  # position -> expert
     rank_in_order = torch.cumsum(missed[order], 0)
     rank = torch.empty_like(rank_in_order).scatter_(0, order, rank_in_order)  # expert -> its rank among misses
-    count = (missed.sum().to(torch.float32) * host_share - host_offset + 0.5).floor().clamp(min=0).to(rank.dtype)
+    count = (missed.sum().to(torch.float32) * split[0] - split[1] + 0.5).floor().clamp(min=0).to(rank.dtype)
     host_expert = (missed > 0) & (rank <= count)
     rotation.add_(1).remainder_(num_experts)
     host_count = host_expert.sum(dtype=torch.int64).reshape(1)

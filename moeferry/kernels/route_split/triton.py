@@ -19,7 +19,7 @@ BLOCK_ROUTES = 256
 
 @triton.jit
 def _split_routes_kernel(ids_ptr, slot_ptr, host_ids_ptr, device_ids_ptr, count_ptr, rotation_ptr, tally_ptr,
-                         flags_ptr, num_routes, num_experts, host_share, host_offset,
+                         flags_ptr, split_ptr, num_routes, num_experts,
                          BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, HAS_TALLY: tl.constexpr,
                          PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
@@ -40,6 +40,7 @@ def _split_routes_kernel(ids_ptr, slot_ptr, host_ids_ptr, device_ids_ptr, count_
     before_rotation = tl.sum(tl.where(e < rotation, missed, 0), axis=0)
     cumulative = tl.cumsum(missed, axis=0)
     rank = tl.where(e >= rotation, cumulative - before_rotation, cumulative + misses - before_rotation)
+    host_share, host_offset = tl.load(split_ptr), tl.load(split_ptr + 1)
     count = tl.maximum(tl.floor(misses.to(tl.float32) * host_share - host_offset + 0.5), 0.0).to(tl.int32)
     host_expert = (missed > 0) & (rank <= count)
     host_count = tl.sum(host_expert.to(tl.int64), axis=0)
@@ -59,15 +60,15 @@ def _split_routes_kernel(ids_ptr, slot_ptr, host_ids_ptr, device_ids_ptr, count_
         tl.store(device_ids_ptr + r, tl.where(on_host, -1, ids), mask=in_range)
 
 
-def split_routes(topk_ids, slot_of_layer, host_share, rotation, host_offset, tally):
+def split_routes(topk_ids, slot_of_layer, split, rotation, tally):
     ids = topk_ids.contiguous()
     num_experts = slot_of_layer.shape[0]
     host_ids, device_ids = torch.empty_like(ids), torch.empty_like(ids)
     host_count = torch.empty(1, dtype=torch.int64, device=ids.device)
     flags = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     _split_routes_kernel[(1,)](ids, slot_of_layer.contiguous(), host_ids, device_ids, host_count, rotation,
-                               host_count if tally is None else tally, flags, ids.numel(), num_experts,
-                               host_share, host_offset, BLOCK_E=triton.next_power_of_2(num_experts),
+                               host_count if tally is None else tally, flags, split, ids.numel(), num_experts,
+                               BLOCK_E=triton.next_power_of_2(num_experts),
                                BLOCK_R=BLOCK_ROUTES, HAS_TALLY=tally is not None, num_warps=4,
                                **pdl_launch(ids.device))
     return host_ids, device_ids, host_count
