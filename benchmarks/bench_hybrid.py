@@ -81,7 +81,20 @@ def step_counters(engine) -> dict:
             "host_s": kernel["seconds"]}
 
 
+def host_alone(strategy) -> float:
+    """The host kernel's bytes per second right now (one token to top-k experts a call, the
+    median of 7): the host's state beside a row, since its DRAM bandwidth varies between runs."""
+    from moeferry.moe.host_experts import host_call_time
+
+    channel = getattr(strategy, "channel", None)
+    if channel is None or not channel.compiled:
+        return 0.0
+    top_k = strategy.model_config.top_k
+    return top_k * strategy.expert_bytes / host_call_time(strategy.banks, channel, top_k, 7)
+
+
 def decode_row(engine, args, label, share, batch, expert_bytes, h2d, host_bw) -> list:
+    host_now = host_alone(engine.runner.strategy)
     runs = []
     for _ in range(args.repeats):
         if hasattr(engine.runner.strategy, "restart_cache"):
@@ -98,7 +111,7 @@ def decode_row(engine, args, label, share, batch, expert_bytes, h2d, host_bw) ->
     tuned = engine.runner.strategy.stats().get("split_now")
     row = [f"{share:.0%}", batch, label, f"{run['tok_s']:.1f}", f"{run['step_s'] * 1e3:.2f}",
            f"{hit / total:.2f}" if total else "-", f"{hit:.0f} / {run['copied']:.0f} / {run['host']:.0f}",
-           f"{pcie_ms:.2f}", f"{host_ms:.2f}", f"{run['host_s'] * 1e3:.2f}", f"{two_ms:.2f}",
+           f"{pcie_ms:.2f}", f"{host_ms:.2f}", f"{run['host_s'] * 1e3:.2f}", f"{host_now / 1e9:.1f}" if host_now else "-", f"{two_ms:.2f}",
            f"{tuned['host_share']:.2f}" if tuned else "-",
            f"{llama:.1f}" if llama else "-", f"{run['tok_s'] / llama:.2f}x" if llama else "-"]
     print(row, flush=True)
@@ -171,12 +184,14 @@ def timeline_rows(config_dir, args) -> list[list]:
                     first.append(True)
                 return step_counters(engine)
 
+            host_now = host_alone(s)
             run = timed_decode(engine, batch, args.prompt_len, args.warmup, args.steps, counters)
             summary = s.timeline.summary()
             spans = [summary[f"{a} -> {b}"] for a, b in zip(HYBRID_POINTS, HYBRID_POINTS[1:])]
             rows.append([f"{share:.0%}", batch, f"{run['tok_s']:.1f}", f"{run['step_s'] * 1e6 / layers:.0f}",
                          *(f"{v:.1f}" for v in spans), f"{summary['between layers']:.1f}",
-                         f"{run['host_s'] * 1e6 / layers:.1f}", f"{run['host'] / layers:.2f}",
+                         f"{run['host_s'] * 1e6 / layers:.1f}", f"{host_now / 1e9:.1f}" if host_now else "-",
+                         f"{run['host'] / layers:.2f}",
                          f"{run['copied'] / layers:.2f}", summary["steps"]])
             print(rows[-1], flush=True)
     s.timeline = None
@@ -196,7 +211,7 @@ def big_rows(config_dir, args, h2d) -> list[list]:
     for batch in args.batch:
         row = decode_row(engine, args, f"hybrid, {args.big_layers} layers", 0.25, batch, s.expert_bytes, h2d,
                          s.speeds.host_bytes_per_s)
-        rows.append(row[:12] + [f"{host_gib:.1f}"])
+        rows.append(row[:13] + [f"{host_gib:.1f}"])
     del engine, s
     free_engine_memory()
     return rows
@@ -323,6 +338,7 @@ def contention_rows(args, seconds: float = 2.0) -> list[list]:
 
 DECODE_HEADER = ["experts on GPU", "requests", "strategy", "tok/s", "ms/step", "hit rate",
                  "experts/step hit / copied / host", "PCIe floor ms", "host floor ms", "host kernel ms",
+                 "host alone GB/s before",
                  "two-channel floor ms", "host share at the end",
                  "llama.cpp tok/s", "vs llama.cpp"]
 
@@ -364,7 +380,8 @@ def main(argv, args) -> int:
         report("hybrid/timeline", "Where a hybrid decode layer's time goes", command,
                markdown_table(["experts on GPU", "requests", "tok/s", "step us / layer",
                                *(f"{span} us" for span in TIMELINE_SPANS), "between layers us",
-                               "host kernel us / layer", "host experts / layer", "copied experts / layer",
+                               "host kernel us / layer", "host alone GB/s before", "host experts / layer",
+                               "copied experts / layer",
                                "steps"], rows),
                f"{args.layers} layers, uniform routing, bf16, the mailbox dispatch; device timestamps (%globaltimer, "
                "kernels/timestamps) at seven points of each MoE layer inside the decode graph, means over the timed "
@@ -374,7 +391,7 @@ def main(argv, args) -> int:
     if "big" in args.parts:
         rows = big_rows(config_dir, args, h2d)
         report("hybrid/big", "Hybrid on the full-depth model", command,
-               markdown_table(DECODE_HEADER[:12] + ["pinned host GiB"], rows),
+               markdown_table(DECODE_HEADER[:13] + ["pinned host GiB"], rows),
                "The full 48-layer Qwen3-30B-A3B shape at 25% of the experts on the GPU: the host store holds "
                "every expert once (the pinned GiB column), the only copy the host channel and PCIe both read.",
                args.results)

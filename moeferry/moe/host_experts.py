@@ -113,6 +113,9 @@ class SplitTuner:
         self.start = self.speeds = speeds
         self.fixed = speeds.share is not None or speeds.host_bytes_per_s <= 0  # user's share, or no host kernel
         self.split = torch.tensor([speeds.host_share, speeds.host_offset], dtype=torch.float32, device=device)
+        on_gpu = device.type == "cuda"
+        self._staged = torch.empty(2, dtype=torch.float32, pin_memory=on_gpu)  # the next split, pinned
+        self._copied = torch.cuda.Event() if on_gpu else None  # the staged row's last copy
         self.updates = 0
         self._mark: dict | None = None
         self._steps = 0
@@ -145,7 +148,14 @@ class SplitTuner:
         estimate = (1 - self.WEIGHT) * self.speeds.host_bytes_per_s + self.WEIGHT * host_bytes_per_s
         estimate = max(estimate, self.FLOOR * self.start.host_bytes_per_s)
         self.speeds = replace(self.speeds, host_bytes_per_s=estimate)
-        self.split.copy_(torch.tensor([self.speeds.host_share, self.speeds.host_offset], dtype=torch.float32))
+        # Copied from pinned memory in stream order, without waiting for the stream; the staged
+        # row is rewritten only once its last copy is done (long since, in a decode loop).
+        if self._copied is not None:
+            self._copied.synchronize()
+        self._staged[0], self._staged[1] = self.speeds.host_share, self.speeds.host_offset
+        self.split.copy_(self._staged, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         self.updates += 1
 
     def as_dict(self) -> dict:
@@ -342,8 +352,8 @@ def measure_speeds(banks: dict, channel: HostExpertChannel, top_k: int, device: 
     pcie = _copy_speed(bank, count, device, repeats)
     if not channel.compiled:
         return ChannelSpeeds(pcie, 0.0, 0.0, bank.bytes_per_expert)
-    one = _host_call_time(banks, channel, 1, repeats)
-    many = _host_call_time(banks, channel, count, repeats)
+    one = host_call_time(banks, channel, 1, repeats)
+    many = host_call_time(banks, channel, count, repeats)
     per_expert = (many - one) / (count - 1) if count > 1 and many > one else many / count
     return ChannelSpeeds(pcie, bank.bytes_per_expert / per_expert, max(0.0, many - count * per_expert),
                          bank.bytes_per_expert)
@@ -367,7 +377,7 @@ def _copy_speed(bank, count: int, device: torch.device, repeats: int) -> float:
     return repeats * count * bank.bytes_per_expert / (time.perf_counter() - start)
 
 
-def _host_call_time(banks: dict, channel: HostExpertChannel, experts: int, repeats: int) -> float:
+def host_call_time(banks: dict, channel: HostExpertChannel, experts: int, repeats: int) -> float:
     """Median seconds of one host kernel call: one token routed to `experts` distinct experts,
     each run on experts (and layers) the runs before did not read, while they last."""
     layers = sorted(banks)

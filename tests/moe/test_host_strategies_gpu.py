@@ -138,3 +138,26 @@ def test_host_strategies_generate_what_gpu_generates_on_quantized_and_biased_exp
     assert stats["host_experts"] > 0 and stats["host_kernel"]["calls"] > 0
     if strategy == "hybrid":
         assert stats["decode"]["total"]["misses"] > 0
+
+
+def test_a_new_split_reaches_the_captured_graphs():
+    """The split is a device tensor the route split reads at replay: written to no host share,
+    decode computes no expert on the host; written to all of the misses, it does, with the
+    same graphs (none recaptured)."""
+    from moeferry import LLM, SamplingParams
+    from moeferry.default_model import ensure_default_model
+
+    llm = LLM(ensure_default_model(), max_running_requests=4, moe_strategy="hybrid", moe_cache_slots=48)
+    strategy, graphs = llm.engine.runner.strategy, llm.engine.runner.graphs
+    strategy.tuner.fixed = True  # the values written here stay
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+    def host_experts_with(share: float) -> int:
+        strategy.tuner.split.copy_(torch.tensor([share, 0.0]))
+        before = int(strategy.host_experts.sum())
+        llm.generate([[1, 2, 3, 4, 5], [9, 8, 7], list(range(10, 50))], params)
+        return int(strategy.host_experts.sum()) - before
+
+    assert host_experts_with(0.0) == 0
+    assert host_experts_with(1.0) > 0
+    assert llm.engine.runner.graphs is graphs
