@@ -48,6 +48,9 @@ def parse_args(argv):
                    help="the `timeline` part: hybrid at these shares of the experts on the GPU")
     p.add_argument("--big-layers", type=int, default=48, help="the `big` part: hybrid at 25%% on this many layers")
     p.add_argument("--threads", type=int, nargs="+", default=[4, 8, 16], help="host kernel table")
+    p.add_argument("--host-threads", type=int, default=None,
+                   help="--moe-host-threads of the cpu and hybrid engines (default: the engine's, one per core "
+                        "less one): fewer leave the OpenMP team headroom against other work on the host")
     p.add_argument("--dispatch", nargs="+", choices=["host_function", "mailbox"], default=["mailbox"],
                    help="cpu and hybrid rows once per host-kernel dispatch (moe/host_experts.py): a CUDA host "
                         "function on the side stream, or the mailbox worker awaited by a kernel (kernel staging)")
@@ -63,6 +66,8 @@ def make_engine(config_dir, args, strategy, layers=None, slots=None, **options):
     from moeferry.engine.engine import Engine
 
     max_len = args.prompt_len + args.warmup + args.steps + 16
+    if strategy in ("cpu", "hybrid") and args.host_threads:
+        options.setdefault("moe_host_threads", args.host_threads)
     ec = EngineConfig(model=config_dir, load_format="dummy",
                       hf_overrides={"num_hidden_layers": layers or args.layers}, moe_strategy=strategy,
                       moe_cache_slots=slots, max_running_requests=max(args.batch), max_model_len=max_len,

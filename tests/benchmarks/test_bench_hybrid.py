@@ -24,3 +24,15 @@ def test_the_timeline_part_gives_every_span_per_share_and_batch(tmp_path, monkey
         spans = [float(v) for v in row[4:4 + len(bench_hybrid.TIMELINE_SPANS)]]
         assert all(v >= 0 for v in spans) and sum(spans) > 0
         assert row[-1] == 4  # the timed steps, not the prefill's or the warm-up's
+
+
+def test_host_threads_reach_the_host_strategies_only(monkeypatch):
+    """--host-threads sets the cpu and hybrid engines' --moe-host-threads, nothing else's."""
+    import moeferry.engine.engine as engine_module
+
+    made = []
+    monkeypatch.setattr(engine_module, "Engine", lambda ec: made.append(ec))
+    args = bench_hybrid.parse_args(["--host-threads", "12"])
+    for strategy in ("cpu", "hybrid", "offload", "gpu"):
+        bench_hybrid.make_engine("unused", args, strategy)
+    assert [ec.moe_host_threads for ec in made] == [12, 12, 0, 0]  # 0: the default
