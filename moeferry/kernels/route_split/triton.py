@@ -5,7 +5,8 @@ small torch ops on the critical path before the host can start.
 The program marks the routed experts in a scratch row of E flags (routes scattered into
 it), reduces the misses over the experts in registers (a cumulative sum gives each missed
 expert its rank from the rotation on), writes the host's experts back into the flags and
-gathers them per route. The barriers order the flags' writes and reads within the program."""
+gathers them per route. The barriers order the writes and reads of the flags and of the
+rotation within the program (one CTA: a thread may not see another's write without one)."""
 from __future__ import annotations
 
 import torch
@@ -44,11 +45,11 @@ def _split_routes_kernel(ids_ptr, slot_ptr, host_ids_ptr, device_ids_ptr, count_
     count = tl.maximum(tl.floor(misses.to(tl.float32) * host_share - host_offset + 0.5), 0.0).to(tl.int32)
     host_expert = (missed > 0) & (rank <= count)
     host_count = tl.sum(host_expert.to(tl.int64), axis=0)
+    tl.debug_barrier()  # every thread has read the rotation and the flags before either is rewritten
     tl.store(count_ptr, host_count)
     tl.store(rotation_ptr, (rotation + 1) % num_experts)
     if HAS_TALLY:
         tl.store(tally_ptr, tl.load(tally_ptr) + host_count)
-    tl.debug_barrier()
     tl.store(flags_ptr + e, host_expert.to(tl.int32), mask=is_expert)
     tl.debug_barrier()
     for start in range(0, num_routes, BLOCK_R):
