@@ -88,14 +88,16 @@ def step_counters(engine) -> dict:
 
 def host_alone(strategy) -> float:
     """The host kernel's bytes per second right now (one token to top-k experts a call, the
-    median of 7): the host's state beside a row, since its DRAM bandwidth varies between runs."""
+    median of 7, less the fixed cost a call as the start-up figure counts it): the host's
+    state beside a row, since its DRAM bandwidth varies between runs."""
     from moeferry.moe.host_experts import host_call_time
 
     channel = getattr(strategy, "channel", None)
     if channel is None or not channel.compiled:
         return 0.0
     top_k = strategy.model_config.top_k
-    return top_k * strategy.expert_bytes / host_call_time(strategy.banks, channel, top_k, 7)
+    busy = host_call_time(strategy.banks, channel, top_k, 7) - strategy.speeds.host_call_s
+    return top_k * strategy.expert_bytes / busy if busy > 0 else 0.0
 
 
 def decode_row(engine, args, label, share, batch, expert_bytes, h2d, host_bw) -> list:

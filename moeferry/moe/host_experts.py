@@ -44,6 +44,7 @@ from moeferry.kernels.fused_moe import host as host_kernel
 from moeferry.kernels.fused_moe import reference
 from moeferry.kernels import host_mailbox
 from moeferry.kernels.host_staging import staged_copy
+from moeferry.kernels.route_split import split_values
 
 logger = logging.getLogger(__name__)
 
@@ -87,76 +88,102 @@ class ChannelSpeeds:
                 "host_offset_experts": round(self.host_offset, 2)}
 
 
+@dataclass(frozen=True)
+class TunerSettings:
+    """How `SplitTuner` measures: every `period` decode steps, from at least `min_experts`
+    host experts, moving the estimate by `weight` of the gap, never below `floor` of the
+    start-up figure."""
+
+    period: int = 8
+    min_experts: int = 8
+    weight: float = 0.5
+    floor: float = 0.25
+
+
+_COUNTERS = ("working_calls", "working_seconds", "experts")
+
+
 class SplitTuner:
     """The host's share of a layer's misses, kept matched to the host kernel's speed as decode
     finds it. The start-up figure is one moment of a host that other work (the copies over
     the same DRAM, other processes) slows by a varying amount; a share set from a figure the
-    host no longer reaches leaves every layer waiting for it. So every `PERIOD` decode steps
-    the host kernel's own counters (kernels/fused_moe/host.py timing: seconds and distinct
-    experts of its calls) give the bytes per second it achieved, less its fixed cost per
-    call, and the estimate moves halfway there; the share and offset follow (`ChannelSpeeds`).
+    host no longer reaches leaves every layer waiting for it. So every `period` decode steps
+    the host kernel's own counters (kernels/fused_moe/host.py timing: the calls that computed
+    experts, their seconds and their distinct experts) give the bytes per second it achieved,
+    less its fixed cost per call, and the estimate moves by `weight` of the gap; the share and
+    offset follow (`ChannelSpeeds`).
 
-    Invariants: `split` (float32 [2] on the compute device: share, offset, what
-    kernels/route_split reads) is allocated once and written only in place, in stream order,
-    so captured graphs follow it; the estimate never falls below `FLOOR` of the start-up
-    figure, so the host keeps a few experts to measure and the estimate can recover; a share
-    the user fixed (--moe-host-share) never moves; a prefill's host calls (`interrupt`) and
-    periods with fewer than `MIN_EXPERTS` host experts are not measured. The counters are the
+    Invariants: `split` (kernels/route_split's float32 [2] of share and offset, on the compute
+    device) is allocated once and written only in place, in stream order, so captured graphs
+    follow it; the estimate never falls below `floor` of the start-up figure, so the host
+    keeps experts to measure and the estimate can recover; a share the user fixed
+    (--moe-host-share) never moves; a prefill's host calls are never counted (`interrupt`
+    banks the period's decode counts so far and the count resumes at the next decode step);
+    a period with fewer than `min_experts` host experts moves nothing. The counters are the
     process's: one host channel in a process is what the figures assume."""
 
-    PERIOD = 8
-    MIN_EXPERTS = 8
-    WEIGHT = 0.5
-    FLOOR = 0.25
-
-    def __init__(self, speeds: ChannelSpeeds, device: torch.device):
+    def __init__(self, speeds: ChannelSpeeds, device: torch.device, settings: TunerSettings = TunerSettings()):
         self.start = self.speeds = speeds
+        self.settings = settings
         self.fixed = speeds.share is not None or speeds.host_bytes_per_s <= 0  # user's share, or no host kernel
-        self.split = torch.tensor([speeds.host_share, speeds.host_offset], dtype=torch.float32, device=device)
+        self.split = split_values(speeds.host_share, speeds.host_offset, device)
         on_gpu = device.type == "cuda"
         self._staged = torch.empty(2, dtype=torch.float32, pin_memory=on_gpu)  # the next split, pinned
         self._copied = torch.cuda.Event() if on_gpu else None  # the staged row's last copy
         self.updates = 0
-        self._mark: dict | None = None
+        self._mark: dict | None = None  # the counters at the start of the current decode stretch
+        self._banked = dict.fromkeys(_COUNTERS, 0)  # the period's counts from stretches a prefill ended
         self._steps = 0
 
+    def _since_mark(self) -> dict:
+        now = host_kernel.timing()
+        return {k: now[k] - self._mark[k] for k in _COUNTERS}
+
     def interrupt(self) -> None:
-        """Host calls that are not decode's ran (a prefill): measure from the next step on."""
-        self._mark = None
+        """Host calls that are not decode's are about to run (a prefill): bank this stretch's
+        decode counts; counting resumes at the next decode step."""
+        if self._mark is not None:
+            for k, v in self._since_mark().items():
+                self._banked[k] += v
+            self._mark = None
 
     def decode_step(self) -> None:
         """Called on the host before each decode step (outside any graph)."""
         if self.fixed:
             return
         if self._mark is None:
-            self._mark, self._steps = host_kernel.timing(), 0
+            self._mark = host_kernel.timing()
             return
         self._steps += 1
-        if self._steps < self.PERIOD:
+        if self._steps < self.settings.period:
             return
-        now = host_kernel.timing()
-        calls, seconds, experts = (now[k] - self._mark[k] for k in ("calls", "seconds", "experts"))
-        self._mark, self._steps = now, 0
-        busy = seconds - calls * self.speeds.host_call_s
-        if experts < self.MIN_EXPERTS or busy <= 0:
+        counts = {k: v + self._banked[k] for k, v in self._since_mark().items()}
+        self._mark, self._steps, self._banked = host_kernel.timing(), 0, dict.fromkeys(_COUNTERS, 0)
+        busy = counts["working_seconds"] - counts["working_calls"] * self.speeds.host_call_s
+        if counts["experts"] < self.settings.min_experts or busy <= 0:
             return
-        self.observe(experts * self.speeds.expert_bytes / busy)
+        self.observe(counts["experts"] * self.speeds.expert_bytes / busy)
 
     def observe(self, host_bytes_per_s: float) -> None:
-        """Move the host's estimate halfway to `host_bytes_per_s` (at least FLOOR of the
-        start-up figure) and write the split that balances it."""
-        estimate = (1 - self.WEIGHT) * self.speeds.host_bytes_per_s + self.WEIGHT * host_bytes_per_s
-        estimate = max(estimate, self.FLOOR * self.start.host_bytes_per_s)
+        """Move the host's estimate by `weight` of the gap to `host_bytes_per_s` (at least
+        `floor` of the start-up figure) and write the split that balances it."""
+        weight = self.settings.weight
+        estimate = (1 - weight) * self.speeds.host_bytes_per_s + weight * host_bytes_per_s
+        estimate = max(estimate, self.settings.floor * self.start.host_bytes_per_s)
         self.speeds = replace(self.speeds, host_bytes_per_s=estimate)
-        # Copied from pinned memory in stream order, without waiting for the stream; the staged
-        # row is rewritten only once its last copy is done (long since, in a decode loop).
+        self.write()
+        self.updates += 1
+
+    def write(self) -> None:
+        """Write `speeds`' share and offset into `split`: from pinned memory, in stream order,
+        without waiting for the stream; the staged row is rewritten only once its last copy is
+        done (long since, in a decode loop)."""
         if self._copied is not None:
             self._copied.synchronize()
-        self._staged[0], self._staged[1] = self.speeds.host_share, self.speeds.host_offset
+        self._staged.copy_(split_values(self.speeds.host_share, self.speeds.host_offset))
         self.split.copy_(self._staged, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-        self.updates += 1
 
     def as_dict(self) -> dict:
         return {"host_gb_per_s": round(self.speeds.host_bytes_per_s / 1e9, 2),

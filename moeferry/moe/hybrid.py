@@ -26,7 +26,7 @@ import torch
 from moeferry.kernels.fused_moe import host as host_kernel
 from moeferry.kernels.fused_moe.reference import sum_route_partials
 from moeferry.kernels.route_split import split_routes
-from moeferry.moe.host_experts import HostExpertChannel, SplitTuner, measure_speeds
+from moeferry.moe.host_experts import HostExpertChannel, SplitTuner, TunerSettings, measure_speeds
 from moeferry.moe.offload import LayerStream, OffloadStrategy
 from moeferry.moe.prefill_policy import AUTO
 from moeferry.moe.strategies import ExpertNeeds
@@ -137,11 +137,12 @@ class HybridStrategy(HostChannelMixin, OffloadStrategy):
 
     name = "hybrid"
     timeline = None  # a moe/timeline.py LayerTimeline over HYBRID_POINTS, set before capturing to profile
+    tuner_settings = TunerSettings()  # how the split follows the host (a class default; set before finalize)
 
     def finalize(self, plan) -> None:
         super().finalize(plan)
         self._build_channel()
-        self.tuner = SplitTuner(self.speeds, self.device)
+        self.tuner = SplitTuner(self.speeds, self.device, self.tuner_settings)
         self.rotation = torch.zeros(1, dtype=torch.int64, device=self.device)
 
     def begin_forward(self, is_decode: bool, num_tokens: int) -> None:

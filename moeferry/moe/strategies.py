@@ -211,7 +211,8 @@ class MoEStrategy:
 
     def begin_decode_step(self) -> None:
         """Called on the host before every decode step, a graph's replay or an eager forward
-        alike (begin_forward runs only while a graph captures): host-side bookkeeping only."""
+        alike (a replayed step runs no forward, so begin_forward never sees it): host-side
+        bookkeeping only."""
 
     def record_routes(self, layer_id: int, topk_ids: torch.Tensor) -> None:
         """Hand a layer's routes, before `forward` sees them, to the routing recorder if there

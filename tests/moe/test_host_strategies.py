@@ -142,63 +142,78 @@ class FakeCounters:
     """Stands in for the host kernel's process-wide counters (kernels/fused_moe/host.py timing)."""
 
     def __init__(self):
-        self.now = {"calls": 0, "seconds": 0.0, "experts": 0}
+        self.now = {"calls": 0, "seconds": 0.0, "experts": 0, "working_calls": 0, "working_seconds": 0.0}
 
-    def run(self, calls, seconds, experts):
-        self.now = {"calls": self.now["calls"] + calls, "seconds": self.now["seconds"] + seconds,
-                    "experts": self.now["experts"] + experts}
+    def run(self, calls, seconds, experts, empty_calls=0, empty_seconds=0.0):
+        """`calls` that computed `experts` in `seconds`, and `empty_calls` that computed none
+        (they return at once, paying no fixed cost)."""
+        for key, value in (("calls", calls + empty_calls), ("seconds", seconds + empty_seconds),
+                           ("experts", experts), ("working_calls", calls), ("working_seconds", seconds)):
+            self.now[key] += value
 
     def __call__(self):
         return dict(self.now)
 
 
-def tuned(monkeypatch, speeds):
+def tuned(monkeypatch, speeds, **settings):
     from moeferry.moe import host_experts
 
     counters = FakeCounters()
     monkeypatch.setattr(host_experts.host_kernel, "timing", counters)
-    return host_experts.SplitTuner(speeds, torch.device("cpu")), counters
+    return host_experts.SplitTuner(speeds, torch.device("cpu"), host_experts.TunerSettings(**settings)), counters
 
 
-def decode_period(tuner, counters, calls, seconds, experts):
-    """One PERIOD of decode steps, the host's calls spread over them."""
-    for _ in range(tuner.PERIOD):
-        counters.run(calls / tuner.PERIOD, seconds / tuner.PERIOD, experts / tuner.PERIOD)
+def decode_steps(tuner, counters, steps, calls, seconds, experts, **empty):
+    """`steps` decode steps, the host's calls spread over them."""
+    for _ in range(steps):
+        counters.run(calls / steps, seconds / steps, experts / steps, **{k: v / steps for k, v in empty.items()})
         tuner.decode_step()
+
+
+def decode_period(tuner, counters, calls, seconds, experts, **empty):
+    decode_steps(tuner, counters, tuner.settings.period, calls, seconds, experts, **empty)
 
 
 def test_the_split_follows_the_host_speed_decode_finds(monkeypatch):
     """A host at a third of its start-up speed: the estimate moves halfway each period, the
-    split tensor (what the route split reads) follows, and it never falls below the floor."""
-    from moeferry.moe.host_experts import SplitTuner
-
+    split tensor (what the route split reads) follows, and it never falls below the floor;
+    calls that computed no expert (no fixed cost paid) do not distort it."""
     start = ChannelSpeeds(50e9, 75e9, host_call_s=20e-6, expert_bytes=10**7)
     tuner, counters = tuned(monkeypatch, start)
     assert torch.allclose(tuner.split, torch.tensor([start.host_share, start.host_offset]))
     tuner.decode_step()  # the first step only marks the counters
-    decode_period(tuner, counters, calls=96, seconds=96 * 20e-6 + 300 * 1e7 / 25e9, experts=300)
+    decode_period(tuner, counters, calls=96, seconds=96 * 20e-6 + 300 * 1e7 / 25e9, experts=300,
+                  empty_calls=96, empty_seconds=96 * 1e-6)
     assert tuner.speeds.host_bytes_per_s == pytest.approx((75e9 + 25e9) / 2)
     assert tuner.speeds.host_share < start.host_share and tuner.updates == 1
     assert torch.allclose(tuner.split, torch.tensor([tuner.speeds.host_share, tuner.speeds.host_offset]))
     for _ in range(8):
         decode_period(tuner, counters, calls=96, seconds=96 * 20e-6 + 300 * 1e7 / 1e9, experts=300)
-    assert tuner.speeds.host_bytes_per_s == pytest.approx(SplitTuner.FLOOR * 75e9)
+    assert tuner.speeds.host_bytes_per_s == pytest.approx(tuner.settings.floor * 75e9)
     for _ in range(8):  # the host recovers: so does its share
         decode_period(tuner, counters, calls=96, seconds=96 * 20e-6 + 300 * 1e7 / 75e9, experts=300)
     assert tuner.speeds.host_share == pytest.approx(start.host_share, rel=1e-2)
+
+
+def test_a_prefill_between_decode_steps_is_not_counted_and_the_period_goes_on(monkeypatch):
+    start = ChannelSpeeds(50e9, 75e9, expert_bytes=10**7)
+    tuner, counters = tuned(monkeypatch, start)
+    tuner.decode_step()
+    half = tuner.settings.period // 2
+    decode_steps(tuner, counters, half, calls=48, seconds=150 * 1e7 / 25e9, experts=150)
+    tuner.interrupt()  # a prefill: its host calls, slow per expert, are not decode's
+    counters.run(calls=1, seconds=5.0, experts=100)
+    tuner.decode_step()  # counting resumes here
+    decode_steps(tuner, counters, tuner.settings.period - half, calls=48, seconds=150 * 1e7 / 25e9, experts=150)
+    assert tuner.updates == 1 and tuner.speeds.host_bytes_per_s == pytest.approx((75e9 + 25e9) / 2)
 
 
 def test_the_split_stays_where_it_cannot_measure_or_must_not_move(monkeypatch):
     start = ChannelSpeeds(50e9, 75e9, expert_bytes=10**7)
     tuner, counters = tuned(monkeypatch, start)
     tuner.decode_step()
-    decode_period(tuner, counters, calls=8, seconds=1.0, experts=tuner.MIN_EXPERTS - 1)  # too few experts
-    assert tuner.updates == 0
-    tuner.interrupt()  # a prefill's host calls are not decode's
-    counters.run(calls=1, seconds=5.0, experts=100)
-    tuner.decode_step()
-    decode_period(tuner, counters, calls=96, seconds=300 * 1e7 / 75e9, experts=300)
-    assert tuner.updates == 1 and tuner.speeds.host_bytes_per_s == pytest.approx(75e9)
+    decode_period(tuner, counters, calls=8, seconds=1.0, experts=tuner.settings.min_experts - 1)  # too few experts
+    assert tuner.updates == 0 and tuner.speeds == start
     fixed, counters = tuned(monkeypatch, replace(start, share=0.3))  # --moe-host-share
     fixed.decode_step()
     decode_period(fixed, counters, calls=96, seconds=1.0, experts=300)
@@ -206,16 +221,15 @@ def test_the_split_stays_where_it_cannot_measure_or_must_not_move(monkeypatch):
 
 
 def test_hybrid_decode_retunes_its_split_and_still_generates_what_gpu_generates(tmp_path, monkeypatch):
-    """The runner calls the tuner before each decode step; the split it writes is the one the
-    layers read (the host's expert count moves with it), and the tokens stay gpu's."""
+    """The runner calls the tuner before each decode step, its split is the one the layers
+    read, and the tokens stay gpu's."""
     from moeferry.moe import host_experts, hybrid
 
     name, config = FAMILIES[0]
     path = str(tmp_path / name)
     make_checkpoint(config, path)
     experts = getattr(config, "num_experts", None) or config.num_local_experts
-    monkeypatch.setattr(host_experts.SplitTuner, "PERIOD", 2)
-    monkeypatch.setattr(host_experts.SplitTuner, "MIN_EXPERTS", 1)
+    monkeypatch.setattr(hybrid.HybridStrategy, "tuner_settings", host_experts.TunerSettings(period=2, min_experts=1))
     monkeypatch.setattr(hybrid, "measure_speeds", lambda banks, *a: ChannelSpeeds(
         10e9, 10e9, expert_bytes=next(iter(banks.values())).bytes_per_expert))
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

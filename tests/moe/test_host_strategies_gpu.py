@@ -141,23 +141,29 @@ def test_host_strategies_generate_what_gpu_generates_on_quantized_and_biased_exp
 
 
 def test_a_new_split_reaches_the_captured_graphs():
-    """The split is a device tensor the route split reads at replay: written to no host share,
-    decode computes no expert on the host; written to all of the misses, it does, with the
-    same graphs (none recaptured)."""
+    """The split is a device tensor the route split reads at replay: written by the tuner's
+    own path (pinned row, stream-ordered copy) as no host share, decode computes no expert on
+    the host; as all of the misses, it does, with the same graphs (none recaptured)."""
+    from dataclasses import replace
+
     from moeferry import LLM, SamplingParams
     from moeferry.default_model import ensure_default_model
 
     llm = LLM(ensure_default_model(), max_running_requests=4, moe_strategy="hybrid", moe_cache_slots=48)
     strategy, graphs = llm.engine.runner.strategy, llm.engine.runner.graphs
-    strategy.tuner.fixed = True  # the values written here stay
+    tuner = strategy.tuner
+    tuner.fixed = True  # the values written here stay
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7], list(range(10, 50))]
 
     def host_experts_with(share: float) -> int:
-        strategy.tuner.split.copy_(torch.tensor([share, 0.0]))
+        tuner.speeds = replace(tuner.speeds, share=share)  # a fixed share: offset 0
+        tuner.write()
         before = int(strategy.host_experts.sum())
-        llm.generate([[1, 2, 3, 4, 5], [9, 8, 7], list(range(10, 50))], params)
+        llm.generate(prompts, params)
         return int(strategy.host_experts.sum()) - before
 
+    assert graphs is not None and graphs.can_run(len(prompts))
     assert host_experts_with(0.0) == 0
     assert host_experts_with(1.0) > 0
     assert llm.engine.runner.graphs is graphs

@@ -118,11 +118,14 @@ def library() -> ctypes.CDLL:
 
 
 def timing() -> dict:
-    """Every call so far in this process: count, total and longest wall time in seconds, and
-    the distinct experts the calls computed (`experts`, summed over calls)."""
-    values = (ctypes.c_int64 * 4)()
+    """Every call so far in this process: count, total and longest wall time in seconds; the
+    distinct experts the calls computed (`experts`, summed over calls); and the calls that
+    computed any (`working_calls`, `working_seconds`: the others return without waking the
+    threads, so they pay no fixed cost)."""
+    values = (ctypes.c_int64 * 6)()
     library().moe_host_timing(values)
-    return {"calls": values[0], "seconds": values[1] / 1e9, "longest_s": values[2] / 1e9, "experts": values[3]}
+    return {"calls": values[0], "seconds": values[1] / 1e9, "longest_s": values[2] / 1e9, "experts": values[3],
+            "working_calls": values[4], "working_seconds": values[5] / 1e9}
 
 
 def available() -> bool:

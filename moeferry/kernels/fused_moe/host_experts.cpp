@@ -499,12 +499,16 @@ std::vector<Group> group_routes(const MoEHostCall& c, std::vector<int32_t>& orde
   return groups;
 }
 
-std::atomic<int64_t> g_calls{0}, g_total_ns{0}, g_max_ns{0}, g_experts{0};
+std::atomic<int64_t> g_calls{0}, g_total_ns{0}, g_max_ns{0}, g_experts{0}, g_working_calls{0}, g_working_ns{0};
 
 void record_time(int64_t ns, int64_t experts) {
   g_calls.fetch_add(1, std::memory_order_relaxed);
-  g_experts.fetch_add(experts, std::memory_order_relaxed);
   g_total_ns.fetch_add(ns, std::memory_order_relaxed);
+  if (experts > 0) {  // a call that woke the threads and paid the fixed cost
+    g_experts.fetch_add(experts, std::memory_order_relaxed);
+    g_working_calls.fetch_add(1, std::memory_order_relaxed);
+    g_working_ns.fetch_add(ns, std::memory_order_relaxed);
+  }
   int64_t seen = g_max_ns.load(std::memory_order_relaxed);
   while (ns > seen && !g_max_ns.compare_exchange_weak(seen, ns, std::memory_order_relaxed)) {
   }
@@ -514,14 +518,17 @@ void record_time(int64_t ns, int64_t experts) {
 
 extern "C" {
 
-// Calls run so far, their total and longest wall time in ns, and the distinct experts they
-// computed (every call, from any thread): the host channel's share of a step, read by its
+// Calls run so far, their total and longest wall time in ns, the distinct experts they
+// computed, and of the calls that computed any (the others return at once) the count and
+// wall time (every call, from any thread): the host channel's share of a step, read by its
 // statistics and profile, and its speed as decode finds it (moe/host_experts.py SplitTuner).
 void moe_host_timing(int64_t* out) {
   out[0] = g_calls.load();
   out[1] = g_total_ns.load();
   out[2] = g_max_ns.load();
   out[3] = g_experts.load();
+  out[4] = g_working_calls.load();
+  out[5] = g_working_ns.load();
 }
 
 int moe_host_has_avx512_bf16() {
