@@ -16,6 +16,7 @@ GPU only: without CUDA it says so and exits 0.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import tempfile
 import time
@@ -39,11 +40,12 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2, help="runs per row, the fastest kept")
-    p.add_argument("--parts", nargs="+", choices=["decode", "kernel", "big", "contention", "timeline"],
+    p.add_argument("--parts", nargs="+", choices=["decode", "kernel", "big", "contention", "timeline", "preemption"],
                    default=["decode", "kernel"],
                    help="contention: the host kernel's and pinned H2D copies' GB/s alone and at once (both read "
                         "the host's DRAM); timeline: where a hybrid decode step's time goes, layer by layer "
-                        "(device timestamps inside the graph, moe/timeline.py)")
+                        "(device timestamps inside the graph, moe/timeline.py); preemption: the host kernel per "
+                        "schedule, alone and beside processes busy on other cores")
     p.add_argument("--timeline-shares", type=float, nargs="+", default=[0.25, 0.75],
                    help="the `timeline` part: hybrid at these shares of the experts on the GPU")
     p.add_argument("--big-layers", type=int, default=48, help="the `big` part: hybrid at 25%% on this many layers")
@@ -269,6 +271,73 @@ def kernel_rows(args) -> list[list]:
     return rows
 
 
+@dataclasses.dataclass
+class HostKernelBench:
+    """Host kernel calls over one layer of Qwen3-30B-A3B experts (bf16, random, pinned on a GPU
+    machine: 1.2 GB), one token routed to 8 of them a call, 16 calls covering all 128.
+    Invariant: the calls hold raw pointers into `tensors`; hold this object while any runs."""
+
+    tensors: dict
+    calls: list
+    expert_bytes: int
+    top_k: int = 8
+
+
+def host_kernel_calls(threads: int, schedule: str = "static") -> HostKernelBench:
+    from moeferry.kernels.fused_moe import host
+
+    cfg = QWEN3_30B_DIR_CONFIG
+    hidden, inter, experts, top_k = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts"], 8
+    pinned = torch.cuda.is_available()  # as the host store is; plain memory on a CPU-only machine
+    t = {"w13": torch.randn(experts, 2 * inter, hidden, dtype=torch.bfloat16) * 0.02,
+         "w2": torch.randn(experts, hidden, inter, dtype=torch.bfloat16) * 0.02}
+    if pinned:
+        t = {k: v.pin_memory() for k, v in t.items()}
+    t.update(x=torch.randn(1, hidden).bfloat16(), weights=torch.full((1, top_k), 1.0 / top_k),
+             out=torch.empty(1, top_k, hidden, dtype=torch.bfloat16), act=torch.empty(top_k, inter, dtype=torch.bfloat16),
+             ids=[(torch.arange(top_k, dtype=torch.int32) + i * top_k).reshape(1, top_k) % experts
+                  for i in range(experts // top_k)])
+    calls = [host.make_call(t["x"], ids, t["weights"], t["out"], t["w13"], t["w2"], t["act"], threads,
+                            schedule=schedule) for ids in t["ids"]]
+    return HostKernelBench(t, calls, (t["w13"][0].numel() + t["w2"][0].numel()) * 2, top_k)
+
+
+def preemption_rows(args, seconds: float = 1.0) -> list[list]:
+    """The host kernel with the engine's default thread count (one per core less one), per
+    schedule, alone and beside 1 and 2 processes that each spin on a core: other work the OS
+    must fit in, as on a host that also serves something else. A static team waits at every
+    barrier for its slowest thread; a dynamic one deals its units to whichever thread is free.
+    GB/s of expert weights over `seconds` after a quarter second untimed."""
+    import subprocess
+    import sys
+
+    from moeferry.kernels.fused_moe import host
+
+    threads = host.default_threads()
+    rows = []
+    for schedule in host.SCHEDULES:
+        bench = host_kernel_calls(threads, schedule)  # held while its calls run
+        calls, expert_bytes, top_k = bench.calls, bench.expert_bytes, bench.top_k
+        for busy in (0, 1, 2):
+            spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+            try:
+                time.sleep(0.25)
+                rates = []
+                for duration in (0.25, seconds):  # untimed, then timed
+                    done, start = 0, time.perf_counter()
+                    while time.perf_counter() - start < duration:
+                        host.run(calls[done % len(calls)])
+                        done += 1
+                    rates.append(done * top_k * expert_bytes / (time.perf_counter() - start) / 1e9)
+            finally:
+                for p in spinners:
+                    p.kill()
+                    p.wait()
+            rows.append([schedule, threads, busy, f"{rates[-1]:.1f}"])
+            print(rows[-1], flush=True)
+    return rows
+
+
 def contention_rows(args, seconds: float = 2.0) -> list[list]:
     """Both channels read the host's DRAM: GB/s of the host kernel (one token on 8 experts a
     call, over 1.2 GB of experts, 16 threads or --threads' largest) and of pinned H2D copies of
@@ -280,18 +349,11 @@ def contention_rows(args, seconds: float = 2.0) -> list[list]:
 
     from moeferry.kernels.fused_moe import host
 
-    cfg = QWEN3_30B_DIR_CONFIG
-    hidden, inter, experts, top_k = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts"], 8
     threads = max(args.threads)
-    w13 = (torch.randn(experts, 2 * inter, hidden, dtype=torch.bfloat16) * 0.02).pin_memory()
-    w2 = (torch.randn(experts, hidden, inter, dtype=torch.bfloat16) * 0.02).pin_memory()
-    expert_bytes = (w13[0].numel() + w2[0].numel()) * 2
-    x = torch.randn(1, hidden).bfloat16()
-    weights = torch.full((1, top_k), 1.0 / top_k)
-    out = torch.empty(1, top_k, hidden, dtype=torch.bfloat16)
-    act = torch.empty(top_k, inter, dtype=torch.bfloat16)
-    calls = [host.make_call(x, (torch.arange(top_k, dtype=torch.int32) + i * top_k).reshape(1, top_k) % experts,
-                            weights, out, w13, w2, act, threads) for i in range(experts // top_k)]
+    bench = host_kernel_calls(threads)  # held to the end: the calls point into its tensors
+    calls, expert_bytes, top_k = bench.calls, bench.expert_bytes, bench.top_k
+    w13, w2 = bench.tensors["w13"], bench.tensors["w2"]
+    experts, inter, hidden = w13.shape[0], w2.shape[2], w2.shape[1]
     slots13 = torch.empty(top_k, 2 * inter, hidden, dtype=torch.bfloat16, device="cuda")
     slots2 = torch.empty(top_k, hidden, inter, dtype=torch.bfloat16, device="cuda")
 
@@ -381,6 +443,14 @@ def main(argv, args) -> int:
                "experts a call, cycling over 128; H2D copies of 8 whole experts at a time into device slots; "
                "each run 2 s timed after 0.25 s untimed: alone, both at once, then the host kernel alone again. "
                "The two-channel floor assumes the sum of the alone figures.",
+               args.results)
+    if "preemption" in args.parts:
+        rows = preemption_rows(args)
+        report("hybrid/preemption", "The host kernel beside other work on the host", command,
+               markdown_table(["schedule", "threads", "busy processes", "host kernel GB/s"], rows),
+               "One token routed to 8 of 128 Qwen3-30B-A3B experts a call (bf16, 9.44 MB each), the engine's "
+               "default thread count, each schedule alone and beside 1 and 2 processes spinning on a core each; "
+               "1 s timed after 0.25 s untimed (kernels/fused_moe/host.py SCHEDULES).",
                args.results)
     if "timeline" in args.parts:
         rows = timeline_rows(config_dir, args)

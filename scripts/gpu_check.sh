@@ -7,7 +7,7 @@
 # the built-in model's routing, the simulator against the engine), deepseek (DeepSeek-V3-shaped decode
 # and the MLA kernel; 3 layers, 2 of them MoE layers of 22.5 GB each, pinned: ~45 GB of host memory), gpt-oss (gpt-oss-20b-shaped
 # decode, 4 layers of 32 bf16 experts), quant (decode and accuracy
-# per expert format: bf16, fp8, int4, mxfp4), hybrid (the host channel: kernel GB/s, decode at 0-100%, the channels contending, a layer timeline on the
+# per expert format: bf16, fp8, int4, mxfp4), hybrid (the host channel: kernel GB/s, decode at 0-100%, the channels contending, the kernel beside busy processes, a layer timeline on the
 # GPU), structured (decode with a JSON-schema grammar against without; needs .whl), prefill (prefill tok/s
 # by share of the experts resident, multi-turn TTFT with and without prefix caching); default
 # tests,kernels,decode-quick.
@@ -75,7 +75,7 @@ has gpt-oss && run bench-gpt-oss python3 -m benchmarks.bench_gpt_oss --results "
 has quant && run bench-quant python3 -m benchmarks.bench_quant --results "$RESULTS" "$CURRENT" \
   && run bench-quant-accuracy python3 -m benchmarks.bench_quant_accuracy --device cuda --results "$RESULTS"
 has structured && run bench-structured python3 -m benchmarks.bench_structured --results "$RESULTS" "$CURRENT"
-has hybrid && run bench-hybrid python3 -m benchmarks.bench_hybrid --parts decode kernel contention timeline --results "$RESULTS" "$CURRENT"
+has hybrid && run bench-hybrid python3 -m benchmarks.bench_hybrid --parts decode kernel contention timeline preemption --results "$RESULTS" "$CURRENT"
 has serve && run bench-serve python3 -m benchmarks.bench_serve --results "$RESULTS" "$CURRENT"  # needs .whl
 echo; cat "$OUT/gpu.txt"; echo
 printf '%s\n' "${summary[@]}"

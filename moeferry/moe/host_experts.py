@@ -254,7 +254,7 @@ class HostExpertChannel:
     "kernel" stages through kernels/host_staging on the main stream, "copy" through `copy_` on
     the side stream (module docstring). `dispatch` (likewise): "mailbox" runs the kernel through
     the mailbox worker (kernel staging only), "host_function" as a CUDA host function on the
-    side stream.
+    side stream. `schedule` (likewise): how the kernel deals its work units to its threads.
     `dtype` is the model's compute dtype: the kernel computes a bf16 model's experts, their banks
     bf16 or quantized (fp8, int4, mxfp4), with or without biases, silu or gpt-oss's clamped
     SwiGLU; on a GPU nothing else runs here.
@@ -262,6 +262,7 @@ class HostExpertChannel:
 
     staging = "kernel"
     dispatch = "mailbox"  # the faster of the two in RESULTS hybrid/decode (bench_hybrid --dispatch)
+    schedule = "static"  # kernels/fused_moe/host.py SCHEDULES (bench_hybrid --parts preemption compares)
 
     def __init__(self, banks: dict, max_tokens: int, top_k: int, device: torch.device, threads: int,
                  dtype: torch.dtype = torch.bfloat16):
@@ -295,7 +296,7 @@ class HostExpertChannel:
             bank = self.banks[layer_id]
             self.calls[key] = host_kernel.make_call(
                 self.x[:num_tokens], self.ids[:num_tokens], self.weights[:num_tokens], self.out[:num_tokens],
-                bank.w13, bank.w2, self.act, self.threads, **bank.kernel_args())
+                bank.w13, bank.w2, self.act, self.threads, schedule=self.schedule, **bank.kernel_args())
         return self.calls[key]
 
     def begin(self, layer_id: int, hidden: torch.Tensor, topk_weights: torch.Tensor, host_ids: torch.Tensor) -> None:

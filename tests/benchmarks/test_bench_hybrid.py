@@ -3,6 +3,8 @@ span of the layer timeline filled, the steps it averaged those timed (the graph 
 the GPU only; the stamps here are the host clock's)."""
 import os
 
+import pytest
+
 from benchmarks import bench_hybrid
 from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
@@ -36,3 +38,15 @@ def test_host_threads_reach_the_host_strategies_only(monkeypatch):
     for strategy in ("cpu", "hybrid", "offload", "gpu"):
         bench_hybrid.make_engine("unused", args, strategy)
     assert [ec.moe_host_threads for ec in made] == [12, 12, 0, 0]  # 0: the default
+
+
+def test_the_preemption_part_times_each_schedule_alone_and_beside_busy_processes():
+    from moeferry.kernels.fused_moe import host
+
+    if not host.available():
+        pytest.skip("no C++ compiler for the host kernel")
+    bench = bench_hybrid.host_kernel_calls(1, "dynamic")
+    assert {call.schedule for call in bench.calls} == {host.SCHEDULES["dynamic"]}
+    rows = bench_hybrid.preemption_rows(bench_hybrid.parse_args(["--parts", "preemption"]), seconds=0.2)
+    assert [(r[0], r[2]) for r in rows] == [(s, b) for s in ("static", "dynamic") for b in (0, 1, 2)]
+    assert all(float(r[3]) > 0 for r in rows)

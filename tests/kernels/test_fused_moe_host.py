@@ -122,6 +122,8 @@ def test_bad_calls_are_refused_in_one_line():
         host.make_call(hidden, ids, weights, out, w13, w2, act[:1], 1)
     with pytest.raises(ValueError, match="vector_isa"):
         host.make_call(hidden, ids, weights, out, w13, w2, act, 1, vector_isa="sse")
+    with pytest.raises(ValueError, match="schedule 'guided' is not one of static, dynamic"):
+        host.make_call(hidden, ids, weights, out, w13, w2, act, 1, schedule="guided")
 
 
 # Quantized banks: (format, block_shape, the rows' random stored elements). fp8 blocks of 16x16
@@ -336,3 +338,14 @@ def test_bad_bias_calls_are_refused_in_one_line():
     with pytest.raises(ValueError, match=r"w13_bias must be a contiguous CPU torch.bfloat16 \[8, 64\]"):
         host.make_call(hidden, ids, weights, out, w13, w2, act, 1, w13_bias=b13[:, :32], w2_bias=b2)
     assert not host.compiles(torch.bfloat16, torch.bfloat16, torch.float16, CLAMPED)
+
+
+@pytest.mark.parametrize("name", WEIGHT_FORMATS)
+def test_the_schedule_does_not_change_the_bits(name):
+    """Units dealt in fixed blocks or one at a time to a free thread: each is computed whole
+    by one thread, so the outputs are the same bits, quantized banks too."""
+    hidden, w13, w2, weights, ids = make_case(9, 4, 128, 64, 16, seed=21)
+    stored13, stored2, scales, _, _ = banks_in(name, w13, w2)
+    runs = [host.expert_routes(hidden, stored13, stored2, weights, ids, threads=3, schedule=schedule, **scales)
+            for schedule in ("static", "dynamic", "static")]
+    assert runs[0].abs().max() > 0 and torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])

@@ -56,7 +56,7 @@ class MoEHostCall(ctypes.Structure):
                 ("block_n", ctypes.c_int32), ("block_k", ctypes.c_int32), ("w13_scale", ctypes.c_void_p),
                 ("w2_scale", ctypes.c_void_p), ("w13_bias", ctypes.c_void_p), ("w2_bias", ctypes.c_void_p),
                 ("bias_format", ctypes.c_int32), ("activation", ctypes.c_int32), ("alpha", ctypes.c_float),
-                ("limit", ctypes.c_float)]
+                ("limit", ctypes.c_float), ("schedule", ctypes.c_int32)]
 
 
 # host_experts.cpp's MoEHostFormat by the weight banks' dtype: (code, values per stored
@@ -67,6 +67,10 @@ FORMATS = {torch.bfloat16: (0, 1, None), torch.float8_e4m3fn: (1, 1, torch.float
 # host_experts.cpp's MoEHostBiasFormat by the bias banks' dtype, and MoEHostActivation by name.
 BIAS_FORMATS = {torch.bfloat16: 0, torch.float32: 1}
 ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
+
+# host_experts.cpp's MoEHostSchedule by name: the work units dealt in fixed blocks, or one at a
+# time to whichever thread is free (a preempted thread then delays one unit, not its block).
+SCHEDULES = {"static": 0, "dynamic": 1}
 
 
 def _cache_dir() -> Path:
@@ -172,7 +176,8 @@ def make_call(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ou
               w13: torch.Tensor, w2: torch.Tensor, act: torch.Tensor, threads: int,
               vector_isa: str = "auto", w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
               block_shape: tuple[int, int] | None = None, w13_bias: torch.Tensor | None = None,
-              w2_bias: torch.Tensor | None = None, activation: Activation = SILU) -> MoEHostCall:
+              w2_bias: torch.Tensor | None = None, activation: Activation = SILU,
+              schedule: str = "static") -> MoEHostCall:
     """The call over these CPU tensors (see host_experts.cpp): hidden [T, H] bf16, ids [T, K]
     int32, weights [T, K] float32, out [T, K, H] bf16, w13 [E, 2I, H], w2 [E, H, I] bf16, act
     scratch [>= T * K, I] bf16; all contiguous. Quantized banks (the dtype says the format,
@@ -182,7 +187,11 @@ def make_call(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ou
     `BIAS_FORMATS`: w13_bias [E, 2I] (gate's, then up's), w2_bias [E, H]; `activation` silu or
     the clamped SwiGLU with its alpha and limit (ExpertBanks.kernel_args() fits here as it fits
     fused_moe). Checks shapes, dtypes and placement once.
-    `vector_isa`: auto (AVX512-BF16 where the CPU has it), or one named path (tests)."""
+    `vector_isa`: auto (AVX512-BF16 where the CPU has it), or one named path (tests).
+    `schedule`: how the work units are dealt to the threads (`SCHEDULES`); the outputs are
+    the same bits either way, each unit being computed whole by one thread."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"host expert call: schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
     if w13.dtype not in FORMATS:
         raise ValueError(f"host expert call: weights of {w13.dtype} are not a format the kernel reads "
                          f"({', '.join(map(str, FORMATS))})")
@@ -226,7 +235,7 @@ def make_call(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ou
     return MoEHostCall(_ptr(hidden), _ptr(ids), _ptr(weights), _ptr(out), _ptr(w13), _ptr(w2), _ptr(act),
                        num_tokens, top_k, hidden_size, inter, num_experts, threads, _use_avx512(vector_isa),
                        code, bn, bk, *scales, *biases, ACTIVATIONS[activation.name], activation.alpha,
-                       activation.limit)
+                       activation.limit, SCHEDULES[schedule])
 
 
 def dequantized(call: MoEHostCall, bank: int, expert: int) -> torch.Tensor:
@@ -248,7 +257,7 @@ def run(call: MoEHostCall) -> None:
 def expert_routes(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, threads: int | None = None, vector_isa: str = "auto",
                   w13_scale=None, w2_scale=None, block_shape=None, w13_bias=None, w2_bias=None,
-                  activation: Activation = SILU) -> torch.Tensor:
+                  activation: Activation = SILU, schedule: str = "static") -> torch.Tensor:
     """The weighted per-route outputs [T, K, H] bf16 of the routes whose id is >= 0; routes
     with a negative id are zero (another channel computes them)."""
     num_tokens, top_k = topk_ids.shape
@@ -258,7 +267,7 @@ def expert_routes(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     out = torch.empty(num_tokens, top_k, hidden.shape[1], dtype=torch.bfloat16)
     act = torch.empty(num_tokens * top_k, w13.shape[1] // 2, dtype=torch.bfloat16)
     run(make_call(hidden, ids, weights, out, w13, w2, act, threads or default_threads(), vector_isa,
-                  w13_scale, w2_scale, block_shape, w13_bias, w2_bias, activation))
+                  w13_scale, w2_scale, block_shape, w13_bias, w2_bias, activation, schedule))
     return out
 
 

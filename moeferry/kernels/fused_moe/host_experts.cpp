@@ -83,6 +83,7 @@ struct MoEHostCall {
   int32_t bias_format;      // MoEHostBiasFormat of both bias banks
   int32_t activation;       // MoEHostActivation
   float alpha, limit;       // kClampedSwiglu's constants
+  int32_t schedule;         // MoEHostSchedule: how the work units are dealt to the threads
 };
 
 // How the weight banks are stored (host.py: FORMATS).
@@ -93,6 +94,11 @@ enum MoEHostBiasFormat { kBiasBf16 = 0, kBiasF32 = 1 };
 
 // How a route's gate and up rows combine (kernels/fused_moe: Activation).
 enum MoEHostActivation { kSilu = 0, kClampedSwiglu = 1 };
+
+// How a phase's work units are dealt to the threads (host.py: SCHEDULES): in equal blocks
+// fixed in advance, or one at a time to whichever thread is free, so that a thread the OS
+// preempts holds up only the unit it is on instead of its whole block.
+enum MoEHostSchedule { kStatic = 0, kDynamic = 1 };
 
 }  // extern "C"
 
@@ -561,18 +567,22 @@ void moe_host_run(void* arg) {
     record_time(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count(), 0);
     return;
   }
+  if (c.schedule == kDynamic)
+    omp_set_schedule(omp_sched_dynamic, 1);
+  else
+    omp_set_schedule(omp_sched_static, 0);
 #pragma omp parallel num_threads(c.threads)
   {
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < routes; ++r)
       if (c.ids[r] < 0 || c.ids[r] >= c.E) std::memset(c.out + r * c.H, 0, c.H * sizeof(uint16_t));
-#pragma omp for schedule(static)
+#pragma omp for schedule(runtime)
     for (int64_t u = 0; u < units_a; ++u) {
       const Group& g = groups[u / units_per_group];
       int64_t i0 = (u % units_per_group) * kRowsA;
       gate_up_unit(c, g, order.data(), i0, std::min(c.I, i0 + kRowsA), avx512);
     }
-#pragma omp for schedule(static)
+#pragma omp for schedule(runtime)
     for (int64_t u = 0; u < units_b; ++u) {
       int64_t n0 = u * kRowsB;
       down_unit(c, groups, order.data(), n0, std::min(c.H, n0 + kRowsB), avx512);
