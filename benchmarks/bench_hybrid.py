@@ -117,11 +117,11 @@ def decode_row(engine, args, label, share, batch, expert_bytes, h2d, host_bw) ->
     missed = run["copied"] + run["host"]
     two_ms = missed * expert_bytes / (h2d + host_bw) * 1e3
     llama = LLAMA_CPP_BATCH1.get(share) if batch == 1 else None
-    tuned = engine.runner.strategy.stats().get("split_now")
+    tuner = getattr(engine.runner.strategy, "tuner", None)
     row = [f"{share:.0%}", batch, label, f"{run['tok_s']:.1f}", f"{run['step_s'] * 1e3:.2f}",
            f"{hit / total:.2f}" if total else "-", f"{hit:.0f} / {run['copied']:.0f} / {run['host']:.0f}",
            f"{pcie_ms:.2f}", f"{host_ms:.2f}", f"{run['host_s'] * 1e3:.2f}", f"{host_now / 1e9:.1f}" if host_now else "-", f"{two_ms:.2f}",
-           f"{tuned['host_share']:.2f}" if tuned else "-",
+           f"{tuner.speeds.host_share:.2f}" if tuner else "-",
            f"{llama:.1f}" if llama else "-", f"{run['tok_s'] / llama:.2f}x" if llama else "-"]
     print(row, flush=True)
     return row
@@ -220,10 +220,20 @@ def big_rows(config_dir, args, h2d) -> list[list]:
     for batch in args.batch:
         row = decode_row(engine, args, f"hybrid, {args.big_layers} layers", 0.25, batch, s.expert_bytes, h2d,
                          s.speeds.host_bytes_per_s)
-        rows.append(row[:13] + [f"{host_gib:.1f}"])
+        rows.append(row[:BIG_COLUMNS] + [f"{host_gib:.1f}"])
     del engine, s
     free_engine_memory()
     return rows
+
+
+def expert_layer(gen: torch.Generator | None = None, pinned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer of Qwen3-30B-A3B experts, bf16 N(0, 0.02): w13 [128, 1536, 2048] and w2
+    [128, 2048, 768], 1.2 GB (beyond any L3), pinned when asked (as the host store is)."""
+    cfg = QWEN3_30B_DIR_CONFIG
+    hidden, inter, experts = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts"]
+    w13 = torch.empty(experts, 2 * inter, hidden, dtype=torch.bfloat16).normal_(0, 0.02, generator=gen)
+    w2 = torch.empty(experts, hidden, inter, dtype=torch.bfloat16).normal_(0, 0.02, generator=gen)
+    return (w13.pin_memory(), w2.pin_memory()) if pinned else (w13, w2)
 
 
 def kernel_rows(args) -> list[list]:
@@ -231,11 +241,9 @@ def kernel_rows(args) -> list[list]:
     layer's 128 Qwen3-30B-A3B experts (1.2 GB, beyond the L3) under uniform top-8 routing."""
     from moeferry.kernels.fused_moe import host
 
-    cfg = QWEN3_30B_DIR_CONFIG
-    hidden, inter, experts, top_k = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts"], 8
     gen = torch.Generator().manual_seed(0)
-    w13 = torch.empty(experts, 2 * inter, hidden, dtype=torch.bfloat16).normal_(0, 0.02, generator=gen)
-    w2 = torch.empty(experts, hidden, inter, dtype=torch.bfloat16).normal_(0, 0.02, generator=gen)
+    w13, w2 = expert_layer(gen)
+    experts, hidden, top_k = w13.shape[0], w2.shape[1], 8
     expert_bytes = (w13[0].numel() + w2[0].numel()) * 2
     rows = []
     for threads in args.threads:
@@ -282,24 +290,25 @@ class HostKernelBench:
     expert_bytes: int
     top_k: int = 8
 
+    def host_step(self, i: int) -> None:
+        """Run the i-th call (cycling), `top_k` experts' weights read."""
+        from moeferry.kernels.fused_moe import host
+
+        host.run(self.calls[i % len(self.calls)])
+
 
 def host_kernel_calls(threads: int, schedule: str = "static") -> HostKernelBench:
     from moeferry.kernels.fused_moe import host
 
-    cfg = QWEN3_30B_DIR_CONFIG
-    hidden, inter, experts, top_k = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts"], 8
-    pinned = torch.cuda.is_available()  # as the host store is; plain memory on a CPU-only machine
-    t = {"w13": torch.randn(experts, 2 * inter, hidden, dtype=torch.bfloat16) * 0.02,
-         "w2": torch.randn(experts, hidden, inter, dtype=torch.bfloat16) * 0.02}
-    if pinned:
-        t = {k: v.pin_memory() for k, v in t.items()}
-    t.update(x=torch.randn(1, hidden).bfloat16(), weights=torch.full((1, top_k), 1.0 / top_k),
+    w13, w2 = expert_layer(pinned=torch.cuda.is_available())  # plain memory on a CPU-only machine
+    experts, hidden, inter, top_k = w13.shape[0], w2.shape[1], w2.shape[2], 8
+    t = dict(w13=w13, w2=w2, x=torch.randn(1, hidden).bfloat16(), weights=torch.full((1, top_k), 1.0 / top_k),
              out=torch.empty(1, top_k, hidden, dtype=torch.bfloat16), act=torch.empty(top_k, inter, dtype=torch.bfloat16),
              ids=[(torch.arange(top_k, dtype=torch.int32) + i * top_k).reshape(1, top_k) % experts
                   for i in range(experts // top_k)])
-    calls = [host.make_call(t["x"], ids, t["weights"], t["out"], t["w13"], t["w2"], t["act"], threads,
-                            schedule=schedule) for ids in t["ids"]]
-    return HostKernelBench(t, calls, (t["w13"][0].numel() + t["w2"][0].numel()) * 2, top_k)
+    calls = [host.make_call(t["x"], ids, t["weights"], t["out"], w13, w2, t["act"], threads, schedule=schedule)
+             for ids in t["ids"]]
+    return HostKernelBench(t, calls, (w13[0].numel() + w2[0].numel()) * 2, top_k)
 
 
 def preemption_rows(args, seconds: float = 1.0) -> list[list]:
@@ -317,25 +326,50 @@ def preemption_rows(args, seconds: float = 1.0) -> list[list]:
     rows = []
     for schedule in host.SCHEDULES:
         bench = host_kernel_calls(threads, schedule)  # held while its calls run
-        calls, expert_bytes, top_k = bench.calls, bench.expert_bytes, bench.top_k
+        host_channel = timed_channel(bench.host_step, bench.top_k * bench.expert_bytes, "host")
         for busy in (0, 1, 2):
             spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
             try:
-                time.sleep(0.25)
-                rates = []
-                for duration in (0.25, seconds):  # untimed, then timed
-                    done, start = 0, time.perf_counter()
-                    while time.perf_counter() - start < duration:
-                        host.run(calls[done % len(calls)])
-                        done += 1
-                    rates.append(done * top_k * expert_bytes / (time.perf_counter() - start) / 1e9)
+                run_together([host_channel], 0.25)  # untimed
+                gb_per_s = run_together([host_channel], seconds)["host"]
             finally:
                 for p in spinners:
                     p.kill()
                     p.wait()
-            rows.append([schedule, threads, busy, f"{rates[-1]:.1f}"])
+            rows.append([schedule, threads, busy, f"{gb_per_s:.1f}"])
             print(rows[-1], flush=True)
     return rows
+
+
+def timed_channel(step, step_bytes: int, key: str):
+    """A channel's loop for `run_together`: `step(i)` moves `step_bytes` (the i-th call's
+    experts) until stopped, timed from `go`; its GB/s under `key`."""
+    def run(stop, result, go):
+        done = 0
+        go.wait()
+        start = time.perf_counter()
+        while not stop.is_set():
+            step(done)
+            done += 1
+        result[key] = done * step_bytes / (time.perf_counter() - start) / 1e9
+    return run
+
+
+def run_together(channels, duration: float) -> dict:
+    """Run `channels` (timed_channel loops) on threads at once for `duration` seconds (the host
+    kernel through ctypes runs without the GIL); their figures."""
+    import threading
+
+    stop, result, go = threading.Event(), {}, threading.Event()
+    workers = [threading.Thread(target=fn, args=(stop, result, go)) for fn in channels]
+    for w in workers:
+        w.start()
+    go.set()
+    time.sleep(duration)
+    stop.set()
+    for w in workers:
+        w.join()
+    return result
 
 
 def contention_rows(args, seconds: float = 2.0) -> list[list]:
@@ -345,30 +379,12 @@ def contention_rows(args, seconds: float = 2.0) -> list[list]:
     which ctypes runs without the GIL), then the host kernel alone again: a second figure that
     tells a drift (warm-up, clock) from contention. Each run times only after a quarter second
     untimed."""
-    import threading
-
-    from moeferry.kernels.fused_moe import host
-
     threads = max(args.threads)
     bench = host_kernel_calls(threads)  # held to the end: the calls point into its tensors
-    calls, expert_bytes, top_k = bench.calls, bench.expert_bytes, bench.top_k
+    expert_bytes, top_k = bench.expert_bytes, bench.top_k
     w13, w2 = bench.tensors["w13"], bench.tensors["w2"]
-    experts, inter, hidden = w13.shape[0], w2.shape[2], w2.shape[1]
-    slots13 = torch.empty(top_k, 2 * inter, hidden, dtype=torch.bfloat16, device="cuda")
-    slots2 = torch.empty(top_k, hidden, inter, dtype=torch.bfloat16, device="cuda")
-
-    def channel(step, key: str):
-        """A channel's loop on a thread: `step(i)` moves the i-th call's experts until stopped,
-        timed from `go`; its GB/s under `key`."""
-        def run(stop, result, go):
-            done = 0
-            go.wait()
-            start = time.perf_counter()
-            while not stop.is_set():
-                step(done)
-                done += 1
-            result[key] = done * top_k * expert_bytes / (time.perf_counter() - start) / 1e9
-        return run
+    experts = w13.shape[0]
+    slots13, slots2 = (torch.empty_like(w[:top_k], device="cuda") for w in (w13, w2))
 
     def copy_step(i: int) -> None:
         first = (i * top_k) % experts
@@ -376,21 +392,9 @@ def contention_rows(args, seconds: float = 2.0) -> list[list]:
         slots2.copy_(w2[first:first + top_k], non_blocking=True)
         torch.cuda.synchronize()
 
-    host_channel = channel(lambda i: host.run(calls[i % len(calls)]), "host")
-    copy_channel = channel(copy_step, "pcie")
-
-    def run_together(channels, duration: float) -> dict:
-        """Run `channels` on threads at once for `duration` seconds; their figures."""
-        stop, result, go = threading.Event(), {}, threading.Event()
-        workers = [threading.Thread(target=fn, args=(stop, result, go)) for fn in channels]
-        for w in workers:
-            w.start()
-        go.set()
-        time.sleep(duration)
-        stop.set()
-        for w in workers:
-            w.join()
-        return result
+    step_bytes = top_k * expert_bytes
+    host_channel = timed_channel(bench.host_step, step_bytes, "host")
+    copy_channel = timed_channel(copy_step, step_bytes, "pcie")
 
     rows = []
     for label, channels in (("host kernel alone", [host_channel]), ("H2D copies alone", [copy_channel]),
@@ -410,6 +414,7 @@ DECODE_HEADER = ["experts on GPU", "requests", "strategy", "tok/s", "ms/step", "
                  "host alone GB/s before",
                  "two-channel floor ms", "host share at the end",
                  "llama.cpp tok/s", "vs llama.cpp"]
+BIG_COLUMNS = DECODE_HEADER.index("llama.cpp tok/s")  # the `big` rows: no llama.cpp figure at 48 layers
 
 
 @gpu_main("bench_hybrid", parse_args)
@@ -468,7 +473,7 @@ def main(argv, args) -> int:
     if "big" in args.parts:
         rows = big_rows(config_dir, args, h2d)
         report("hybrid/big", "Hybrid on the full-depth model", command,
-               markdown_table(DECODE_HEADER[:13] + ["pinned host GiB"], rows),
+               markdown_table(DECODE_HEADER[:BIG_COLUMNS] + ["pinned host GiB"], rows),
                "The full 48-layer Qwen3-30B-A3B shape at 25% of the experts on the GPU: the host store holds "
                "every expert once (the pinned GiB column), the only copy the host channel and PCIe both read.",
                args.results)
