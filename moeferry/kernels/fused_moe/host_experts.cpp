@@ -507,7 +507,10 @@ std::vector<Group> group_routes(const MoEHostCall& c, std::vector<int32_t>& orde
 
 std::atomic<int64_t> g_calls{0}, g_total_ns{0}, g_max_ns{0}, g_experts{0}, g_working_calls{0}, g_working_ns{0};
 
-void record_time(int64_t ns, int64_t experts) {
+// One call that began at `start` and computed `experts` distinct experts, into the counters.
+void record_time(std::chrono::steady_clock::time_point start, int64_t experts) {
+  const int64_t ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
   g_calls.fetch_add(1, std::memory_order_relaxed);
   g_total_ns.fetch_add(ns, std::memory_order_relaxed);
   if (experts > 0) {  // a call that woke the threads and paid the fixed cost
@@ -564,7 +567,7 @@ void moe_host_run(void* arg) {
   const int64_t routes = c.T * c.K;
   if (groups.empty()) {  // no route is the host's: zeros, without waking the threads
     std::memset(c.out, 0, routes * c.H * sizeof(uint16_t));
-    record_time(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count(), 0);
+    record_time(start, 0);
     return;
   }
   if (c.schedule == kDynamic)
@@ -588,8 +591,7 @@ void moe_host_run(void* arg) {
       down_unit(c, groups, order.data(), n0, std::min(c.H, n0 + kRowsB), avx512);
     }
   }
-  record_time(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count(),
-              static_cast<int64_t>(groups.size()));
+  record_time(start, static_cast<int64_t>(groups.size()));
 }
 
 }  // extern "C"
