@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import (add_results_flag, command_line, free_engine_memory, gpu_main, h2d_bandwidth,
                                markdown_table, report, share_slots, timed_decode, uniform_routing)
+from moeferry.kernels.fused_moe.host import DEFAULT_SCHEDULE
 from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 LLAMA_CPP_BATCH1 = {0.0: 74.3, 0.25: 93.9, 0.5: 134.6, 0.75: 237.7, 1.0: 596.6}
@@ -59,6 +60,8 @@ def parse_args(argv):
     p.add_argument("--staging", nargs="+", choices=["kernel", "copy"], default=["kernel"],
                    help="cpu and hybrid rows once per host-channel staging (moe/host_experts.py): kernels on "
                         "the main stream, or copy_ on the side stream")
+    p.add_argument("--schedule", nargs="+", choices=["static", "dynamic"], default=[DEFAULT_SCHEDULE],
+                   help="cpu and hybrid rows once per host-kernel schedule (kernels/fused_moe/host.py SCHEDULES)")
     add_results_flag(p)
     return p.parse_args(argv)
 
@@ -127,11 +130,24 @@ def decode_row(engine, args, label, share, batch, expert_bytes, h2d, host_bw) ->
     return row
 
 
-def host_channel_modes(args) -> list[tuple[str, str]]:
-    """(dispatch, staging) pairs to run the host strategies' rows with: each staging under the
-    host-function dispatch, and the mailbox (which stages by kernel)."""
+def host_channel_modes(args) -> list[tuple[str, str, str]]:
+    """(dispatch, staging, schedule) to run the host strategies' rows with: each staging under
+    the host-function dispatch, and the mailbox (which stages by kernel), each under every
+    schedule asked for."""
     modes = [("host_function", staging) for staging in args.staging] if "host_function" in args.dispatch else []
-    return modes + ([("mailbox", "kernel")] if "mailbox" in args.dispatch else [])
+    modes += [("mailbox", "kernel")] if "mailbox" in args.dispatch else []
+    return [(dispatch, staging, schedule) for dispatch, staging in modes for schedule in args.schedule]
+
+
+def mode_label(args, mode: tuple[str, str, str]) -> str:
+    """What tells a row's host-channel mode from the others' in the table ("" when one mode runs)."""
+    dispatch, staging, schedule = mode
+    words = []
+    if len({m[:2] for m in host_channel_modes(args)}) > 1:
+        words.append("mailbox" if dispatch == "mailbox" else f"{staging} staging")
+    if len(args.schedule) > 1:
+        words.append(f"{schedule} schedule")
+    return "".join(f", {w}" for w in words)
 
 
 def decode_rows(config_dir, args, h2d) -> tuple[list[list], float]:
@@ -151,13 +167,13 @@ def decode_rows(config_dir, args, h2d) -> tuple[list[list], float]:
         for share in shares:
             if strategy in ("offload", "hybrid"):
                 s.build_cache(share_slots(engine, share))
-            for channel in host_channel_modes(args) if strategy in ("cpu", "hybrid") else [None]:
-                if channel:
-                    s.channel.dispatch, s.channel.staging = channel
+            for mode in host_channel_modes(args) if strategy in ("cpu", "hybrid") else [None]:
+                if mode:
+                    s.channel.dispatch, s.channel.staging = mode[:2]
+                    s.channel.set_schedule(mode[2])
                 engine.runner.recapture_graphs()  # the graphs bake in the router hooks, the pool, the channel
                 label = "hybrid, one layer of slots" if strategy == "hybrid" and share == 0.0 else strategy
-                if channel and len(host_channel_modes(args)) > 1:
-                    label += ", mailbox" if channel[0] == "mailbox" else f", {channel[1]} staging"
+                label += mode_label(args, mode) if mode else ""
                 for batch in args.batch:
                     rows.append(decode_row(engine, args, label, share, batch, s.expert_bytes, h2d, host_bw))
         del engine, s
@@ -297,7 +313,7 @@ class HostKernelBench:
         host.run(self.calls[i % len(self.calls)])
 
 
-def host_kernel_calls(threads: int, schedule: str = "static") -> HostKernelBench:
+def host_kernel_calls(threads: int, schedule: str = DEFAULT_SCHEDULE) -> HostKernelBench:
     from moeferry.kernels.fused_moe import host
 
     w13, w2 = expert_layer(pinned=torch.cuda.is_available())  # plain memory on a CPU-only machine

@@ -262,7 +262,7 @@ class HostExpertChannel:
 
     staging = "kernel"
     dispatch = "mailbox"  # the faster of the two in RESULTS hybrid/decode (bench_hybrid --dispatch)
-    schedule = "static"  # kernels/fused_moe/host.py SCHEDULES (bench_hybrid --parts preemption compares)
+    schedule = host_kernel.DEFAULT_SCHEDULE  # kernels/fused_moe/host.py SCHEDULES; `set_schedule` changes it
 
     def __init__(self, banks: dict, max_tokens: int, top_k: int, device: torch.device, threads: int,
                  dtype: torch.dtype = torch.bfloat16):
@@ -298,6 +298,15 @@ class HostExpertChannel:
                 self.x[:num_tokens], self.ids[:num_tokens], self.weights[:num_tokens], self.out[:num_tokens],
                 bank.w13, bank.w2, self.act, self.threads, schedule=self.schedule, **bank.kernel_args())
         return self.calls[key]
+
+    def set_schedule(self, schedule: str) -> None:
+        """Deal the kernel's work units by `schedule` from the next call on: the call records are
+        changed in place, so graphs already captured (whose host work runs these records) follow."""
+        if schedule not in host_kernel.SCHEDULES:
+            raise ValueError(f"host channel: schedule {schedule!r} is not one of {', '.join(host_kernel.SCHEDULES)}")
+        self.schedule = schedule
+        for call in self.calls.values():
+            call.schedule = host_kernel.SCHEDULES[schedule]
 
     def begin(self, layer_id: int, hidden: torch.Tensor, topk_weights: torch.Tensor, host_ids: torch.Tensor) -> None:
         """Start computing the routes whose `host_ids` entry is an expert id (>= 0; -1 elsewhere)
@@ -419,7 +428,7 @@ def host_call_time(banks: dict, channel: HostExpertChannel, experts: int, repeat
         ids = ((torch.arange(experts) + run * experts) % sample.num_experts).to(torch.int32).reshape(1, experts)
         bank = banks[layer]
         call = host_kernel.make_call(hidden, ids, weights, out, bank.w13, bank.w2, channel.act, channel.threads,
-                                     **bank.kernel_args())
+                                     schedule=channel.schedule, **bank.kernel_args())
         start = time.perf_counter()
         host_kernel.run(call)
         times.append(time.perf_counter() - start)

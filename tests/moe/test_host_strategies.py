@@ -242,3 +242,35 @@ def test_hybrid_decode_retunes_its_split_and_still_generates_what_gpu_generates(
     assert stats["split_now"]["updates"] > 0 and stats["host_experts"] > 0
     assert float(tuner.split[0]) == pytest.approx(tuner.speeds.host_share)
     assert tuner.speeds.host_bytes_per_s != 10e9  # moved toward what the kernel achieved here
+
+
+def test_a_new_schedule_reaches_the_calls_already_made_and_keeps_the_bits():
+    """`set_schedule` rewrites the call records in place (captured graphs hold their addresses):
+    a record made under the default deals its units by the new schedule, the routes are the same
+    bits, and a schedule the kernel does not know is refused."""
+    from moeferry.kernels.fused_moe import host as host_kernel
+    from moeferry.moe.host_experts import HostExpertChannel
+    from moeferry.moe.strategies import ExpertBanks
+
+    gen = torch.Generator().manual_seed(1)
+    hidden_size, inter, experts, top_k, tokens = 128, 64, 16, 4, 3
+    banks = {0: ExpertBanks((torch.randn(experts, 2 * inter, hidden_size, generator=gen) * 0.05).bfloat16(),
+                            (torch.randn(experts, hidden_size, inter, generator=gen) * 0.05).bfloat16())}
+    channel = HostExpertChannel(banks, tokens, top_k, torch.device("cpu"), threads=2)
+    hidden = torch.randn(tokens, hidden_size, generator=gen).bfloat16()
+    weights = torch.rand(tokens, top_k, generator=gen)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).int()
+    host_ids = torch.where(torch.rand(tokens, top_k, generator=gen) < 0.5, ids, -1)
+
+    def routes():
+        channel.begin(0, hidden, weights, host_ids)
+        return channel.finish().clone()
+
+    outputs = {}
+    for schedule in ("static", "dynamic"):
+        channel.set_schedule(schedule)
+        outputs[schedule] = routes()
+        assert [call.schedule for call in channel.calls.values()] == [host_kernel.SCHEDULES[schedule]]
+    assert torch.equal(outputs["static"], outputs["dynamic"]) and bool((outputs["static"] != 0).any())
+    with pytest.raises(ValueError, match="schedule 'guided' is not one of static, dynamic"):
+        channel.set_schedule("guided")
