@@ -71,3 +71,29 @@ def test_the_command_line_leaves_out_where_the_tables_went():
     argv = ["--layers", "12", "--results", "a.md", "b.md", "--batch", "1", "4", "--results=c.md"]
     assert (common.command_line("benchmarks.bench_decode", argv)
             == "python -m benchmarks.bench_decode --layers 12 --batch 1 4")
+
+
+def test_every_section_of_the_committed_results_is_closed_once_and_on_its_own_line():
+    """benchmarks/RESULTS.md as committed: each section starts and ends once, in order, each
+    marker on a line of its own (a lost end marker makes the next --results run refuse)."""
+    import pathlib
+    import re
+
+    lines = (pathlib.Path(common.__file__).parent / "RESULTS.md").read_text().splitlines()
+    open_name, seen = None, set()
+    for number, line in enumerate(lines, 1):
+        marks = re.findall(r"<!-- (/?)bench:(\S+) -->", line)
+        if not marks or "`" in line:  # prose naming the markers
+            continue
+        assert len(marks) == 1 and line.strip() == f"<!-- {marks[0][0]}bench:{marks[0][1]} -->", \
+            f"line {number}: a marker shares its line: {line[:80]}"
+        closing, name = marks[0]
+        if closing:
+            assert open_name == name, f"line {number}: closes {name}, open: {open_name}"
+            open_name = None
+        else:
+            assert open_name is None, f"line {number}: opens {name} inside {open_name}"
+            assert name not in seen, f"line {number}: {name} twice"
+            open_name = name
+            seen.add(name)
+    assert open_name is None, f"{open_name} is never closed"
