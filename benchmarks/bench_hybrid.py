@@ -184,6 +184,26 @@ def decode_rows(config_dir, args, h2d) -> tuple[list[list], float]:
 TIMELINE_SPANS = ("split routes", "stage, post", "admit, copy misses", "GPU experts", "wait for host, unstage", "combine")
 
 
+def split_floors(distinct: float, misses: float, copied: float, host: float, copy_us: float,
+                 host_us: float) -> tuple[float, float] | None:
+    """The two channels' microseconds a layer at the best split, at the per-expert times a row
+    measured (`copy_us` over its `copied` experts, admission included; `host_us` over its `host`
+    experts, the calls' fixed cost included; means a layer): with whole experts, a layer's
+    misses ~ Binomial(distinct, misses / distinct) (uniform routing) each split at the count
+    that ends both channels soonest; and with experts divisible, the misses at both channels'
+    summed rate. None when a channel took no expert (its time is unknown)."""
+    from math import comb
+
+    if copied <= 0 or host <= 0 or distinct < 1:
+        return None
+    t_copy, t_host = copy_us / copied, host_us / host
+    n_max = round(distinct)
+    q = min(1.0, misses / n_max)
+    whole = sum(comb(n_max, n) * q ** n * (1 - q) ** (n_max - n) *
+                min(max((n - h) * t_copy, h * t_host) for h in range(n + 1)) for n in range(n_max + 1))
+    return whole, misses * t_copy * t_host / (t_copy + t_host)
+
+
 def timeline_rows(config_dir, args) -> list[list]:
     """Per hybrid row: the mean microseconds a decode layer spends from each stamped point to
     the next (moe/timeline.py HYBRID_POINTS, named by TIMELINE_SPANS), between layers
@@ -212,12 +232,17 @@ def timeline_rows(config_dir, args) -> list[list]:
             host_now = host_alone(s)
             run = timed_decode(engine, batch, args.prompt_len, args.warmup, args.steps, counters)
             summary = s.timeline.summary()
-            spans = [summary[f"{a} -> {b}"] for a, b in zip(HYBRID_POINTS, HYBRID_POINTS[1:])]
-            rows.append([f"{share:.0%}", batch, f"{run['tok_s']:.1f}", f"{run['step_s'] * 1e6 / layers:.0f}",
-                         *(f"{v:.1f}" for v in spans), f"{summary['between layers']:.1f}",
-                         f"{run['host_s'] * 1e6 / layers:.1f}", f"{host_now / 1e9:.1f}" if host_now else "-",
-                         f"{run['host'] / layers:.2f}",
-                         f"{run['copied'] / layers:.2f}", summary["steps"]])
+            spans = dict(zip(TIMELINE_SPANS, (summary[f"{a} -> {b}"] for a, b in zip(HYBRID_POINTS, HYBRID_POINTS[1:]))))
+            step_us, host_us = run["step_s"] * 1e6 / layers, run["host_s"] * 1e6 / layers
+            floors = split_floors((run["device"] + run["host"]) / layers, (run["copied"] + run["host"]) / layers,
+                                  run["copied"] / layers, run["host"] / layers, spans["admit, copy misses"], host_us)
+            # The layer at a floor: its other spans as measured, the channels at their best split.
+            rest_us = step_us - spans["admit, copy misses"] - spans["wait for host, unstage"]
+            rows.append([f"{share:.0%}", batch, f"{run['tok_s']:.1f}", f"{step_us:.0f}",
+                         *(f"{v:.1f}" for v in spans.values()), f"{summary['between layers']:.1f}",
+                         f"{host_us:.1f}", f"{host_now / 1e9:.1f}" if host_now else "-",
+                         f"{run['host'] / layers:.2f}", f"{run['copied'] / layers:.2f}",
+                         *((f"{rest_us + f:.0f}" for f in floors) if floors else ("-", "-")), summary["steps"]])
             print(rows[-1], flush=True)
     s.timeline = None
     del engine, s
@@ -479,12 +504,15 @@ def main(argv, args) -> int:
                markdown_table(["experts on GPU", "requests", "tok/s", "step us / layer",
                                *(f"{span} us" for span in TIMELINE_SPANS), "between layers us",
                                "host kernel us / layer", "host alone GB/s before", "host experts / layer",
-                               "copied experts / layer",
-                               "steps"], rows),
+                               "copied experts / layer", "floor us / layer, whole experts",
+                               "floor us / layer, experts divisible", "steps"], rows),
                f"{args.layers} layers, uniform routing, bf16, the mailbox dispatch; device timestamps (%globaltimer, "
                "kernels/timestamps) at seven points of each MoE layer inside the decode graph, means over the timed "
                "steps. The spans follow the GPU's stream: 'wait for host' is how long the GPU stood waiting for "
-               "the host's routes after its own experts; the host kernel's time is measured inside its calls.",
+               "the host's routes after its own experts; the host kernel's time is measured inside its calls. "
+               "The floors (split_floors): the layer with its other spans as measured and the misses split at "
+               "best between the two channels at the per-expert times this row measured, whole experts per "
+               "channel (the design's) or divisible ones.",
                args.results)
     if "big" in args.parts:
         rows = big_rows(config_dir, args, h2d)

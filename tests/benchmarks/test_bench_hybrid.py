@@ -26,6 +26,19 @@ def test_the_timeline_part_gives_every_span_per_share_and_batch(tmp_path, monkey
         spans = [float(v) for v in row[4:4 + len(bench_hybrid.TIMELINE_SPANS)]]
         assert all(v >= 0 for v in spans) and sum(spans) > 0
         assert row[-1] == 4  # the timed steps, not the prefill's or the warm-up's
+        whole, divisible = row[-3:-1]
+        if whole != "-":  # both channels took experts: the floors order as they must
+            assert float(divisible) <= float(whole)
+
+
+def test_the_split_floors_by_hand():
+    """One expert always missing (copy 4 us, host 6 us): the copy takes it whole; divisible, both
+    channels share it (4 * 6 / 10 = 2.4 us). Two experts, each missing half the time: none with
+    p 1/4, one (copied, 4) with p 1/2, two (one each, 6) with p 1/4: 3.5 us."""
+    assert bench_hybrid.split_floors(1, 1, 1, 1, 4.0, 6.0) == pytest.approx((4.0, 2.4))
+    assert bench_hybrid.split_floors(2, 1, 0.5, 0.5, 2.0, 3.0) == pytest.approx((3.5, 2.4))
+    assert bench_hybrid.split_floors(2, 2, 1, 1, 10.0, 10.0) == pytest.approx((10.0, 10.0))
+    assert bench_hybrid.split_floors(8, 2, 0, 2, 0.0, 300.0) is None  # no copy: its time is unknown
 
 
 def test_host_threads_reach_the_host_strategies_only(monkeypatch):
