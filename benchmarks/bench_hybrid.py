@@ -184,27 +184,23 @@ def decode_rows(config_dir, args, h2d) -> tuple[list[list], float]:
 TIMELINE_SPANS = ("split routes", "stage, post", "admit, copy misses", "GPU experts", "wait for host, unstage", "combine")
 
 
-def split_floors(distinct: float, misses: float, copied: float, host: float, copy_us: float,
-                 host_us: float) -> tuple[float, float] | None:
-    """The two channels' microseconds a layer at the best split, at the per-expert times a row
-    measured (`copy_us` over its `copied` experts, admission included; `host_us` over its `host`
-    experts, the calls' fixed cost included; means a layer): with whole experts, a layer's
-    misses ~ Binomial(distinct, misses / distinct) (uniform routing) each split at the count
-    that ends both channels soonest; and with experts divisible, the misses at both channels'
-    summed rate. None when a channel took no expert (its time is unknown)."""
+def split_floors(distinct: float, misses: float, expert_bytes: int, pcie_bytes_per_s: float,
+                 host_bytes_per_s: float) -> tuple[float, float]:
+    """The two channels' microseconds a layer at their floors (bytes over each one's bandwidth
+    alone, no fixed costs, no contention): with whole experts, a layer's misses ~
+    Binomial(distinct, misses / distinct) (uniform routing), each layer's split at the count
+    that ends both channels soonest; and with experts divisible, the misses at the summed rate."""
     from math import comb
 
-    if copied <= 0 or host <= 0 or distinct < 1:
-        return None
-    t_copy, t_host = copy_us / copied, host_us / host
-    n_max = round(distinct)
+    t_copy, t_host = expert_bytes / pcie_bytes_per_s * 1e6, expert_bytes / host_bytes_per_s * 1e6
+    n_max = max(1, round(distinct))
     q = min(1.0, misses / n_max)
     whole = sum(comb(n_max, n) * q ** n * (1 - q) ** (n_max - n) *
                 min(max((n - h) * t_copy, h * t_host) for h in range(n + 1)) for n in range(n_max + 1))
     return whole, misses * t_copy * t_host / (t_copy + t_host)
 
 
-def timeline_rows(config_dir, args) -> list[list]:
+def timeline_rows(config_dir, args, h2d: float) -> list[list]:
     """Per hybrid row: the mean microseconds a decode layer spends from each stamped point to
     the next (moe/timeline.py HYBRID_POINTS, named by TIMELINE_SPANS), between layers
     (attention, router, norms), over all MoE layers, and the host kernel's own time a layer."""
@@ -235,8 +231,9 @@ def timeline_rows(config_dir, args) -> list[list]:
             spans = dict(zip(TIMELINE_SPANS, (summary[f"{a} -> {b}"] for a, b in zip(HYBRID_POINTS, HYBRID_POINTS[1:]))))
             step_us, host_us = run["step_s"] * 1e6 / layers, run["host_s"] * 1e6 / layers
             floors = split_floors((run["device"] + run["host"]) / layers, (run["copied"] + run["host"]) / layers,
-                                  run["copied"] / layers, run["host"] / layers, spans["admit, copy misses"], host_us)
-            # The layer at a floor: its other spans as measured, the channels at their best split.
+                                  s.expert_bytes, h2d, host_now) if host_now else None
+            # The layer at a floor: its other spans as measured (its GPU experts after the copies, as
+            # the design runs them), the two channels at their floor.
             rest_us = step_us - spans["admit, copy misses"] - spans["wait for host, unstage"]
             rows.append([f"{share:.0%}", batch, f"{run['tok_s']:.1f}", f"{step_us:.0f}",
                          *(f"{v:.1f}" for v in spans.values()), f"{summary['between layers']:.1f}",
@@ -499,7 +496,7 @@ def main(argv, args) -> int:
                "1 s timed after 0.25 s untimed (kernels/fused_moe/host.py SCHEDULES).",
                args.results)
     if "timeline" in args.parts:
-        rows = timeline_rows(config_dir, args)
+        rows = timeline_rows(config_dir, args, h2d)
         report("hybrid/timeline", "Where a hybrid decode layer's time goes", command,
                markdown_table(["experts on GPU", "requests", "tok/s", "step us / layer",
                                *(f"{span} us" for span in TIMELINE_SPANS), "between layers us",
@@ -510,9 +507,9 @@ def main(argv, args) -> int:
                "kernels/timestamps) at seven points of each MoE layer inside the decode graph, means over the timed "
                "steps. The spans follow the GPU's stream: 'wait for host' is how long the GPU stood waiting for "
                "the host's routes after its own experts; the host kernel's time is measured inside its calls. "
-               "The floors (split_floors): the layer with its other spans as measured and the misses split at "
-               "best between the two channels at the per-expert times this row measured, whole experts per "
-               "channel (the design's) or divisible ones.",
+               "The floors (split_floors): the layer with its other spans as measured and its misses split at "
+               "best between the channels at their bandwidths alone (H2D at start-up, the host kernel's just "
+               "before the row), whole experts per channel (the design's) or divisible ones.",
                args.results)
     if "big" in args.parts:
         rows = big_rows(config_dir, args, h2d)

@@ -20,7 +20,7 @@ def test_the_timeline_part_gives_every_span_per_share_and_batch(tmp_path, monkey
     monkeypatch.setattr(bench_hybrid, "free_engine_memory", lambda: None)
     args = bench_hybrid.parse_args(["--parts", "timeline", "--batch", "1", "2", "--timeline-shares", "0.25", "0.75"])
     args.layers, args.warmup, args.steps = 3, 2, 4
-    rows = bench_hybrid.timeline_rows(config_dir, args)
+    rows = bench_hybrid.timeline_rows(config_dir, args, 55e9)
     assert [(r[0], r[1]) for r in rows] == [("25%", 1), ("25%", 2), ("75%", 1), ("75%", 2)]
     for row in rows:
         spans = [float(v) for v in row[4:4 + len(bench_hybrid.TIMELINE_SPANS)]]
@@ -32,13 +32,14 @@ def test_the_timeline_part_gives_every_span_per_share_and_batch(tmp_path, monkey
 
 
 def test_the_split_floors_by_hand():
-    """One expert always missing (copy 4 us, host 6 us): the copy takes it whole; divisible, both
-    channels share it (4 * 6 / 10 = 2.4 us). Two experts, each missing half the time: none with
-    p 1/4, one (copied, 4) with p 1/2, two (one each, 6) with p 1/4: 3.5 us."""
-    assert bench_hybrid.split_floors(1, 1, 1, 1, 4.0, 6.0) == pytest.approx((4.0, 2.4))
-    assert bench_hybrid.split_floors(2, 1, 0.5, 0.5, 2.0, 3.0) == pytest.approx((3.5, 2.4))
-    assert bench_hybrid.split_floors(2, 2, 1, 1, 10.0, 10.0) == pytest.approx((10.0, 10.0))
-    assert bench_hybrid.split_floors(8, 2, 0, 2, 0.0, 300.0) is None  # no copy: its time is unknown
+    """An expert of 1 MB over 250 GB/s (4 us) or 166.7 GB/s (6 us). One always missing: the copy
+    takes it whole; divisible, both channels share it (4 * 6 / 10 = 2.4 us). Two experts, each
+    missing half the time: none with p 1/4, one (copied, 4) with p 1/2, two (one each, 6) with
+    p 1/4: 3.5 us."""
+    mb, pcie, host = 10 ** 6, 250e9, 1e12 / 6
+    assert bench_hybrid.split_floors(1, 1, mb, pcie, host) == pytest.approx((4.0, 2.4))
+    assert bench_hybrid.split_floors(2, 1, mb, pcie, host) == pytest.approx((3.5, 2.4))
+    assert bench_hybrid.split_floors(2, 2, mb, pcie, pcie) == pytest.approx((4.0, 4.0))
 
 
 def test_host_threads_reach_the_host_strategies_only(monkeypatch):
