@@ -71,9 +71,10 @@ ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
 # host_experts.cpp's MoEHostSchedule by name: the work units dealt in fixed blocks, or one at a
 # time to whichever thread is free (a preempted thread then delays one unit, not its block).
 SCHEDULES = {"static": 0, "dynamic": 1}
-# Dynamic: on the lent H200 host it read 91 GB/s alone against static's 78, and 81 against 47
-# beside two busy processes (RESULTS hybrid/preemption); the hybrid engine's own threads (the
-# launcher, the mailbox worker) are such other work.
+# Dynamic by default: the team is every core but one, so the engine's own threads and anything
+# else on the host preempt its threads, and a dynamic team loses one unit to each where a static
+# one waits at the barrier for the whole block (faster alone and beside busy processes in
+# RESULTS.md hybrid/preemption).
 DEFAULT_SCHEDULE = "dynamic"
 
 
