@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import (add_results_flag, command_line, free_engine_memory, gpu_main, h2d_bandwidth,
                                markdown_table, report, share_slots, timed_decode, uniform_routing)
-from moeferry.kernels.fused_moe.host import DEFAULT_SCHEDULE
+from moeferry.kernels.fused_moe.host import DEFAULT_SCHEDULE, SCHEDULES
 from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 LLAMA_CPP_BATCH1 = {0.0: 74.3, 0.25: 93.9, 0.5: 134.6, 0.75: 237.7, 1.0: 596.6}
@@ -60,7 +60,7 @@ def parse_args(argv):
     p.add_argument("--staging", nargs="+", choices=["kernel", "copy"], default=["kernel"],
                    help="cpu and hybrid rows once per host-channel staging (moe/host_experts.py): kernels on "
                         "the main stream, or copy_ on the side stream")
-    p.add_argument("--schedule", nargs="+", choices=["static", "dynamic"], default=[DEFAULT_SCHEDULE],
+    p.add_argument("--schedule", nargs="+", choices=list(SCHEDULES), default=[DEFAULT_SCHEDULE],
                    help="cpu and hybrid rows once per host-kernel schedule (kernels/fused_moe/host.py SCHEDULES)")
     add_results_flag(p)
     return p.parse_args(argv)
