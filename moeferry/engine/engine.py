@@ -125,9 +125,10 @@ class Engine:
         return req
 
     def _check_token_ids(self, param: str, ids: list[int]) -> None:
-        bad = next((t for t in ids if not 0 <= t < self.mc.vocab_size), None)
+        vocab_size = self.mc.vocab_size  # read once: each read goes through the transformers config
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
         if bad is not None:
-            raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {self.mc.vocab_size})", param)
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab_size})", param)
 
     def abort(self, req: Request) -> None:
         if req.finished:
