@@ -135,15 +135,14 @@ class SplitTuner:
         self._banked = dict.fromkeys(_COUNTERS, 0)  # the period's counts from stretches a prefill ended
         self._steps = 0
 
-    def _since_mark(self) -> dict:
-        now = host_kernel.timing()
+    def _since_mark(self, now: dict) -> dict:
         return {k: now[k] - self._mark[k] for k in _COUNTERS}
 
     def interrupt(self) -> None:
         """Host calls that are not decode's are about to run (a prefill): bank this stretch's
         decode counts; counting resumes at the next decode step."""
         if self._mark is not None:
-            for k, v in self._since_mark().items():
+            for k, v in self._since_mark(host_kernel.timing()).items():
                 self._banked[k] += v
             self._mark = None
 
@@ -157,8 +156,9 @@ class SplitTuner:
         self._steps += 1
         if self._steps < self.settings.period:
             return
-        counts = {k: v + self._banked[k] for k, v in self._since_mark().items()}
-        self._mark, self._steps, self._banked = host_kernel.timing(), 0, dict.fromkeys(_COUNTERS, 0)
+        now = host_kernel.timing()  # one read ends this period and starts the next
+        counts = {k: v + self._banked[k] for k, v in self._since_mark(now).items()}
+        self._mark, self._steps, self._banked = now, 0, dict.fromkeys(_COUNTERS, 0)
         busy = counts["working_seconds"] - counts["working_calls"] * self.speeds.host_call_s
         if counts["experts"] < self.settings.min_experts or busy <= 0:
             return
@@ -186,9 +186,10 @@ class SplitTuner:
             self._copied.record()
 
     def as_dict(self) -> dict:
-        return {"host_gb_per_s": round(self.speeds.host_bytes_per_s / 1e9, 2),
-                "host_share": round(self.speeds.host_share, 3),
-                "host_offset_experts": round(self.speeds.host_offset, 2), "updates": self.updates}
+        """The current estimate's host figures (as `ChannelSpeeds.as_dict` words them) and the updates."""
+        current = self.speeds.as_dict()
+        return {**{k: current[k] for k in ("host_gb_per_s", "host_share", "host_offset_experts")},
+                "updates": self.updates}
 
 
 class _CudaHostFunctions:
