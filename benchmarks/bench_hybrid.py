@@ -197,7 +197,7 @@ def split_floors(distinct: float, misses: float, expert_bytes: int, pcie_bytes_p
     q = min(1.0, misses / n_max)
     whole = sum(comb(n_max, n) * q ** n * (1 - q) ** (n_max - n) *
                 min(max((n - h) * t_copy, h * t_host) for h in range(n + 1)) for n in range(n_max + 1))
-    return whole, misses * t_copy * t_host / (t_copy + t_host)
+    return whole, misses * expert_bytes / (pcie_bytes_per_s + host_bytes_per_s) * 1e6  # the decode rows' two-channel floor
 
 
 def timeline_rows(config_dir, args, h2d: float) -> list[list]:
