@@ -65,7 +65,7 @@ def set_statistics(engine, on: bool) -> None:
     from moeferry.moe.stats import MoEStats
 
     strategy = engine.runner.strategy
-    cache = strategy.cache
+    cache = strategy.store.cache
     cache.stats = MoEStats(cache.num_layers, cache.num_experts, cache.slot_of.device,
                            strategy.expert_bytes) if on else None
     engine.runner.recapture_graphs()
@@ -120,7 +120,7 @@ def main(argv, args) -> int:
             if engine is None:
                 engine = make_engine(cfg_dir, args, strategy, slots, policy or "layer_lru")
             elif slots is not None:
-                engine.runner.strategy.build_cache(slots, policy)
+                engine.runner.strategy.store.build_cache(slots, policy)
                 engine.runner.recapture_graphs()
             ebytes = QWEN3_30B_DIR_CONFIG["moe_intermediate_size"] * QWEN3_30B_DIR_CONFIG["hidden_size"] * 3 * 2
             dbytes = dense_bytes(engine)

@@ -55,10 +55,10 @@ def parse_args(argv):
                    help="--moe-host-threads of the cpu and hybrid engines (default: the engine's, one per core "
                         "less one): fewer leave the OpenMP team headroom against other work on the host")
     p.add_argument("--dispatch", nargs="+", choices=["host_function", "mailbox"], default=["mailbox"],
-                   help="cpu and hybrid rows once per host-kernel dispatch (moe/host_experts.py): a CUDA host "
+                   help="cpu and hybrid rows once per host-kernel dispatch (moe/host_channel.py): a CUDA host "
                         "function on the side stream, or the mailbox worker awaited by a kernel (kernel staging)")
     p.add_argument("--staging", nargs="+", choices=["kernel", "copy"], default=["kernel"],
-                   help="cpu and hybrid rows once per host-channel staging (moe/host_experts.py): kernels on "
+                   help="cpu and hybrid rows once per host-channel staging (moe/host_channel.py): kernels on "
                         "the main stream, or copy_ on the side stream")
     p.add_argument("--schedule", nargs="+", choices=list(SCHEDULES), default=[DEFAULT_SCHEDULE],
                    help="cpu and hybrid rows once per host-kernel schedule (kernels/fused_moe/host.py SCHEDULES)")
@@ -95,13 +95,13 @@ def host_alone(strategy) -> float:
     """The host kernel's bytes per second right now (one token to top-k experts a call, the
     median of 7, less the fixed cost a call as the start-up figure counts it): the host's
     state beside a row, since its DRAM bandwidth varies between runs."""
-    from moeferry.moe.host_experts import host_call_time
+    from moeferry.moe.host_speeds import host_call_time
 
-    channel = getattr(strategy, "channel", None)
+    channel = strategy.host.channel if strategy.host is not None else None
     if channel is None or not channel.compiled:
         return 0.0
     top_k = strategy.model_config.top_k
-    busy = host_call_time(strategy.banks, channel, top_k, 7) - strategy.speeds.host_call_s
+    busy = host_call_time(strategy.banks, channel, top_k, 7) - strategy.host.speeds.host_call_s
     return top_k * strategy.expert_bytes / busy if busy > 0 else 0.0
 
 
@@ -109,8 +109,7 @@ def decode_row(engine, args, label, share, batch, expert_bytes, h2d, host_bw) ->
     host_now = host_alone(engine.runner.strategy)
     runs = []
     for _ in range(args.repeats):
-        if hasattr(engine.runner.strategy, "restart_cache"):
-            engine.runner.strategy.restart_cache()
+        engine.runner.strategy.restart_cache()
         runs.append(timed_decode(engine, batch, args.prompt_len, args.warmup, args.steps, step_counters))
     run = max(runs, key=lambda r: r["tok_s"])
     hit = run["device"] - run["copied"]
@@ -120,7 +119,7 @@ def decode_row(engine, args, label, share, batch, expert_bytes, h2d, host_bw) ->
     missed = run["copied"] + run["host"]
     two_ms = missed * expert_bytes / (h2d + host_bw) * 1e3
     llama = LLAMA_CPP_BATCH1.get(share) if batch == 1 else None
-    tuner = getattr(engine.runner.strategy, "tuner", None)
+    tuner = getattr(engine.runner.strategy.split, "tuner", None)
     row = [f"{share:.0%}", batch, label, f"{run['tok_s']:.1f}", f"{run['step_s'] * 1e3:.2f}",
            f"{hit / total:.2f}" if total else "-", f"{hit:.0f} / {run['copied']:.0f} / {run['host']:.0f}",
            f"{pcie_ms:.2f}", f"{host_ms:.2f}", f"{run['host_s'] * 1e3:.2f}", f"{host_now / 1e9:.1f}" if host_now else "-", f"{two_ms:.2f}",
@@ -159,25 +158,22 @@ def decode_rows(config_dir, args, h2d) -> tuple[list[list], float]:
     for strategy, shares in plan:
         if not shares:
             continue
-        engine = make_engine(config_dir, args, strategy)
-        uniform_routing(engine)
-        s = engine.runner.strategy
-        speeds = getattr(s, "speeds", None)
-        host_bw = speeds.host_bytes_per_s if speeds else host_bw
-        for share in shares:
-            if strategy in ("offload", "hybrid"):
-                s.build_cache(share_slots(engine, share))
-            for mode in host_channel_modes(args) if strategy in ("cpu", "hybrid") else [None]:
-                if mode:
-                    s.channel.dispatch, s.channel.staging = mode[:2]
-                    s.channel.set_schedule(mode[2])
-                engine.runner.recapture_graphs()  # the graphs bake in the router hooks, the pool, the channel
+        for mode in host_channel_modes(args) if strategy in ("cpu", "hybrid") else [None]:
+            options = dict(zip(("moe_host_dispatch", "moe_host_staging", "moe_host_schedule"), mode or ()))
+            engine = make_engine(config_dir, args, strategy, **options)
+            uniform_routing(engine)
+            s = engine.runner.strategy
+            host_bw = s.host.speeds.host_bytes_per_s if s.host is not None else host_bw
+            for share in shares:
+                if strategy in ("offload", "hybrid"):
+                    s.store.build_cache(share_slots(engine, share))
+                engine.runner.recapture_graphs()  # the graphs bake in the router hooks and the pool
                 label = "hybrid, one layer of slots" if strategy == "hybrid" and share == 0.0 else strategy
                 label += mode_label(args, mode) if mode else ""
                 for batch in args.batch:
                     rows.append(decode_row(engine, args, label, share, batch, s.expert_bytes, h2d, host_bw))
-        del engine, s
-        free_engine_memory()
+            del engine, s
+            free_engine_memory()
     return rows, host_bw
 
 
@@ -204,17 +200,16 @@ def timeline_rows(config_dir, args, h2d: float) -> list[list]:
     """Per hybrid row: the mean microseconds a decode layer spends from each stamped point to
     the next (moe/timeline.py HYBRID_POINTS, named by TIMELINE_SPANS), between layers
     (attention, router, norms), over all MoE layers, and the host kernel's own time a layer."""
-    from moeferry.moe.timeline import HYBRID_POINTS, LayerTimeline
+    from moeferry.moe.timeline import HYBRID_POINTS
 
-    engine = make_engine(config_dir, args, "hybrid")
+    engine = make_engine(config_dir, args, "hybrid", moe_timeline=True)
     uniform_routing(engine)
     s = engine.runner.strategy
     layers = len(s.moe_layer_of)
     rows = []
     for share in args.timeline_shares:
-        s.build_cache(share_slots(engine, share))
-        s.timeline = LayerTimeline(HYBRID_POINTS, layers, s.device)
-        engine.runner.recapture_graphs()  # the stamps are nodes of the graph
+        s.store.build_cache(share_slots(engine, share))
+        engine.runner.recapture_graphs()  # the graphs hold the pool's pointers
         for batch in args.batch:
             s.restart_cache()
             first = []
@@ -241,7 +236,6 @@ def timeline_rows(config_dir, args, h2d: float) -> list[list]:
                          f"{run['host'] / layers:.2f}", f"{run['copied'] / layers:.2f}",
                          *((f"{rest_us + f:.0f}" for f in floors) if floors else ("-", "-")), summary["steps"]])
             print(rows[-1], flush=True)
-    s.timeline = None
     del engine, s
     free_engine_memory()
     return rows
@@ -251,13 +245,13 @@ def big_rows(config_dir, args, h2d) -> list[list]:
     engine = make_engine(config_dir, args, "hybrid", layers=args.big_layers)
     uniform_routing(engine)
     s = engine.runner.strategy
-    s.build_cache(share_slots(engine, 0.25))
+    s.store.build_cache(share_slots(engine, 0.25))
     engine.runner.recapture_graphs()
     host_gib = sum(b.w13.nbytes + b.w2.nbytes for b in s.banks.values()) / 2**30
     rows = []
     for batch in args.batch:
         row = decode_row(engine, args, f"hybrid, {args.big_layers} layers", 0.25, batch, s.expert_bytes, h2d,
-                         s.speeds.host_bytes_per_s)
+                         s.host.speeds.host_bytes_per_s)
         rows.append(row[:BIG_COLUMNS] + [f"{host_gib:.1f}"])
     del engine, s
     free_engine_memory()

@@ -122,7 +122,7 @@ def timed_prefill(engine, length: int, repeats: int, gen) -> tuple[float, int]:
 
 def residency(engine) -> tuple[float, str]:
     """(share of every expert resident, the fewest-most resident experts of a layer)."""
-    per_layer = (engine.runner.strategy.cache.slot_of >= 0).sum(dim=1).tolist()
+    per_layer = (engine.runner.strategy.store.cache.slot_of >= 0).sum(dim=1).tolist()
     return sum(per_layer) / (len(per_layer) * engine.mc.num_experts), f"{min(per_layer)}-{max(per_layer)}"
 
 
@@ -141,7 +141,7 @@ def prefill_records(config_dir, args) -> list[dict]:
     engine = make_engine(config_dir, args, "offload", longest)
     strategy = engine.runner.strategy
     for share in args.shares:
-        strategy.build_cache(share_slots(engine, share))
+        strategy.store.build_cache(share_slots(engine, share))
         engine.runner.recapture_graphs()  # the graphs hold the pool's pointers
         scatter_residency(engine, args.scatter_steps, gen)
         resident, spread = residency(engine)
@@ -165,7 +165,7 @@ def profile_prefills(config_dir, args) -> None:
     for strategy in ("gpu", "offload"):
         engine = make_engine(config_dir, args, strategy, length)
         if strategy == "offload":
-            engine.runner.strategy.build_cache(share_slots(engine, 1.0))
+            engine.runner.strategy.store.build_cache(share_slots(engine, 1.0))
             engine.runner.recapture_graphs()
             scatter_residency(engine, args.scatter_steps, gen)
         timed_prefill(engine, length, 2, gen)  # compile and warm up
@@ -215,7 +215,7 @@ def multi_turn_records(config_dir, args) -> dict[bool, list[dict]]:
     for cached in (False, True):
         engine = make_engine(config_dir, args, "offload", longest, prefix_caching=cached)
         strategy = engine.runner.strategy
-        strategy.build_cache(share_slots(engine, args.turn_share))
+        strategy.store.build_cache(share_slots(engine, args.turn_share))
         engine.runner.recapture_graphs()
         scatter_residency(engine, args.scatter_steps, torch.Generator().manual_seed(1))
         timed_prefill(engine, args.user_tokens, 1, torch.Generator().manual_seed(2))  # compile and warm up

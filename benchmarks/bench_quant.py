@@ -75,7 +75,7 @@ def _with_statistics(engine, on: bool) -> None:
 def run(config_dir: str, args) -> list[dict]:
     """One record per (format, share, batch): tok/s and step time (statistics off, the fastest
     of the repeats), then misses and distinct experts per step (a run with statistics on)."""
-    from moeferry.engine.planner import slots_for_gb
+    from moeferry.moe.slot_cache import slots_for_gb
 
     num_experts = _num_experts(config_dir)
     total = args.layers * num_experts
@@ -87,7 +87,7 @@ def run(config_dir: str, args) -> list[dict]:
         strategy = engine.runner.strategy
         for share in shares:
             slots = max(num_experts, int(share * total))
-            strategy.build_cache(slots)
+            strategy.store.build_cache(slots)
             engine.runner.recapture_graphs()  # the graphs bake in the pool and the router noise
             for batch in args.batch:
                 runs = [timed_decode(engine, batch, args.prompt_len, args.warmup, args.steps, lambda e: {})

@@ -16,7 +16,7 @@ each, `--concurrency` running at a time (continuous batching, the rest queued).
    bandwidth measured here).
 3. measure: the same workload under `offload` at each size and policy, also recorded, with
    --moe-collect-stats; after graph capture the cache restarts from its warm start
-   (OffloadStrategy.restart_cache), the state the simulation starts from. Measured: the
+   (MoEStrategy.restart_cache), the state the simulation starts from. Measured: the
    engine's decode hit rate and its decode tok/s (decode tokens over the recorded decode
    steps' times). "same routes": the offload run's trace holds exactly the gpu trace's ids
    (same tokens, so same routing): then simulated and measured hit rates must be equal.

@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from benchmarks.common import (add_results_flag, command_line, gpu_main, h2d_bandwidth, markdown_table,
-                               report)
+from benchmarks.common import (add_results_flag, command_line, free_engine_memory, gpu_main, h2d_bandwidth,
+                               markdown_table, report)
 from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 LENGTHS = (87, 117, 151, 230, 387, 718, 1324, 4096)
@@ -86,22 +86,19 @@ def measure(engine, length: int, args, gen) -> tuple[float, float, float, int]:
 def main(argv, args) -> int:
     from moeferry.config import EngineConfig
     from moeferry.engine.engine import Engine
-    from moeferry.moe.prefill_policy import PrefillPolicy
 
     h2d = h2d_bandwidth()
     cfg_dir = write_config_dir(os.path.join(tempfile.mkdtemp(), "qwen3-30b-a3b"), QWEN3_30B_DIR_CONFIG)
     slots = int(args.cache_frac * args.layers * QWEN3_30B_DIR_CONFIG["num_experts"])
     longest = max(args.lengths)
-    ec = EngineConfig(model=cfg_dir, load_format="dummy", hf_overrides={"num_hidden_layers": args.layers},
-                      moe_strategy="offload", moe_cache_slots=slots, moe_collect_stats=True,
-                      moe_prefill_demand_tokens="auto", max_running_requests=4, max_prefill_tokens=longest,
-                      max_model_len=longest + 64, num_tokens=2 * (longest + 64) + 4096,
-                      enable_prefix_caching=False)  # each threshold runs the same prompts: all would be hits
-    engine = Engine(ec)
-    strategy = engine.runner.strategy
     rows = []
     for threshold in args.thresholds:
-        strategy.prefill_policy = PrefillPolicy(threshold)
+        ec = EngineConfig(model=cfg_dir, load_format="dummy", hf_overrides={"num_hidden_layers": args.layers},
+                          moe_strategy="offload", moe_cache_slots=slots, moe_collect_stats=True,
+                          moe_prefill_demand_tokens=threshold, max_running_requests=4, max_prefill_tokens=longest,
+                          max_model_len=longest + 64, num_tokens=2 * (longest + 64) + 4096,
+                          enable_prefix_caching=False)  # each threshold runs the same prompts: all would be hits
+        engine = Engine(ec)
         for length in args.lengths:
             gen = torch.Generator().manual_seed(length)
             ttft, hit_before, hit_after, moved = measure(engine, length, args, gen)
@@ -109,6 +106,8 @@ def main(argv, args) -> int:
             rows.append([threshold, length, f"{ttft:.3f}", f"{floor:.3f}", f"{moved / 2**30:.2f}",
                          f"{hit_before:.2f}", f"{hit_after:.2f}"])
             print(rows[-1], flush=True)
+        del engine
+        free_engine_memory()
     header = ["threshold", "prompt tokens", "TTFT s", "floor s (bytes / H2D)", "GiB moved", "decode hit before",
               "decode hit after"]
     notes = (f"{args.layers} layers, 128 experts, top-8, bf16 dummy weights; offload cache {slots} slots "

@@ -119,27 +119,23 @@ def measure(engine, batch: int, args) -> dict:
 
 
 def run_uva(engine, args, routing: str, stale: bool) -> list[dict]:
-    """Both paths at every batch size; naive only where the rule allows it at the padded size.
-    Starts with the path the graphs hold now, so a routing costs one recapture, plus one
-    first if the graphs are `stale` (router hooks added since they were captured)."""
+    """The engine's path (its --moe-uva-block-assignment) at every batch size; naive only where
+    the rule allows it at the padded size. Recaptures first if the graphs are `stale` (router
+    hooks added since they were captured)."""
     from moeferry.kernels.fused_moe.triton import naive_allowed
 
-    strategy, mc = engine.runner.strategy, engine.mc
-    order = ["auto", "naive"] if strategy.block_assignment == "auto" else ["naive", "auto"]
+    mc = engine.mc
+    if stale:
+        engine.runner.recapture_graphs()  # graphs bake in the router hooks
+    path = "naive" if engine.ec.moe_uva_block_assignment == "naive" else "sorted"
     records = []
-    for assignment in order:
-        if stale or strategy.block_assignment != assignment:
-            strategy.block_assignment = assignment
-            engine.runner.recapture_graphs()  # graphs bake in the block assignment and router hooks
-            stale = False
-        path = "sorted" if assignment == "auto" else "naive"
-        for b in args.batch:
-            rec = {"routing": routing, "strategy": f"uva {path}", "requests": b}
-            if path == "naive" and not naive_allowed(padded_tokens(engine, b), mc.top_k, mc.num_experts):
-                records.append(rec)  # n/a
-                continue
-            records.append({**rec, **measure(engine, b, args)})
-            print(records[-1], flush=True)
+    for b in args.batch:
+        rec = {"routing": routing, "strategy": f"uva {path}", "requests": b}
+        if path == "naive" and not naive_allowed(padded_tokens(engine, b), mc.top_k, mc.num_experts):
+            records.append(rec)  # n/a
+            continue
+        records.append({**rec, **measure(engine, b, args)})
+        print(records[-1], flush=True)
     return records
 
 
@@ -161,11 +157,14 @@ def run(model_dir: str, args) -> tuple[list[dict], int]:
 
     mc = ModelConfig.from_dir(model_dir, {"num_hidden_layers": args.layers})
     records, expert_bytes = [], 0
-    for name in args.strategies:
+    runs = [(name, assignment) for name in args.strategies
+            for assignment in (("auto", "naive") if name == "uva" else (None,))]
+    for name, assignment in runs:
         slots = None
         if name == "offload":
             slots = max(mc.num_experts, int(args.cache_frac * len(mc.moe_layer_ids) * mc.num_experts))
-        engine = make_engine(model_dir, args, name, slots)
+        options = {"moe_uva_block_assignment": assignment} if assignment else {}
+        engine = make_engine(model_dir, args, name, slots, **options)
         expert_bytes = engine.runner.strategy.expert_bytes
         for routing in args.routings:
             stale = routing == "skewed"

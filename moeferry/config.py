@@ -48,9 +48,35 @@ def cache_policies() -> tuple[str, ...]:
     return tuple(POLICIES)
 
 
+def host_dispatches() -> tuple[str, ...]:
+    from moeferry.moe.host_channel import DISPATCHES
+
+    return DISPATCHES
+
+
+def host_stagings() -> tuple[str, ...]:
+    from moeferry.moe.host_channel import STAGINGS
+
+    return STAGINGS
+
+
+def host_schedules() -> tuple[str, ...]:
+    from moeferry.kernels.fused_moe.host import SCHEDULES
+
+    return tuple(SCHEDULES)
+
+
+def block_assignments() -> tuple[str, ...]:
+    from moeferry.kernels.fused_moe import BLOCK_ASSIGNMENTS
+
+    return BLOCK_ASSIGNMENTS
+
+
 CHOICES = {"load_format": lambda: LOAD_FORMATS, "device": lambda: DEVICES, "dtype": lambda: DTYPES,
            "quantization": quantizations,
-           "moe_strategy": strategy_names, "moe_cache_policy": cache_policies}
+           "moe_strategy": strategy_names, "moe_cache_policy": cache_policies,
+           "moe_host_dispatch": host_dispatches, "moe_host_staging": host_stagings,
+           "moe_host_schedule": host_schedules, "moe_uva_block_assignment": block_assignments}
 
 
 def flag(name: str) -> str:
@@ -89,6 +115,8 @@ RANGES = {
     "moe_lrfu_decay": Bound(0, 1, low_open=True),
     "moe_host_threads": Bound(0),
     "moe_host_share": Bound(0, 1),
+    "moe_tuner_period": Bound(1),
+    "moe_tuner_min_experts": Bound(0),
 }
 
 # The options only some strategies (or policies) read: set away from its default under any
@@ -102,7 +130,17 @@ READ_BY = {
     "moe_collect_stats": ("moe_strategy", ("offload", "uva", "hybrid", "cpu")),
     "moe_host_threads": ("moe_strategy", ("hybrid", "cpu")),
     "moe_host_share": ("moe_strategy", ("hybrid",)),
+    "moe_host_dispatch": ("moe_strategy", ("hybrid", "cpu")),
+    "moe_host_staging": ("moe_strategy", ("hybrid", "cpu")),
+    "moe_host_schedule": ("moe_strategy", ("hybrid", "cpu")),
+    "moe_timeline": ("moe_strategy", ("hybrid",)),
+    "moe_tuner_period": ("moe_strategy", ("hybrid",)),
+    "moe_tuner_min_experts": ("moe_strategy", ("hybrid",)),
+    "moe_uva_block_assignment": ("moe_strategy", ("uva",)),
 }
+
+
+DEVELOPER = "MoE (developer)"  # the group of options that tune how MoE parts run, not what they compute
 
 
 def option(default, group: str, text: str):
@@ -171,6 +209,28 @@ class EngineConfig:
     moe_record_routing: str | None = option(None, "MoE", "a file: every step's routed experts per MoE layer, "
                                                          "recorded under any strategy, for `moeferry routing "
                                                          "simulate` (docs/offload.md; at most 1 GiB)")
+    # developer options: how the MoE parts run, for benchmarks and debugging (--help shows them apart)
+    moe_host_dispatch: str = option("mailbox", DEVELOPER, "cpu or hybrid on a GPU: how the host kernel is run: "
+                                                          "mailbox (a worker thread polls pinned memory; kernels "
+                                                          "post and wait) or host_function (a CUDA host function "
+                                                          "on a side stream)")
+    moe_host_staging: str = option("kernel", DEVELOPER, "cpu or hybrid on a GPU: how the host kernel's inputs and "
+                                                        "outputs cross: kernel (a Triton kernel on the main "
+                                                        "stream) or copy (copy_ on the side stream; host_function "
+                                                        "dispatch only)")
+    moe_host_schedule: str = option("dynamic", DEVELOPER, "cpu or hybrid: how the host kernel deals its work units "
+                                                          "to its threads: dynamic (to whichever is free) or static "
+                                                          "(in fixed blocks)")
+    moe_timeline: bool = option(False, DEVELOPER, "hybrid: stamp the points of every decode MoE layer inside the "
+                                                  "decode graph, read back by benchmarks (moe/timeline.py)")
+    moe_tuner_period: int = option(8, DEVELOPER, "hybrid: decode steps between two updates of the host's share "
+                                                 "from the host kernel's measured speed")
+    moe_tuner_min_experts: int = option(8, DEVELOPER, "hybrid: the fewest host experts in a period that move the "
+                                                      "host's share")
+    moe_uva_block_assignment: str = option("auto", DEVELOPER, "uva: how the fused MoE assigns routes to blocks: "
+                                                              "auto (the kernel's choice), sorted (each expert read "
+                                                              "once per step) or naive (a block per route where "
+                                                              "the small-batch rule allows it)")
     memory_ratio: float = option(0.9, "memory", "share of the GPU memory free after the weights that the plan may "
                                                 "use (expert slots, KV cache, buffers)")
     vram_reserve_mb: int = option(1024, "memory", "MiB of GPU memory the plan leaves free, for CUDA graphs and "

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from moeferry.engine.batch import ForwardBatch, fill_page_table
+from moeferry.engine.batch import fill_page_table
+from moeferry.layers.batch import ForwardBatch
 from moeferry.engine.sampler import SampleBuffers
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class StagedInputs:
 
     def __init__(self, rows: int, pages: int, device: torch.device, scratch_page: int, page_size: int):
         pinned = device.type == "cuda"
+        self.rows = rows
         self.scratch_page, self.scratch_slot = scratch_page, scratch_page * page_size
         self.host64 = torch.zeros((4, rows), dtype=torch.int64, pin_memory=pinned)
         self.host32 = torch.zeros(rows * (pages + 2), dtype=torch.int32, pin_memory=pinned)
@@ -120,13 +122,17 @@ class DecodeGraphs:
     and replays the sampler. Steps without one keep the single graph.
     """
 
-    def __init__(self, runner):
-        self.runner = runner
-        self.sizes = capture_sizes(runner.ec.max_running_requests)
-        self.inputs = StagedInputs(self.sizes[-1], runner.max_pages_per_req, runner.device,
-                                   runner.scratch_page, runner.ec.page_size)
+    def __init__(self, forward: Callable[[ForwardBatch], torch.Tensor], sampler, decode_inputs: Callable,
+                 inputs: StagedInputs, vocab_size: int):
+        """`forward` runs the model over a decode batch (its logits), `sampler` draws from them
+        (engine/sampler.py), `decode_inputs` gives a step's host-side inputs (ModelRunner's),
+        `inputs` holds the largest batch's staged inputs."""
+        self.forward, self.sampler, self.decode_inputs = forward, sampler, decode_inputs
+        self.inputs = inputs
+        self.sizes = capture_sizes(inputs.rows)
         self.inputs.write([], [], [], [], [], self.sizes[-1])
-        samples = SampleBuffers.allocate(self.sizes[-1], runner.mc.vocab_size, runner.device,
+        device = inputs.dev64.device
+        samples = SampleBuffers.allocate(self.sizes[-1], vocab_size, device,
                                          row_slot=self.inputs.sample_slots, positions=self.inputs.draw_positions)
         self.sample_views = {b: samples.view(b) for b in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -144,8 +150,8 @@ class DecodeGraphs:
                             seq_lens=x.seq_lens[:b])
 
     def _step(self, b: int) -> torch.Tensor:
-        logits = self.runner.model(self.batches[b], self.runner.kv)
-        self.runner.sampler.run(logits, self.sample_views[b])
+        logits = self.forward(self.batches[b])
+        self.sampler.run(logits, self.sample_views[b])
         return logits
 
     @torch.inference_mode()
@@ -167,16 +173,15 @@ class DecodeGraphs:
         # it is the driver's choice of the SMs' L1/shared split around the MoE GEMM (110,592
         # bytes of shared memory). Triton has no launch option for the carveout. (Figures and
         # commits: benchmarks/RESULTS.md, Findings.)
-        run_on_side_stream(functools.partial(self.runner.model, self.batches[self.sizes[0]], self.runner.kv))
+        run_on_side_stream(functools.partial(self.forward, self.batches[self.sizes[0]]))
 
     @torch.inference_mode()
     def _capture_split(self, b: int) -> None:
         """Size b's forward and sampler as two graphs in the shared pool. The staged inputs are
         padding first, so the warm-ups write the scratch page only and draw nothing."""
         self.inputs.write([], [], [], [], [], self.sizes[-1])
-        forward, logits = capture(functools.partial(self.runner.model, self.batches[b], self.runner.kv),
-                                  warmups=2, pool=self.pool)
-        sampler, _ = capture(functools.partial(self.runner.sampler.run, logits, self.sample_views[b]),
+        forward, logits = capture(functools.partial(self.forward, self.batches[b]), warmups=2, pool=self.pool)
+        sampler, _ = capture(functools.partial(self.sampler.run, logits, self.sample_views[b]),
                              pool=self.pool)
         self.split[b] = (forward, sampler, logits)
         self._settle()
@@ -192,9 +197,9 @@ class DecodeGraphs:
         b = next(s for s in self.sizes if s >= n)
         if sample_slots is not None and any(r.grammar is not None for r in reqs):
             return self._run_masked(reqs, sample_slots, b)
-        self.inputs.write(*self.runner.decode_inputs(reqs), b, sample_slots)
+        self.inputs.write(*self.decode_inputs(reqs), b, sample_slots)
         if sample_slots is not None:
-            self.runner.sampler.stage_masks(self.sample_views[b], reqs)  # clears the flags a masked step left
+            self.sampler.stage_masks(self.sample_views[b], reqs)  # clears the flags a masked step left
         self.graphs[b].replay()
         return self.logits[b][:n], self.sample_views[b]
 
@@ -205,8 +210,8 @@ class DecodeGraphs:
         if b not in self.split:
             self._capture_split(b)
         forward, sampler, logits = self.split[b]
-        self.inputs.write(*self.runner.decode_inputs(reqs), b, sample_slots)
+        self.inputs.write(*self.decode_inputs(reqs), b, sample_slots)
         forward.replay()
-        self.runner.sampler.stage_masks(self.sample_views[b], reqs)
+        self.sampler.stage_masks(self.sample_views[b], reqs)
         sampler.replay()
         return logits[:len(reqs)], self.sample_views[b]

@@ -17,8 +17,7 @@ import torch
 from tqdm import tqdm
 
 from moeferry.config import ConfigError, first_line
-from moeferry.kernels.fused_moe.reference import dequantize_blocks
-from moeferry.moe.formats import checkpoint_format, quantize, scale_grid
+from moeferry.moe.formats import all_suffixes, checkpoint_format, is_stored_quantized, quantize, scale_grid
 
 logger = logging.getLogger(__name__)
 
@@ -79,11 +78,6 @@ def _check_tensor(name: str, tensor: torch.Tensor, shape: tuple, file: str, pack
         raise LoadError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(shape)}")
     if not (tensor.dtype.is_floating_point or packed and tensor.dtype in (torch.int32, torch.uint8)):
         raise LoadError(f"{file}: tensor {name!r} has dtype {tensor.dtype}, the model expects a floating-point tensor")
-
-
-def _is_stored_quantized(tensor: torch.Tensor) -> bool:
-    """A weight already in a quantized format's storage (fp8, int4 words, MXFP4 bytes)."""
-    return tensor.dtype in (torch.float8_e4m3fn, torch.int32, torch.uint8)
 
 
 def split_gate_up(stacked: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,7 +186,7 @@ class _ExpertWriter:
         (quantized) each on its own, so a stacked gate_up splits by rows before anything else."""
         if part == "weight" and src.dtype == torch.uint8 and src.dim() == 4:
             src = mxfp4_rows(src)
-        elif part == "weight" and not _is_stored_quantized(src) and self.model.spec.stacked_experts is not None:
+        elif part == "weight" and not is_stored_quantized(src) and self.model.spec.stacked_experts is not None:
             # the family's own layout (gpt-oss's bf16: transposed) into the banks' [E, rows, cols]
             dst, _, cols = self.target(banks, None, "gate" if kind == "gate_up" else "down")
             want = (dst.shape[0], 2 * dst.shape[1], cols) if kind == "gate_up" else (*dst.shape[:-1], cols)
@@ -201,7 +195,7 @@ class _ExpertWriter:
         if part == "scale":
             want = tuple(scale_dst.shape) if scale_dst is not None else None
         else:
-            want = (*dst.shape[:-1], dst.shape[-1] if _is_stored_quantized(src) else cols)
+            want = (*dst.shape[:-1], dst.shape[-1] if is_stored_quantized(src) else cols)
         if want is not None:
             want = (want[0], 2 * want[1], *want[2:]) if kind == "gate_up" else want
             _check_tensor(name, src, want, file, packed=True)
@@ -228,7 +222,7 @@ class _ExpertWriter:
     def _write_weight(self, banks, expert, kind: str, src: torch.Tensor, name: str, file: str) -> None:
         dst, scale_dst, cols = self.target(banks, expert, kind)
         fmt = banks.format
-        if _is_stored_quantized(src):
+        if is_stored_quantized(src):
             if src.dtype != dst.dtype:
                 raise LoadError(f"{file}: tensor {name!r} is {src.dtype}, but config.json's quantization_config "
                                 f"makes the experts {fmt.name if fmt.quantized else 'unquantized'}")
@@ -256,8 +250,7 @@ class _DenseQuantized:
     dtype once the weight and its scales were both read (they may sit in different shards).
     Invariant: a parameter is written only from a complete pair."""
 
-    PARTS = {".weight_scale_inv": "scale", ".weight_scale": "scale", ".weight_packed": "weight",
-             ".weight_shape": "shape"}
+    PARTS = {suffix: part for suffix, part in all_suffixes().items() if suffix.startswith(".")}
 
     def __init__(self, params: dict, fmt):
         self.params, self.fmt = params, fmt
@@ -291,7 +284,7 @@ class _DenseQuantized:
             raise LoadError(f"{name}: scales of shape {tuple(scales.shape)} are not the {self.fmt.block_shape} block "
                             f"grid of its weight {tuple(param.shape)}")
         with torch.no_grad():
-            param.copy_(dequantize_blocks(weight, scales, self.fmt.block_shape, param.shape[-1]))
+            param.copy_(self.fmt.dequantize(weight, scales, param.shape[-1]))
         return name
 
     def check_complete(self, model_dir: str) -> None:

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from moeferry.errors import ConfigError
-from moeferry.moe.strategies import ExpertNeeds
+from moeferry.moe.banks import ExpertNeeds
+from moeferry.moe.slot_cache import slots_for_gb
 
 logger = logging.getLogger(__name__)
 
@@ -84,11 +85,6 @@ class MemoryPlan:
                 ("pinned host memory for experts", gib(self.host_bytes))]
         width = max(len(name) for name, _ in rows)
         return "memory plan:\n" + "\n".join(f"  {name:<{width}}  {value:>11}" for name, value in rows)
-
-
-def slots_for_gb(gb: float, expert_bytes: int) -> int:
-    """The experts --moe-cache-gb holds: whole experts in gb GiB (2**30 bytes)."""
-    return int(gb * _GIB // expert_bytes)
 
 
 def expert_slots(ec, needs: ExpertNeeds, room_bytes: int | None) -> int:

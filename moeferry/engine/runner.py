@@ -10,8 +10,9 @@ from contextlib import nullcontext
 import torch
 
 from moeferry.config import EngineConfig, ModelConfig
-from moeferry.engine.batch import ForwardBatch, PrefillSeq, fill_page_table
-from moeferry.engine.cuda_graph import DecodeGraphs
+from moeferry.engine.batch import fill_page_table
+from moeferry.layers.batch import ForwardBatch, PrefillSeq
+from moeferry.engine.cuda_graph import DecodeGraphs, StagedInputs
 from moeferry.engine.loader import load_dummy, load_safetensors
 from moeferry.engine.planner import KVShape, plan_memory, planned_context, served_context, wanted_kv_tokens
 from moeferry.engine.sampler import SampledTokens, Sampler
@@ -57,7 +58,16 @@ class ModelRunner:
         self.sampler = Sampler(ec.max_running_requests, mc.vocab_size, self.device)
         self.max_pages_per_req = -(-self.max_model_len // ec.page_size)
         self.recorder = self._open_recorder()  # before the graphs: they capture its writes
-        self.graphs = DecodeGraphs(self) if ec.use_cuda_graph else None
+        self.graphs = self._capture_graphs() if ec.use_cuda_graph else None
+
+    def _capture_graphs(self) -> DecodeGraphs:
+        """The decode graphs over the model's forward and the sampler (engine/cuda_graph.py)."""
+        inputs = StagedInputs(self.ec.max_running_requests, self.max_pages_per_req, self.device, self.scratch_page,
+                              self.ec.page_size)
+        return DecodeGraphs(self._model_forward, self.sampler, self.decode_inputs, inputs, self.mc.vocab_size)
+
+    def _model_forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch, self.kv)
 
     def _open_recorder(self) -> RoutingRecorder | None:
         """Under --moe-record-routing, a recorder every MoE block writes to (routing/recorder.py)."""
@@ -87,7 +97,7 @@ class ModelRunner:
         released first. No-op without graphs."""
         if self.graphs is not None:
             self.graphs = None
-            self.graphs = DecodeGraphs(self)
+            self.graphs = self._capture_graphs()
 
     def _build_model(self, max_positions: int) -> MoECausalLM:
         with torch.device("cpu"):
@@ -148,6 +158,8 @@ class ModelRunner:
     # ---- forward -------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """One eager forward: the strategy's per-forward bookkeeping, then the model."""
+        self.strategy.begin_forward(batch.is_decode, batch.num_rows)
         return self.model(batch, self.kv)
 
     @torch.inference_mode()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeferry.engine.batch import ForwardBatch
+from moeferry.layers.batch import ForwardBatch
 from moeferry.kernels import attention as attn_ops
 from moeferry.kernels import norm_rope
 from moeferry.kernels.linear import linear

@@ -17,10 +17,10 @@ import math
 import torch
 from torch import nn
 
-from moeferry.engine.batch import ForwardBatch
+from moeferry.layers.batch import ForwardBatch
 from moeferry.kernels import attention as attn_ops
 from moeferry.kernels import mla as mla_ops
-from moeferry.kernels.norm_rope.reference import apply_rotary
+from moeferry.kernels.norm_rope.common import apply_rotary
 from moeferry.layers.linear import Linear
 from moeferry.layers.norm import RMSNorm
 from moeferry.layers.rotary import RotaryEmbedding, rope_parameters

@@ -11,12 +11,13 @@ import re
 import torch
 from torch import nn
 
-from moeferry.engine.batch import ForwardBatch
+from moeferry.layers.batch import ForwardBatch
 from moeferry.layers.attention import Attention
 from moeferry.layers.moe import DenseMLP, MoEBlock
 from moeferry.layers.norm import RMSNorm
 from moeferry.layers.rotary import RotaryEmbedding
 from moeferry.models.registry import FamilySpec, get_family
+from moeferry.moe.formats import all_suffixes
 
 
 class DecoderLayer(nn.Module):
@@ -75,9 +76,11 @@ class DecoderBody(nn.Module):
 _STACKED_LEAVES = {"gate_up_proj": ("gate_up", None), "down_proj": ("down", None),
                    "gate_up_proj_bias": ("gate_up", "bias"), "down_proj_bias": ("down", "bias")}
 
-# A quantized linear's checkpoint tensors -> what they hold (engine/loader.py)
-_TENSOR_PARTS = {"weight": "weight", "weight_packed": "weight", "weight_scale_inv": "scale", "weight_scale": "scale",
-                 "weight_shape": "shape", "blocks": "weight", "scales": "scale"}
+# A (quantized) linear's checkpoint tensors -> what they hold (engine/loader.py): the plain weight
+# and every expert format's own suffixes (moe/formats)
+_TENSOR_PARTS = {".weight": "weight", **all_suffixes()}
+_DOT_SUFFIXES = "|".join(sorted((re.escape(k[1:]) for k in _TENSOR_PARTS if k.startswith(".")), key=len, reverse=True))
+_UNDERSCORE_SUFFIXES = "|".join(re.escape(k[1:]) for k in _TENSOR_PARTS if k.startswith("_"))
 
 
 class MoECausalLM(nn.Module):
@@ -87,7 +90,6 @@ class MoECausalLM(nn.Module):
         super().__init__()
         self.spec = get_family(mc.model_type)
         self.config = mc
-        self.strategy = strategy
         self.model = DecoderBody(mc, self.spec, strategy, max_positions)
         self.tie_word_embeddings = bool(getattr(mc.hf, "tie_word_embeddings", False))
         self.lm_head = nn.Linear(mc.hidden_size, mc.vocab_size, bias=False)
@@ -95,11 +97,10 @@ class MoECausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self._expert_pattern = re.compile(
             rf"model\.layers\.(\d+)\.{re.escape(self.spec.moe_prefix)}\.experts\.(?:(\d+)\.)?([A-Za-z0-9_]+?)"
-            r"(?:\.(weight|weight_packed|weight_scale_inv|weight_scale|weight_shape)|_(blocks|scales))?$"
+            rf"(?:\.({_DOT_SUFFIXES})|_({_UNDERSCORE_SUFFIXES}))?$"
         )
 
     def forward(self, batch: ForwardBatch, kv) -> torch.Tensor:
-        self.strategy.begin_forward(batch.is_decode, batch.num_rows)
         x, residual = self.model.embed_tokens(batch.input_ids), None
         for layer in self.model.layers:
             x, residual = layer(x, residual, batch, kv)
@@ -117,7 +118,8 @@ class MoECausalLM(nn.Module):
         if m is None:
             return None
         layer_id, expert, leaf = int(m.group(1)), m.group(2), m.group(3)
-        part = _TENSOR_PARTS[m.group(4) or m.group(5) or "weight"]
+        suffix = "." + m.group(4) if m.group(4) else "_" + m.group(5) if m.group(5) else ".weight"
+        part = _TENSOR_PARTS[suffix]
         gate, up, down = self.spec.expert_names
         if expert is not None:
             kind = {gate: "gate", up: "up", down: "down"}.get(leaf)

@@ -15,11 +15,11 @@ depend on the model and the card; the cost model reads both off the live routing
 residency.
 
 The host strategies' third way (computing a chunk's missing experts on the host CPU) is not
-in this model: the channel speeds measured at start-up (moe/host_experts.py ChannelSpeeds)
+in this model: the channel speeds measured at start-up (moe/host_speeds.py ChannelSpeeds)
 are those of one token per expert, where the host kernel reads weights at memory speed; a
 prefill chunk's many tokens per expert make it compute-bound, at a speed nothing measures
 yet. `cpu` under auto takes chunks of at most `AUTO_HOST_PREFILL_TOKENS` to the host
-(moe/hybrid.py); `hybrid` decides as `offload` does.
+(`PrefillRoute`); `hybrid` decides as `offload` does.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from moeferry.errors import ConfigError
 
 AUTO = "auto"
 DEMAND_MARGIN = 0.8  # demand must copy under 80% of the stream's bytes to be taken
+# `cpu` under auto: chunks of at most this many tokens are computed on the host (PrefillRoute)
+AUTO_HOST_PREFILL_TOKENS = 32
 
 
 def parse_demand_tokens(value) -> int | str:
@@ -121,3 +123,83 @@ class PrefillPolicy:
         demand_bytes = int(est_missing * expert_bytes)
         stream_bytes = (num_layers * num_experts - sum(resident)) * expert_bytes
         return self._record(PrefillDecision(demand_bytes < DEMAND_MARGIN * stream_bytes, demand_bytes, stream_bytes))
+
+
+class PrefillRoute:
+    """A prefill chunk's way through a store in host memory (moe/stores.py): streamed through
+    the store's layer buffers (`stream`: the resident experts read from their slots, every
+    other expert of each layer copied), or on demand (the decode path: the slot cache's
+    admission, or the host channel where the store has no cache), as `PrefillPolicy` decides.
+
+    Without a residency to read (a store with no slot cache), auto takes chunks of at most
+    `host_tokens` tokens on demand (to the host): the host kernel reads each routed expert once
+    per chunk, but its arithmetic grows with the tokens per expert, while streaming a layer
+    costs the same for any chunk.
+
+    Invariant: a decision, once taken for a chunk, holds for all of its layers."""
+
+    def __init__(self, engine_config, host_tokens: int | None = None):
+        self.policy = PrefillPolicy(engine_config.moe_prefill_demand_tokens)
+        self.max_prefill_tokens = engine_config.max_prefill_tokens
+        self.host_tokens = host_tokens
+        self.store = None
+        self.decision = PrefillDecision(False)
+        self.residency_host: torch.Tensor | None = None  # auto: the residency a chunk read once
+        self.streamed_bytes = 0
+
+    def attach(self, store) -> None:
+        self.store = store
+
+    @property
+    def widest_demand_chunk(self) -> int:
+        """The most tokens a chunk taken on demand may have (buffers are sized by it)."""
+        if self.policy.auto:
+            return self.host_tokens if self.host_tokens is not None else self.max_prefill_tokens
+        return self.policy.threshold
+
+    def begin(self, num_tokens: int) -> None:
+        """Called before a prefill forward: the decision where it can be taken now, and the
+        stream's first copies when it streams."""
+        residency = self.store.residency()
+        if self.policy.auto and residency is None:
+            self.residency_host = None
+            self.decision = self.policy.decide(num_tokens <= self.host_tokens)
+        else:
+            # auto: the residency, read once before the chunk's work is queued (nothing admits until
+            # its first MoE layer decides); the decision and the stream both read this copy
+            self.residency_host = residency.cpu() if self.policy.auto else None
+            self.decision = self.policy.begin(num_tokens, self.residency_host)
+        if self.decision.demand is False:
+            self._start_stream()
+
+    def _start_stream(self) -> None:
+        self.store.stream.begin(self.store.banks, self.store.residency(), self.residency_host)
+
+    def streams(self, layer_id: int, topk_ids: torch.Tensor) -> bool:
+        """Whether this chunk's layer streams; under auto with a slot cache the chunk's first MoE
+        layer decides from its routes (one device sync)."""
+        if self.decision.demand is None:
+            self.decision = self.policy.decide_auto(topk_ids, self.store.moe_layer_of[layer_id], self.residency_host,
+                                                    self.store.expert_bytes)
+            if not self.decision.demand:
+                self._start_stream()
+        return not self.decision.demand
+
+    def streamed(self, layer_id: int) -> tuple[object, torch.Tensor, int]:
+        """(the stream's banks, expert -> row map [E] of the layer, experts it copied) once the
+        layer's copies have landed; call `release` once its compute is enqueued. Only the experts
+        not resident crossed the link, and only they count as streamed bytes."""
+        row_of, copied = self.store.stream.acquire(layer_id)
+        self.streamed_bytes += copied * self.store.expert_bytes
+        return self.store.stream.banks, row_of
+
+    def release(self, layer_id: int) -> None:
+        self.store.stream.release(layer_id)
+
+    @property
+    def admits(self) -> bool:
+        """Whether the last chunk admitted its routes through a slot cache."""
+        return bool(self.decision.demand) and self.store.admits
+
+    def stats(self) -> dict:
+        return {"prefill_streamed_bytes": self.streamed_bytes, "prefill_chunks": dict(self.policy.decisions)}

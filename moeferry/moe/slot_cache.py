@@ -17,6 +17,11 @@ from moeferry.moe.stats import PHASES, MoEStats
 DEFAULT_MAX_ROUTES = 8192
 
 
+def slots_for_gb(gb: float, expert_bytes: int) -> int:
+    """The experts --moe-cache-gb holds: whole experts in gb GiB (2**30 bytes)."""
+    return int(gb * 2**30 // expert_bytes)
+
+
 class SlotCache:
     """Device-side slot cache over ``num_slots`` slots shared by ``num_layers`` MoE layers of
     ``num_experts`` experts each.

@@ -1,14 +1,14 @@
-"""Where a decode step's time goes, layer by layer: a strategy given a `LayerTimeline` stamps
-named points of each MoE layer's work (kernels/timestamps) inside the captured decode graph,
-and `summary` reads them back as the mean microseconds from each point to the next
-(bench_hybrid --parts timeline). Off (None) unless a benchmark sets one before capturing."""
+"""Where a decode step's time goes, layer by layer: under --moe-timeline a strategy keeps a
+`LayerTimeline` and stamps named points of each MoE layer's work (kernels/timestamps) inside
+the captured decode graph; `summary` reads them back as the mean microseconds from each point
+to the next (bench_hybrid --parts timeline)."""
 from __future__ import annotations
 
 import torch
 
 from moeferry.kernels.timestamps import stamp
 
-# The points `hybrid` stamps in a decode layer (moe/hybrid.py), in order.
+# The points `hybrid` stamps in a decode layer (moe/strategy.py, under --moe-timeline), in order.
 HYBRID_POINTS = ("start", "split", "posted", "copied", "computed", "joined", "combined")
 
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moeferry.engine.planner import slots_for_gb
+from moeferry.moe.slot_cache import slots_for_gb
 from moeferry.moe.slot_cache import DEFAULT_MAX_ROUTES, SlotCache
 from moeferry.routing.trace import RoutingTrace, TraceHeader, TraceStep
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeferry.kernels.norm_rope.reference import rms_norm, rotate_half
+from moeferry.kernels.norm_rope.common import rms_norm, rotate_half
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

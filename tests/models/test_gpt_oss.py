@@ -114,8 +114,8 @@ def test_cpu_and_hybrid_compute_bf16_models_experts_in_the_host_kernel_bit_for_b
         calls = host_kernel.timing()["calls"]
         got, llm = _outputs(path, moe_strategy=strategy, **bf16, **extra)
         moe = llm.engine.runner.strategy
-        assert moe.channel.compiled and moe.stats()["host_experts"] > 0
-        bank = next(iter(moe.channel.banks.values()))
+        assert moe.host.channel.compiled and moe.stats()["host_experts"] > 0
+        bank = next(iter(moe.host.channel.banks.values()))
         assert bank.w13.dtype == (torch.uint8 if options else torch.bfloat16) and bank.w13_bias is not None
         assert host_kernel.timing()["calls"] > calls
         assert got == want, strategy

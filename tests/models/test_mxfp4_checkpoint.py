@@ -170,7 +170,7 @@ def test_gpt_oss_mxfp4_experts_land_in_the_banks_as_transformers_reads_them(tmp_
 
     from moeferry.engine.loader import _ExpertWriter
     from moeferry.moe.formats import mxfp4_format
-    from moeferry.moe.strategies import ExpertBanks
+    from moeferry.moe.banks import ExpertBanks
 
     config = T.GptOssConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
@@ -235,9 +235,9 @@ def test_the_host_channel_computes_a_bf16_models_mxfp4_experts_in_the_kernel():
     """The compiled host kernel reads MXFP4 banks for a bf16 model (on a GPU too); a float32
     model's host routes take the reference on a CPU-only machine and are refused on a GPU."""
     from moeferry.config import ConfigError
-    from moeferry.moe.host_experts import HostExpertChannel
+    from moeferry.moe.host_channel import HostExpertChannel
     from moeferry.moe.formats import mxfp4_format
-    from moeferry.moe.strategies import ExpertBanks
+    from moeferry.moe.banks import ExpertBanks
 
     banks = {0: ExpertBanks.allocate(4, 32, 32, mxfp4_format(), torch.bfloat16, torch.device("cpu"), zero=True)}
     assert HostExpertChannel(banks, 4, 2, torch.device("cpu"), 1, torch.bfloat16).compiled

@@ -8,8 +8,8 @@ import torch
 
 from moeferry.config import ConfigError, EngineConfig
 from moeferry.kernels.fused_moe import fused_moe
-from moeferry.moe import offload
-from moeferry.moe.offload import OffloadStrategy
+from moeferry.moe import strategy as strategy_module
+from moeferry.moe.strategies import create_strategy
 from moeferry.engine.planner import plan_memory
 from moeferry.moe.prefill_policy import PrefillPolicy, parse_demand_tokens, validate_demand_prefill
 
@@ -20,14 +20,14 @@ def _strategy(demand, slots=2 * E, layers=2):
     ec = EngineConfig(device="cpu", dtype="float32", moe_strategy="offload", moe_prefill_demand_tokens=demand,
                       moe_cache_slots=slots, moe_collect_stats=True)
     mc = SimpleNamespace(num_experts=E, top_k=TOP_K, num_layers=layers, max_position_embeddings=512)
-    strategy = OffloadStrategy(ec, mc)
+    strategy = create_strategy("offload", ec, mc)
     gen = torch.Generator().manual_seed(0)
     for layer in range(layers):
         banks = strategy.allocate_banks(layer, E, H, I)
         banks.w13.copy_(torch.randn(banks.w13.shape, generator=gen) * 0.1)
         banks.w2.copy_(torch.randn(banks.w2.shape, generator=gen) * 0.1)
     strategy.finalize(plan_memory(strategy.engine_config, strategy.memory_needs()))
-    strategy.cache.reset()  # cold: these tests count the misses a chunk's admission takes
+    strategy.store.cache.reset()  # cold: these tests count the misses a chunk's admission takes
     return strategy
 
 
@@ -50,7 +50,7 @@ def calls(monkeypatch):
         seen.append(SimpleNamespace(w13=w13, num_routed_experts=kw["num_routed_experts"]))
         return fused_moe(hidden, w13, w2, weights, ids, **kw)
 
-    monkeypatch.setattr(offload, "fused_moe", spy)
+    monkeypatch.setattr(strategy_module, "fused_moe", spy)
     return seen
 
 
@@ -61,7 +61,7 @@ def test_a_96_token_chunk_goes_on_demand_and_a_97_token_chunk_streams(calls):
     assert len(torch.unique(ids)) == E
     strategy.begin_forward(False, 96)
     got = strategy.forward(0, hidden, weights, ids, is_decode=False)
-    assert calls[-1].w13 is strategy.pool.w13 and calls[-1].num_routed_experts == E  # the view names the layer's 160
+    assert calls[-1].w13 is strategy.store.pool.w13 and calls[-1].num_routed_experts == E  # the view names the layer's 160
     stats = strategy.stats()
     assert stats["prefill"]["per_layer"]["calls"] == [1, 0]
     assert stats["prefill"]["per_layer"]["distinct"] == [E, 0]
@@ -74,7 +74,7 @@ def test_a_96_token_chunk_goes_on_demand_and_a_97_token_chunk_streams(calls):
     hidden, weights, ids = _chunk(97, gen)
     strategy.begin_forward(False, 97)
     strategy.forward(1, hidden, weights, ids, is_decode=False)
-    assert calls[-1].w13 is strategy.stream.banks.w13  # streamed: the pool's banks, slots and stream buffers
+    assert calls[-1].w13 is strategy.store.stream.banks.w13  # streamed: the pool's banks, slots and stream buffers
     assert strategy.stats()["prefill"]["per_layer"]["calls"] == [1, 0]
     assert strategy.stats()["prefill_chunks"] == {"demand": 1, "stream": 1}
 
@@ -100,9 +100,9 @@ def test_auto_takes_short_chunks_on_demand_and_streams_chunks_that_need_every_ex
     for tokens, expect_demand in [(1, True), (96, False)]:
         hidden, weights, ids = _chunk(tokens, gen)
         strategy.begin_forward(False, tokens)
-        assert strategy.decision.demand is None  # decided at the first MoE layer
+        assert strategy.prefill.decision.demand is None  # decided at the first MoE layer
         strategy.forward(0, hidden, weights, ids, is_decode=False)
-        assert strategy.decision.demand is expect_demand, (tokens, strategy.decision)
+        assert strategy.prefill.decision.demand is expect_demand, (tokens, strategy.prefill.decision)
 
 
 def test_auto_streams_a_fully_resident_cache_without_waiting_for_the_first_layer(monkeypatch):
@@ -111,12 +111,12 @@ def test_auto_streams_a_fully_resident_cache_without_waiting_for_the_first_layer
     one the slots give."""
     strategy = _strategy("auto")
     strategy.restart_cache()  # warm: 2 x 160 slots hold both layers' experts
-    assert bool((strategy.cache.slot_of >= 0).all())
-    monkeypatch.setattr(strategy.prefill_policy, "decide_auto", lambda *a: pytest.fail("waited for the routing"))
+    assert bool((strategy.store.cache.slot_of >= 0).all())
+    monkeypatch.setattr(strategy.prefill.policy, "decide_auto", lambda *a: pytest.fail("waited for the routing"))
     gen = torch.Generator().manual_seed(3)
     hidden, weights, ids = _chunk(4, gen)
     strategy.begin_forward(False, 4)
-    assert strategy.decision.demand is False and strategy.stream.copied == [0, 0]
+    assert strategy.prefill.decision.demand is False and strategy.store.stream.copied == [0, 0]
     got = strategy.forward(0, hidden, weights, ids, is_decode=False)
     host = strategy.banks[0]
     assert torch.equal(got, fused_moe(hidden, host.w13, host.w2, weights, ids, num_routed_experts=E))

@@ -9,7 +9,7 @@ import torch
 
 from moeferry import LLM, SamplingParams
 from moeferry.config import ConfigError
-from moeferry.moe.host_experts import ChannelSpeeds
+from moeferry.moe.host_speeds import ChannelSpeeds
 from moeferry.testing.fixtures import family_configs, make_checkpoint
 
 FAMILIES = family_configs()
@@ -39,14 +39,14 @@ def test_cpu_and_hybrid_generate_what_gpu_generates(ckpt, dtype):
     path, experts = ckpt
     want = tokens(LLM(path, dtype=dtype, device="cpu"))
     cpu = LLM(path, dtype=dtype, device="cpu", moe_strategy="cpu")
-    assert cpu.engine.runner.strategy.channel.compiled == (dtype == "bfloat16")
+    assert cpu.engine.runner.strategy.host.channel.compiled == (dtype == "bfloat16")
     calls = host_kernel.timing()["calls"]
     assert tokens(cpu) == want
     assert cpu.engine.runner.strategy.stats()["host_experts"] > 0
     assert (host_kernel.timing()["calls"] > calls) == (dtype == "bfloat16")
     hybrid = LLM(path, dtype=dtype, device="cpu", moe_strategy="hybrid", moe_cache_slots=experts,
                  moe_host_share=0.5, moe_collect_stats=True)
-    assert hybrid.engine.runner.strategy.channel.compiled == (dtype == "bfloat16")
+    assert hybrid.engine.runner.strategy.host.channel.compiled == (dtype == "bfloat16")
     assert tokens(hybrid) == want
     stats = hybrid.engine.runner.strategy.stats()
     assert stats["host_experts"] > 0 and stats["decode"]["total"]["misses"] > 0  # both channels carried experts
@@ -121,7 +121,7 @@ def test_cpu_and_hybrid_compute_quantized_experts_as_gpu_does(quantized_ckpt, dt
     for strategy, kwargs in (("cpu", {}), ("hybrid", dict(moe_cache_slots=experts, moe_host_share=0.5,
                                                            moe_collect_stats=True))):
         llm = LLM(path, dtype=dtype, device="cpu", moe_strategy=strategy, **options, **kwargs)
-        channel = llm.engine.runner.strategy.channel
+        channel = llm.engine.runner.strategy.host.channel
         assert channel.compiled == (dtype == "bfloat16")
         calls = host_kernel.timing()["calls"]
         got_tokens, got_top = run(llm)
@@ -156,11 +156,11 @@ class FakeCounters:
 
 
 def tuned(monkeypatch, speeds, **settings):
-    from moeferry.moe import host_experts
+    from moeferry.moe import split_policy
 
     counters = FakeCounters()
-    monkeypatch.setattr(host_experts.host_kernel, "timing", counters)
-    return host_experts.SplitTuner(speeds, torch.device("cpu"), host_experts.TunerSettings(**settings)), counters
+    monkeypatch.setattr(split_policy.host_kernel, "timing", counters)
+    return split_policy.SplitTuner(speeds, torch.device("cpu"), split_policy.TunerSettings(**settings)), counters
 
 
 def decode_steps(tuner, counters, steps, calls, seconds, experts, **empty):
@@ -223,54 +223,50 @@ def test_the_split_stays_where_it_cannot_measure_or_must_not_move(monkeypatch):
 def test_hybrid_decode_retunes_its_split_and_still_generates_what_gpu_generates(tmp_path, monkeypatch):
     """The runner calls the tuner before each decode step, its split is the one the layers
     read, and the tokens stay gpu's."""
-    from moeferry.moe import host_experts, hybrid
+    from moeferry.moe import host_compute
 
     name, config = FAMILIES[0]
     path = str(tmp_path / name)
     make_checkpoint(config, path)
     experts = getattr(config, "num_experts", None) or config.num_local_experts
-    monkeypatch.setattr(hybrid.HybridStrategy, "tuner_settings", host_experts.TunerSettings(period=2, min_experts=1))
-    monkeypatch.setattr(hybrid, "measure_speeds", lambda banks, *a: ChannelSpeeds(
+    monkeypatch.setattr(host_compute, "measure_speeds", lambda banks, *a: ChannelSpeeds(
         10e9, 10e9, expert_bytes=next(iter(banks.values())).bytes_per_expert))
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     want = [o.token_ids for o in LLM(path, dtype="bfloat16", device="cpu").generate(PROMPTS, params)]
     llm = LLM(path, dtype="bfloat16", device="cpu", moe_strategy="hybrid", moe_cache_slots=experts,
-              moe_collect_stats=True)
+              moe_collect_stats=True, moe_tuner_period=2, moe_tuner_min_experts=1)
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
     stats = llm.engine.runner.strategy.stats()
-    tuner = llm.engine.runner.strategy.tuner
+    tuner = llm.engine.runner.strategy.split.tuner
     assert stats["split_now"]["updates"] > 0 and stats["host_experts"] > 0
     assert float(tuner.split[0]) == pytest.approx(tuner.speeds.host_share)
     assert tuner.speeds.host_bytes_per_s != 10e9  # moved toward what the kernel achieved here
 
 
-def test_a_new_schedule_reaches_the_calls_already_made_and_keeps_the_bits():
-    """`set_schedule` rewrites the call records in place (captured graphs hold their addresses):
-    a record made under the default deals its units by the new schedule, the routes are the same
-    bits, and a schedule the kernel does not know is refused."""
+def test_both_schedules_give_the_same_bits_and_an_unknown_one_is_refused():
+    """The host channel's schedule (--moe-host-schedule) reaches its call records, the routes
+    are the same bits under either, and a schedule the kernel does not know is refused."""
+    from moeferry.config import ConfigError
     from moeferry.kernels.fused_moe import host as host_kernel
-    from moeferry.moe.host_experts import HostExpertChannel
-    from moeferry.moe.strategies import ExpertBanks
+    from moeferry.moe.banks import ExpertBanks
+    from moeferry.moe.host_channel import HostChannelOptions, HostExpertChannel
 
     gen = torch.Generator().manual_seed(1)
     hidden_size, inter, experts, top_k, tokens = 128, 64, 16, 4, 3
     banks = {0: ExpertBanks((torch.randn(experts, 2 * inter, hidden_size, generator=gen) * 0.05).bfloat16(),
                             (torch.randn(experts, hidden_size, inter, generator=gen) * 0.05).bfloat16())}
-    channel = HostExpertChannel(banks, tokens, top_k, torch.device("cpu"), threads=2)
     hidden = torch.randn(tokens, hidden_size, generator=gen).bfloat16()
     weights = torch.rand(tokens, top_k, generator=gen)
     ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).int()
     host_ids = torch.where(torch.rand(tokens, top_k, generator=gen) < 0.5, ids, -1)
 
-    def routes():
-        channel.begin(0, hidden, weights, host_ids)
-        return channel.finish().clone()
-
     outputs = {}
     for schedule in ("static", "dynamic"):
-        channel.set_schedule(schedule)
-        outputs[schedule] = routes()
+        channel = HostExpertChannel(banks, tokens, top_k, torch.device("cpu"), threads=2,
+                                    options=HostChannelOptions(schedule=schedule))
+        channel.begin(0, hidden, weights, host_ids)
+        outputs[schedule] = channel.finish().clone()
         assert [call.schedule for call in channel.calls.values()] == [host_kernel.SCHEDULES[schedule]]
     assert torch.equal(outputs["static"], outputs["dynamic"]) and bool((outputs["static"] != 0).any())
-    with pytest.raises(ValueError, match="schedule 'guided' is not one of static, dynamic"):
-        channel.set_schedule("guided")
+    with pytest.raises(ConfigError, match="--moe-host-schedule 'guided': choose one of static, dynamic"):
+        HostChannelOptions(schedule="guided")

@@ -30,17 +30,13 @@ def assert_same_until_a_near_tie(want, got):
     dict(moe_strategy="hybrid", moe_cache_slots=48, moe_host_share=0.5, moe_collect_stats=True),
     dict(moe_strategy="hybrid", moe_cache_slots=48, moe_prefill_demand_tokens="auto"),
     dict(moe_strategy="hybrid", moe_cache_slots=48, moe_host_share=1.0, disable_cuda_graph=True),
-    dict(moe_strategy="hybrid", moe_cache_slots=48, moe_host_share=0.5, dispatch="mailbox"),
-], ids=["cpu", "cpu-eager", "cpu-demand", "hybrid-half", "hybrid-auto", "hybrid-all-misses-eager", "hybrid-mailbox"])
-def test_host_strategies_generate_what_gpu_generates(monkeypatch, options):
-    """`dispatch`: how the host kernel runs (HostExpertChannel.dispatch; default the CUDA host
-    function), set for the channels built here."""
+    dict(moe_strategy="hybrid", moe_cache_slots=48, moe_host_share=0.5, moe_host_dispatch="host_function"),
+], ids=["cpu", "cpu-eager", "cpu-demand", "hybrid-half", "hybrid-auto", "hybrid-all-misses-eager",
+        "hybrid-host-function"])
+def test_host_strategies_generate_what_gpu_generates(options):
     from moeferry import LLM, SamplingParams
     from moeferry.default_model import ensure_default_model
-    from moeferry.moe.host_experts import HostExpertChannel
 
-    options = dict(options)
-    monkeypatch.setattr(HostExpertChannel, "dispatch", options.pop("dispatch", "host_function"))
     path = ensure_default_model()
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7], list(range(10, 50))]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
@@ -65,22 +61,22 @@ def test_host_strategies_generate_what_gpu_generates(monkeypatch, options):
 
 
 @pytest.mark.parametrize("dispatch", ["host_function", "mailbox"])
-def test_the_host_channel_replays_in_a_graph_as_it_runs_eagerly(monkeypatch, dispatch):
+def test_the_host_channel_replays_in_a_graph_as_it_runs_eagerly(dispatch):
     """Either dispatch (a CUDA host function on the side stream, or the mailbox worker polled
     and awaited by kernels): the graph's replay gives the eager bits, the same in both, the
     host's routes nonzero and the others zero, and no wait gave up."""
     from moeferry.engine.cuda_graph import capture
     from moeferry.kernels.fused_moe import host as host_kernel
-    from moeferry.moe.host_experts import HostExpertChannel
-    from moeferry.moe.strategies import ExpertBanks
+    from moeferry.moe.banks import ExpertBanks
+    from moeferry.moe.host_channel import HostChannelOptions, HostExpertChannel
 
     gen = torch.Generator().manual_seed(0)
     hidden_size, inter, experts, top_k, tokens = 1024, 256, 32, 4, 8
     banks = {layer: ExpertBanks((torch.randn(experts, 2 * inter, hidden_size, generator=gen) * 0.03).bfloat16().pin_memory(),
                                 (torch.randn(experts, hidden_size, inter, generator=gen) * 0.06).bfloat16().pin_memory())
              for layer in range(3)}
-    monkeypatch.setattr(HostExpertChannel, "dispatch", dispatch)
-    channel = HostExpertChannel(banks, tokens, top_k, torch.device("cuda"), threads=8)
+    channel = HostExpertChannel(banks, tokens, top_k, torch.device("cuda"), threads=8,
+                                options=HostChannelOptions(dispatch=dispatch))
     hidden = torch.randn(tokens, hidden_size, generator=gen).bfloat16().cuda()
     weights = torch.rand(tokens, top_k, generator=gen).cuda()
     ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).int().cuda()
@@ -131,7 +127,7 @@ def test_host_strategies_generate_what_gpu_generates_on_quantized_and_biased_exp
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
     ref = LLM(str(tmp_path), **common).generate(prompts, params)
     llm = LLM(str(tmp_path), moe_strategy=strategy, **common, **options)
-    assert llm.engine.runner.strategy.channel.compiled
+    assert llm.engine.runner.strategy.host.channel.compiled
     for want, got in zip(ref, llm.generate(prompts, params)):
         assert_same_until_a_near_tie(want, got)
     stats = llm.engine.runner.strategy.stats()
@@ -144,24 +140,20 @@ def test_a_new_split_reaches_the_captured_graphs():
     """The split is a device tensor the route split reads at replay: written by the tuner's
     own path (pinned row, stream-ordered copy) as no host share, decode computes no expert on
     the host; as all of the misses, it does, with the same graphs (none recaptured)."""
-    from dataclasses import replace
-
     from moeferry import LLM, SamplingParams
     from moeferry.default_model import ensure_default_model
 
     llm = LLM(ensure_default_model(), max_running_requests=4, moe_strategy="hybrid", moe_cache_slots=48)
     strategy, graphs = llm.engine.runner.strategy, llm.engine.runner.graphs
-    tuner = strategy.tuner
-    tuner.fixed = True  # the values written here stay
+    tuner = strategy.split.tuner
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7], list(range(10, 50))]
 
     def host_experts_with(share: float) -> int:
-        tuner.speeds = replace(tuner.speeds, share=share)  # a fixed share: offset 0
-        tuner.write()
-        before = int(strategy.host_experts.sum())
+        tuner.hold(share)
+        before = int(strategy.host.experts.sum())
         llm.generate(prompts, params)
-        return int(strategy.host_experts.sum()) - before
+        return int(strategy.host.experts.sum()) - before
 
     assert graphs is not None and graphs.can_run(len(prompts))
     assert host_experts_with(0.0) == 0

@@ -40,7 +40,7 @@ def test_a_cache_of_every_expert_starts_warm_and_never_misses(ckpt):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     off = LLM(path, dtype="float32", device="cpu", moe_strategy="offload", moe_collect_stats=True)
     strategy = off.engine.runner.strategy
-    assert strategy.cache.num_slots == strategy.cache.num_layers * strategy.cache.num_experts
+    assert strategy.store.cache.num_slots == strategy.store.cache.num_layers * strategy.store.cache.num_experts
     off.generate(PROMPTS, params)
     decode = strategy.stats()["decode"]["total"]
     assert decode["calls"] > 0 and decode["distinct"] > 0 and decode["misses"] == 0
@@ -54,7 +54,7 @@ def test_a_partial_cache_starts_with_the_first_layers_resident(ckpt):
     slots = experts + experts // 2 + 1
     strategy = LLM(path, dtype="float32", device="cpu", moe_strategy="offload",
                    moe_cache_slots=slots).engine.runner.strategy
-    cache, pool = strategy.cache, strategy.pool
+    cache, pool = strategy.store.cache, strategy.store.pool
     owners = cache.owner_of.tolist()
     assert all(o >= 0 for o in owners)  # every slot filled
     for slot, owner in enumerate(owners):
@@ -83,7 +83,7 @@ def test_cache_smaller_than_a_layer_is_refused(ckpt):
 def test_cache_sizing_from_slots_gigabytes_or_every_expert():
     from moeferry.config import EngineConfig
     from moeferry.engine.planner import plan_memory
-    from moeferry.moe.strategies import ExpertNeeds
+    from moeferry.moe.banks import ExpertNeeds
 
     expert_bytes = 3 * 2**20
     needs = ExpertNeeds(expert_bytes=expert_bytes, total_experts=24, layer_experts=8, wants_slots=True)
@@ -122,7 +122,7 @@ def test_a_prefill_over_a_partly_resident_cache_matches_gpu_and_streams_only_the
     for prompts in (PROMPTS, [p[::-1] + [3, 4] for p in PROMPTS]):
         want = [o.token_ids for o in gpu.generate(prompts, params)]
         assert [o.token_ids for o in off.generate(prompts, params)] == want
-    resident = (strategy.cache.slot_of >= 0).sum(dim=1)
+    resident = (strategy.store.cache.slot_of >= 0).sum(dim=1)
     assert ((resident > 0) & (resident < experts)).sum() >= 1  # some layer partly resident
     stats = strategy.stats()
     assert stats["prefill"]["total"]["calls"] == 0  # streaming never admits

@@ -118,20 +118,20 @@ def test_600_token_demand_chunk_equals_the_streamed_layer_bit_for_bit():
     from types import SimpleNamespace
 
     from moeferry.config import EngineConfig
-    from moeferry.moe.offload import OffloadStrategy
+    from moeferry.moe.strategies import create_strategy
 
     gen = torch.Generator().manual_seed(3)
     for slots in (1100, E):
         ec = EngineConfig(moe_strategy="offload", moe_prefill_demand_tokens=600, moe_cache_slots=slots,
                           moe_collect_stats=True, dtype="bfloat16")
         mc = SimpleNamespace(num_experts=E, top_k=TOP_K, num_layers=4, max_position_embeddings=1024)
-        strategy = OffloadStrategy(ec, mc)
+        strategy = create_strategy("offload", ec, mc)
         for layer in range(4):
             banks = strategy.allocate_banks(layer, E, H, I)
             banks.w13.copy_(torch.randn(banks.w13.shape, generator=gen) * 0.05)
             banks.w2.copy_(torch.randn(banks.w2.shape, generator=gen) * 0.05)
         strategy.finalize(plan_memory(strategy.engine_config, strategy.memory_needs()))
-        strategy.cache.reset()  # cold, so the chunk's admission misses
+        strategy.store.cache.reset()  # cold, so the chunk's admission misses
         for layer in (1, 2, 3):
             hidden = torch.randn(8, H, generator=gen).to(torch.bfloat16).cuda()
             weights, ids = _routes(gen, 8)
@@ -140,7 +140,7 @@ def test_600_token_demand_chunk_equals_the_streamed_layer_bit_for_bit():
         weights, ids = _routes(gen, 600)
         strategy.begin_forward(False, 600)
         demand = strategy.forward(0, hidden, weights, ids, is_decode=False)
-        strategy.prefill_policy.threshold = 0
+        strategy.prefill.policy.threshold = 0
         strategy.begin_forward(False, 600)
         streamed = strategy.forward(0, hidden, weights, ids, is_decode=False)
         assert torch.equal(demand, streamed)
@@ -157,13 +157,13 @@ def test_streamed_chunks_over_a_scattered_cache_are_bit_identical_to_the_residen
     from types import SimpleNamespace
 
     from moeferry.config import EngineConfig
-    from moeferry.moe.offload import OffloadStrategy
+    from moeferry.moe.strategies import create_strategy
 
     layers, slots = 6, 3 * E + 17
     gen = torch.Generator().manual_seed(11)
     ec = EngineConfig(moe_strategy="offload", moe_cache_slots=slots, moe_collect_stats=True, dtype="bfloat16")
     mc = SimpleNamespace(num_experts=E, top_k=TOP_K, num_layers=layers, max_position_embeddings=1024)
-    strategy = OffloadStrategy(ec, mc)
+    strategy = create_strategy("offload", ec, mc)
     for layer in range(layers):
         banks = strategy.allocate_banks(layer, E, H, I)
         banks.w13.copy_(torch.randn(banks.w13.shape, generator=gen) * 0.05)
@@ -174,9 +174,9 @@ def test_streamed_chunks_over_a_scattered_cache_are_bit_identical_to_the_residen
             hidden = torch.randn(8, H, generator=gen).to(torch.bfloat16).cuda()
             weights, ids = _routes(gen, 8)
             strategy.forward(layer, hidden, weights, ids, is_decode=True)
-    resident = (strategy.cache.slot_of >= 0).sum(dim=1).tolist()
+    resident = (strategy.store.cache.slot_of >= 0).sum(dim=1).tolist()
     assert sum(0 < r < E for r in resident) >= 2, resident
-    slot_of = strategy.cache.slot_of.clone()
+    slot_of = strategy.store.cache.slot_of.clone()
     device_banks = {layer: (b.w13.cuda(), b.w2.cuda()) for layer, b in strategy.banks.items()}
     for chunk in range(3):
         hidden = torch.randn(300, H, generator=gen).to(torch.bfloat16).cuda()
@@ -186,7 +186,7 @@ def test_streamed_chunks_over_a_scattered_cache_are_bit_identical_to_the_residen
         for layer, got in enumerate(outs):
             ref = fused_moe(hidden, *device_banks[layer], weights, ids, num_routed_experts=E)
             assert torch.equal(got, ref), (chunk, layer)
-    assert torch.equal(strategy.cache.slot_of, slot_of)
+    assert torch.equal(strategy.store.cache.slot_of, slot_of)
     stats = strategy.stats()
     assert stats["prefill"]["total"]["calls"] == 0
     assert stats["prefill_streamed_bytes"] == 3 * (layers * E - sum(resident)) * strategy.expert_bytes

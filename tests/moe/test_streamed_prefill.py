@@ -13,17 +13,17 @@ from moeferry.config import EngineConfig
 from moeferry.engine.planner import plan_memory
 from moeferry.kernels.fused_moe import fused_moe
 from moeferry.moe import formats
-from moeferry.moe.hybrid import CpuStrategy
-from moeferry.moe.offload import LayerStream, OffloadStrategy, missing_runs
+from moeferry.moe.layer_stream import LayerStream, missing_runs
+from moeferry.moe.strategies import create_strategy
 
 H, I, E, TOP_K, LAYERS = 32, 16, 16, 2, 4
 
 
-def _strategy(slots, quantization=None, dtype="float32", cls=OffloadStrategy):
-    ec = EngineConfig(device="cpu", dtype=dtype, moe_strategy=cls.name, moe_cache_slots=slots,
+def _strategy(slots, quantization=None, dtype="float32", name="offload"):
+    ec = EngineConfig(device="cpu", dtype=dtype, moe_strategy=name, moe_cache_slots=slots if name == "offload" else None,
                       moe_collect_stats=True, quantization=quantization)
     mc = SimpleNamespace(num_experts=E, top_k=TOP_K, num_layers=LAYERS, max_position_embeddings=512)
-    strategy = cls(ec, mc)
+    strategy = create_strategy(name, ec, mc)
     gen = torch.Generator().manual_seed(0)
     for layer in range(LAYERS):
         banks = strategy.allocate_banks(layer, E, H, I)
@@ -68,14 +68,14 @@ def test_a_streamed_chunk_over_scattered_residency_gives_gpu_bits(quantization, 
     strategy = _strategy(E + E // 2 + 3, quantization, dtype)
     gen = torch.Generator().manual_seed(1)
     _scatter(strategy, gen)
-    cache = strategy.cache
+    cache = strategy.store.cache
     slot_of, owner_of = cache.slot_of.clone(), cache.owner_of.clone()
     resident = (slot_of >= 0).sum(dim=1).tolist()
     assert any(0 < r < E for r in resident), resident  # some layer partly resident
-    pool = [t.clone() for t in strategy.pool.tensors()]
+    pool = [t.clone() for t in strategy.store.pool.tensors()]
     before = strategy.stats()
-    for t in strategy.stream.banks.tensors():  # poison the buffers: a route reading a row not copied shows
-        t[strategy.cache.num_slots:] = float("nan") if t.is_floating_point() else -1
+    for t in strategy.store.stream.banks.tensors():  # poison the buffers: a route reading a row not copied shows
+        t[strategy.store.cache.num_slots:] = float("nan") if t.is_floating_point() else -1
     for chunk in range(2):
         hidden, weights, ids = _routes(40, gen, strategy.dtype)
         strategy.begin_forward(False, 40)
@@ -84,7 +84,7 @@ def test_a_streamed_chunk_over_scattered_residency_gives_gpu_bits(quantization, 
             assert torch.equal(got, _gpu(strategy, layer, hidden, weights, ids)), (chunk, layer)
     after = strategy.stats()
     assert torch.equal(cache.slot_of, slot_of) and torch.equal(cache.owner_of, owner_of)
-    assert all(torch.equal(a, b) for a, b in zip(pool, strategy.pool.tensors()))  # no slot written
+    assert all(torch.equal(a, b) for a, b in zip(pool, strategy.store.pool.tensors()))  # no slot written
     assert after["prefill"]["total"]["calls"] == 0  # nothing admitted
     assert after["decode"]["total"] == before["decode"]["total"]
     missing = LAYERS * E - sum(resident)
@@ -94,7 +94,7 @@ def test_a_streamed_chunk_over_scattered_residency_gives_gpu_bits(quantization, 
 
 def test_only_the_missing_experts_are_copied_by_runs_into_their_layers_buffer():
     strategy = _strategy(E + E // 2)
-    banks, base = strategy.stream.banks, strategy.cache.num_slots
+    banks, base = strategy.store.stream.banks, strategy.store.cache.num_slots
     slot_of = torch.full((LAYERS, E), -1, dtype=torch.int32)
     resident = {0: [0, 1, 2, 5, 9, 15], 1: list(range(E)), 2: [2, 3, 4], 3: []}
     slot = 0
@@ -143,14 +143,14 @@ def test_auto_weighs_demand_against_the_missing_bytes_only():
     goes on demand (two experts a layer against every missing one)."""
     for slots, expect_demand, stream_experts in ((LAYERS * E, False, 0), (E, True, (LAYERS - 1) * E)):
         strategy = _strategy(slots)
-        strategy.prefill_policy.threshold = "auto"
+        strategy.prefill.policy.threshold = "auto"
         hidden, weights, ids = _routes(1, torch.Generator().manual_seed(3))
         strategy.begin_forward(False, 1)
         strategy.forward(0, hidden, weights, ids, is_decode=False)
-        assert strategy.decision.demand is expect_demand
-        assert strategy.decision.stream_bytes == stream_experts * strategy.expert_bytes
+        assert strategy.prefill.decision.demand is expect_demand
+        assert strategy.prefill.decision.stream_bytes == stream_experts * strategy.expert_bytes
 
 
 def test_cpu_strategy_streams_every_expert():
-    strategy = _strategy(0, cls=CpuStrategy)
+    strategy = _strategy(0, name="cpu")
     assert _streamed_chunk_bytes(strategy, 40, seed=4) == LAYERS * E * strategy.expert_bytes

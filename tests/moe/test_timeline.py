@@ -23,9 +23,8 @@ def test_a_hybrid_decode_stamps_each_layer_once_a_step(ckpt):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     options = dict(dtype="float32", device="cpu", moe_strategy="hybrid", moe_cache_slots=experts, moe_host_share=0.5)
     want = [o.token_ids for o in LLM(path, **options).generate(PROMPTS, params)]
-    llm = LLM(path, **options)
+    llm = LLM(path, **options, moe_timeline=True)
     strategy = llm.engine.runner.strategy
-    strategy.timeline = LayerTimeline(HYBRID_POINTS, len(strategy.moe_layer_of), strategy.device)
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
     summary = strategy.timeline.summary()
     assert summary["steps"] == 5  # 6 tokens: the first from the prefill, 5 decode steps

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from moeferry import LLM, SamplingParams
-from moeferry.config import EngineConfig, ModelConfig
+from moeferry.config import ConfigError, EngineConfig, ModelConfig
 from moeferry.kernels.fused_moe import fused_moe
 from moeferry.kernels.fused_moe import reference
 from moeferry.kernels.router import softmax_topk
 from moeferry.kernels.fused_moe import triton as triton_fused_moe
 from moeferry.layers.moe import MoEBlock
-from moeferry.moe import offload, strategies, uva
+from moeferry.moe import strategy as strategy_module
 from moeferry.engine.planner import plan_memory
 from moeferry.moe.strategies import create_strategy
 from moeferry.testing.fixtures import family_configs, make_checkpoint
@@ -24,8 +24,9 @@ from moeferry.testing.fixtures import family_configs, make_checkpoint
 E, K, H, I = 32, 2, 32, 16  # naive allowed while T * 2 * 4 <= 32, i.e. up to 4 tokens
 
 
-def make_block(strategy, device="cpu", dtype=torch.float32, seed=0):
-    """A one-layer MoEBlock over `strategy` ("uva" or "gpu"), banks filled with O(1)-output weights."""
+def make_block(strategy, device="cpu", dtype=torch.float32, seed=0, **options):
+    """A one-layer MoEBlock over `strategy` ("uva" or "gpu"; engine `options`), banks filled with
+    O(1)-output weights."""
     import transformers
 
     hf = transformers.Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=K,
@@ -33,7 +34,7 @@ def make_block(strategy, device="cpu", dtype=torch.float32, seed=0):
                                      num_key_value_heads=2, head_dim=8, vocab_size=64)
     mc = ModelConfig(path="", hf=hf)
     ec = EngineConfig(device=device, dtype={torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype],
-                      moe_strategy=strategy, moe_collect_stats=True)
+                      moe_strategy=strategy, moe_collect_stats=True, **options)
     torch.manual_seed(seed)
     block = MoEBlock(mc, 0, create_strategy(strategy, ec, mc), renormalize=True, shared_expert=False)
     block.to(device=device, dtype=dtype).requires_grad_(False)
@@ -78,8 +79,7 @@ def kernel_calls(monkeypatch):
         calls.append(hidden.shape[0])
         return fused_moe(hidden, *args, impl="triton", **kwargs)
 
-    for module in (strategies, uva, offload):
-        monkeypatch.setattr(module, "fused_moe", forced)
+    monkeypatch.setattr(strategy_module, "fused_moe", forced)
     return calls
 
 
@@ -109,9 +109,8 @@ def test_layer_path_follows_residency(monkeypatch, align_calls, kernel_calls, ho
     ("sorted", 1, True), ("auto", 1, True),
 ])
 def test_block_assignment_override(monkeypatch, align_calls, kernel_calls, override, num_tokens, aligned):
-    block = make_block("uva")
+    block = make_block("uva", moe_uva_block_assignment=override)
     simulate_host(monkeypatch, [block.banks.w13, block.banks.w2])
-    block.strategy.block_assignment = override
     x = tokens(num_tokens, seed=num_tokens)
     got = block(x, is_decode=True)
     assert len(align_calls) == (1 if aligned else 0)
@@ -122,9 +121,8 @@ def test_block_assignment_override(monkeypatch, align_calls, kernel_calls, overr
 
 
 def test_block_assignment_refuses_unknown_values():
-    block = make_block("uva")
-    with pytest.raises(ValueError, match="block_assignment"):
-        block.strategy.block_assignment = "grouped"
+    with pytest.raises(ConfigError, match="--moe-uva-block-assignment 'grouped' is unknown"):
+        EngineConfig(moe_strategy="uva", moe_uva_block_assignment="grouped").check()
 
 
 # --- the model ----------------------------------------------------------------------------
@@ -213,8 +211,8 @@ def test_pinned_banks_take_sorted_path_device_banks_naive(align_calls, num_token
     assert torch.equal(from_host, sorted_on_device)  # same kernel, same bytes, read in place
     assert rel_err(on_device, reference_out(gpu, x)) < 2e-2
     assert len(align_calls) == 2  # the explicit sorted call above
-    uva.strategy.block_assignment = "naive"
-    naive_from_host = uva(x, is_decode=True)
+    naive = make_block("uva", "cuda", torch.bfloat16, moe_uva_block_assignment="naive")
+    naive_from_host = naive(x, is_decode=True)
     assert len(align_calls) == 2  # forced naive over host memory: no alignment
     assert rel_err(naive_from_host, reference_out(gpu, x)) < 2e-2
 

@@ -16,8 +16,8 @@ from moeferry.cli import main
 from moeferry.config import ConfigError, EngineConfig
 from moeferry.engine.planner import plan_memory
 from moeferry.kernels.admission import POLICIES
-from moeferry.moe.offload import OffloadStrategy
-from moeferry.moe.strategies import ExpertNeeds
+from moeferry.moe.strategies import create_strategy
+from moeferry.moe.banks import ExpertNeeds
 from moeferry.routing.recorder import RoutingRecorder
 from moeferry.routing.simulate import (DEFAULT_H2D_GBPS, SimulationError, cache_sizes, compute_seconds,
                                        h2d_bandwidth, simulate)
@@ -72,7 +72,7 @@ def test_demand_prefill_chunks_are_replayed_as_the_strategy_admitted_them(tmp_pa
     h, i, e, k = 16, 8, 8, 2
     ec = EngineConfig(device="cpu", dtype="float32", moe_strategy="offload", moe_prefill_demand_tokens=4,
                       moe_cache_slots=e + 2, moe_collect_stats=True, moe_cache_policy="lru")
-    strategy = OffloadStrategy(ec, SimpleNamespace(num_experts=e, top_k=k, num_layers=2, max_position_embeddings=64))
+    strategy = create_strategy("offload", ec, SimpleNamespace(num_experts=e, top_k=k, num_layers=2, max_position_embeddings=64))
     gen = torch.Generator().manual_seed(0)
     for layer in range(2):
         banks = strategy.allocate_banks(layer, e, h, i)

@@ -7,7 +7,7 @@ silu or gpt-oss's clamped SwiGLU, the activation and each weighted route output 
 bf16, as the Triton kernel rounds them. It is compiled on first use with the system C++
 compiler into a cache folder keyed by the source and the compiler flags (`library()`), and
 called through ctypes with raw pointers, so the same function also runs as a CUDA host
-function inside a stream or a captured graph (moe/host_experts.py) with no Python and no GIL.
+function inside a stream or a captured graph (moe/host_channel.py) with no Python and no GIL.
 
 `expert_routes` is the primitive: per-route outputs, routes with a negative id skipped (left
 zero) so that another channel may compute them. `fused_moe` is the op's contract
@@ -46,7 +46,7 @@ class HostKernelUnavailable(RuntimeError):
 
 class MoEHostCall(ctypes.Structure):
     """host_experts.cpp's MoEHostCall, field for field. Holds raw pointers: the tensors they
-    point into must outlive every run of the call (moe/host_experts.py keeps them)."""
+    point into must outlive every run of the call (moe/host_channel.py keeps them)."""
 
     _fields_ = [("x", ctypes.c_void_p), ("ids", ctypes.c_void_p), ("weights", ctypes.c_void_p),
                 ("out", ctypes.c_void_p), ("w13", ctypes.c_void_p), ("w2", ctypes.c_void_p),

@@ -5,7 +5,7 @@ contiguous), dst = src: floating pairs of one dtype, bit for bit; integers may c
 (a route id int64 -> int32), values in range. On a GPU one side is a CUDA tensor and the
 other pinned host memory, which the Triton kernel reads or writes in place over PCIe (unified
 addressing), every pair in one launch. A CUDA graph captured around it holds a kernel node
-where `Tensor.copy_` would put memcpy nodes: the host channel (moe/host_experts.py) stages its
+where `Tensor.copy_` would put memcpy nodes: the host channel (moe/host_channel.py) stages its
 inputs and outputs this way, so its graph branch is kernels and a host function, ordered by
 the step's own kernels instead of by the copy engines' queues. The reference is `copy_`.
 """

@@ -11,18 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from moeferry.kernels.fused_moe.reference import sum_route_partials
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
-             out: torch.Tensor | None = None) -> torch.Tensor:
-    """weight * (x / sqrt(mean(x^2, -1) + eps)) over the last dim of x [..., D]; weight [D].
-    The dtype is torch's promotion of (weight.dtype, x.dtype)."""
-    dtype = x.dtype
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    y = weight * x32.to(dtype)
-    return y if out is None else out.copy_(y)
+from moeferry.kernels.fused_moe.common import sum_route_partials
+from moeferry.kernels.norm_rope.common import apply_rotary, rms_norm, rotate_half  # noqa: F401
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
@@ -38,28 +28,6 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         raise ValueError(f"x is {x.dtype} but residual is {residual.dtype}")
     total = x + residual if residual_out is None else torch.add(x, residual, out=residual_out)
     return rms_norm(total, weight, eps, out=out), total
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, *, q_out: torch.Tensor | None = None,
-                 k_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half RoPE of q [N, Hq, D] and k [N, Hkv, D] at positions [N] (int64) with the
-    rows of the tables cos, sin [P, D] (fp32), cast to q's dtype. ``q_out``/``k_out`` may be
-    q/k themselves."""
-    c = cos[positions].unsqueeze(1).to(q.dtype)
-    s = sin[positions].unsqueeze(1).to(q.dtype)
-    q_rot = q * c + rotate_half(q) * s
-    k_rot = k * c + rotate_half(k) * s
-    if q_out is not None:
-        q_rot = q_out.copy_(q_rot)
-    if k_out is not None:
-        k_rot = k_out.copy_(k_rot)
-    return q_rot, k_rot
 
 
 def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

@@ -1,5 +1,5 @@
 """Which routes of a MoE layer the host channel computes (the `hybrid` strategy,
-moe/hybrid.py): decided on the device, inside the decode graph, with no host sync.
+moe/split_policy.py): decided on the device, inside the decode graph, with no host sync.
 
     split_routes(topk_ids [T, K] int, slot_of_layer [E] int32, split float32 [2], rotation int64 [1],
                  tally=None) -> (host_ids, device_ids, host_count)
