@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from benchmarks.common import (add_results_flag, command_line, free_engine_memory, gpu_main, h2d_bandwidth,
                                markdown_table, report, share_slots, timed_decode, uniform_routing)
 from moeferry.kernels.fused_moe.host import DEFAULT_SCHEDULE, SCHEDULES
-from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
+from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 LLAMA_CPP_BATCH1 = {0.0: 74.3, 0.25: 93.9, 0.5: 134.6, 0.75: 237.7, 1.0: 596.6}
 

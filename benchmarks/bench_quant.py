@@ -21,7 +21,7 @@ import tempfile
 from benchmarks.common import (add_results_flag, command_line, free_engine_memory, gpu_main, h2d_bandwidth,
                                markdown_table, report, timed_decode, uniform_routing)
 from moeferry.moe.formats import QUANTIZATIONS
-from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
+from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 UNQUANTIZED = "bf16"  # the --formats name of the checkpoint's own dtype (float32 on a CPU run)
 HEADER = ["format", "resident", "requests", "tok/s", "vs bf16", "ms/step", "PCIe floor ms/step", "hit rate",

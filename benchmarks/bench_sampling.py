@@ -26,7 +26,7 @@ import torch
 
 from benchmarks.common import (add_results_flag, command_line, free_engine_memory, gpu_main, hbm_bandwidth,
                                markdown_table, replay_us, report, timed_decode, uniform_routing)
-from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
+from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 CASES = {
     "greedy": {"temperature": 0.0},

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks.common import add_results_flag, command_line, markdown_table, report
-from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
+from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

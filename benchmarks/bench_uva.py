@@ -31,7 +31,7 @@ import torch
 
 from benchmarks.common import (add_results_flag, command_line, free_engine_memory, gpu_main,
                                h2d_bandwidth, markdown_table, report, timed_decode)
-from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
+from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 ROUTINGS = ("uniform", "skewed")
 
