@@ -17,7 +17,7 @@ import torch
 
 
 def commit() -> str:
-    if os.environ.get("MOEFERRY_COMMIT"):  # the device machine gets the tree without .git
+    if os.environ.get("MOEFERRY_COMMIT"):  # a copy of the tree without .git
         return os.environ["MOEFERRY_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
