@@ -1,4 +1,4 @@
-"""Decode tokens/s (SPEC section 6.3): `gpu`, `offload` at several cache sizes, `uva`, for a
+"""Decode tokens/s: `gpu`, `offload` at several cache sizes, `uva`, for a
 dummy Qwen3-30B-A3B-shaped model, with the floor of each step beside it.
 
 Floor per step = bytes of missed experts / measured pinned H2D bandwidth

@@ -1,4 +1,4 @@
-"""bf16 parity on the GPU against HF transformers (issue: foundation): for each tiny random
+"""bf16 parity on the GPU against HF transformers: for each tiny random
 checkpoint of tests.support.fixtures, moeferry in bfloat16 on CUDA against transformers in
 float32: the largest logit error over a batch of prompts, beside transformers' own model in
 bfloat16 against the same float32 logits (the yardstick: how far bf16 rounding alone moves

@@ -1,4 +1,4 @@
-"""Prefill over a partly resident expert cache (issue #22): a dummy Qwen3-30B-A3B-shaped model
+"""Prefill over a partly resident expert cache: a dummy Qwen3-30B-A3B-shaped model
 (12 layers by default, 128 experts, top-8, bf16), uniform routing (router logits + N(0, 100)
 noise, benchmarks/common.uniform_routing, so every expert of a layer is routed by a long chunk).
 

@@ -1,4 +1,4 @@
-"""Serving through the HTTP API (issue 3): decode tokens/s at 1, 4 and 16 concurrent streaming
+"""Serving through the HTTP API: decode tokens/s at 1, 4 and 16 concurrent streaming
 requests and time to first token of a 512-token prompt, for a dummy Qwen3-30B-A3B-shaped
 model behind `moeferry serve`, with decode CUDA graphs and with `--disable-cuda-graph`.
 

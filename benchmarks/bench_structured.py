@@ -1,4 +1,4 @@
-"""Decode tokens/s with a JSON-schema grammar against without (issue 25: >= 0.9x), for a dummy
+"""Decode tokens/s with a JSON-schema grammar against without (target: >= 0.9x), for a dummy
 Qwen3-30B-A3B-shaped model with a synthetic 151,936-token tokenizer (the built-in one's tokens
 and random joins of them: tests.support.fixtures.write_wide_tokenizer).
 

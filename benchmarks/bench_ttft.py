@@ -1,4 +1,4 @@
-"""TTFT vs prompt length (SPEC section 6.4, after background/pr-demand-prefill.txt): a dummy
+"""TTFT vs prompt length: a dummy
 Qwen3-30B-A3B-shaped model, `offload` with the cache at 25% of the experts, demand
 thresholds 0 (always stream), 256, 512, 1024, 4096 and auto.
 

@@ -1,4 +1,4 @@
-"""UVA naive vs sorted block assignment (SPEC section 6.5, after background/pr-uva-sorted-path.txt):
+"""UVA naive vs sorted block assignment:
 output tokens/s at 1, 2, 3, 4, 8 and 16 requests in flight for a dummy Qwen3-30B-A3B-shaped model.
 
 Rows: `uva` with the naive assignment (each (token, expert) route its own block: an expert
