@@ -1,4 +1,4 @@
-"""Admission cost per call (SPEC section 6.1, after background/pr-wide-decode-admission.txt).
+"""Admission cost per call of the slot cache's admission kernel.
 
 Top-10 over 512 experts, a 2,100-slot cache, 48 MoE layers: one decode step's 48
 admissions (one per layer) are captured in one CUDA graph and replayed 40 times.

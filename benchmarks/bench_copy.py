@@ -1,4 +1,4 @@
-"""Miss-copy bandwidth (SPEC section 6.2): the gather kernel reading pinned host memory vs
+"""Miss-copy bandwidth: the gather kernel reading pinned host memory vs
 the measured pinned host-to-device bandwidth of torch's copy_.
 
 Rows are Qwen3-30B-A3B expert banks: w13 [1536, 2048] bf16 (6 MiB) and w2 [2048, 768] bf16

@@ -1,4 +1,4 @@
-"""Decode tokens/s (SPEC section 6.3): `gpu`, `offload` at several cache sizes, `uva`, for a
+"""Decode tokens/s: `gpu`, `offload` at several cache sizes, `uva`, for a
 dummy Qwen3-30B-A3B-shaped model, with the floor of each step beside it.
 
 Floor per step = bytes of missed experts / measured pinned H2D bandwidth
@@ -25,7 +25,7 @@ import torch
 
 from benchmarks.common import (add_results_flag, command_line, free_engine_memory, gpu_main,
                                h2d_bandwidth, hbm_bandwidth, markdown_table, report, timed_decode)
-from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
+from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 
 def parse_args(argv):

@@ -1,7 +1,7 @@
 """DeepSeek-V3 shapes: decode tokens/s of a dummy model cut to a few layers, and the MLA decode
 attention kernel against its floor.
 
-Section deepseek/decode: DeepSeek-V3's config (moeferry.testing.fixtures.DEEPSEEK_V3_DIR_CONFIG:
+Section deepseek/decode: DeepSeek-V3's config (tests.support.fixtures.DEEPSEEK_V3_DIR_CONFIG:
 hidden 7168, 128 heads, MLA rank 512 + rope 64, 256 routed experts of 2048 rows, top-8 of 8
 groups, one shared expert) with ``--layers`` layers of which the first ``--dense-layers`` are
 dense (--hf-overrides num_hidden_layers, first_k_dense_replace), bf16, dummy weights; ``gpu``
@@ -29,7 +29,7 @@ import torch
 
 from benchmarks.common import (add_results_flag, command_line, free_engine_memory, gpu_main, h2d_bandwidth,
                                hbm_bandwidth, markdown_table, report, timed_decode)
-from moeferry.testing.fixtures import DEEPSEEK_V3_DIR_CONFIG, write_config_dir
+from tests.support.fixtures import DEEPSEEK_V3_DIR_CONFIG, write_config_dir
 
 HEADS, RANK, ROPE, PAGE_SIZE = 128, 512, 64, 16
 HBM_BYTES_PER_S = 4.3e12

@@ -1,7 +1,7 @@
 """gpt-oss-20b shapes: decode tokens/s of a dummy model cut to a few layers.
 
 Section gpt-oss/decode: gpt-oss-20b's config in its bf16 form
-(moeferry.testing.fixtures.GPT_OSS_20B_DIR_CONFIG: hidden 2880, 64 heads of 64 over 8 kv heads
+(tests.support.fixtures.GPT_OSS_20B_DIR_CONFIG: hidden 2880, 64 heads of 64 over 8 kv heads
 with sinks, a 128-token window on every other layer, 32 experts of 2880 rows with biases and
 the clamped SwiGLU, top-4) with ``--layers`` layers (--hf-overrides num_hidden_layers), bf16,
 dummy weights; ``offload`` with ``--cache-fracs`` of the experts resident and ``gpu``. Rows,
@@ -20,7 +20,7 @@ import tempfile
 from benchmarks.bench_deepseek import add_decode_flags, decode_rows
 from benchmarks.common import (add_results_flag, command_line, gpu_main, h2d_bandwidth, hbm_bandwidth,
                                markdown_table, report)
-from moeferry.testing.fixtures import GPT_OSS_20B_DIR_CONFIG, write_config_dir
+from tests.support.fixtures import GPT_OSS_20B_DIR_CONFIG, write_config_dir
 
 
 def parse_args(argv):

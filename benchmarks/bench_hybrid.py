@@ -1,4 +1,4 @@
-"""The host channel (#20): decode tokens/s of `cpu`, `offload`, `hybrid` and `gpu` at 0 / 25 /
+"""The host channel: decode tokens/s of `cpu`, `offload`, `hybrid` and `gpu` at 0 / 25 /
 50 / 75 / 100% of the experts on the GPU, with both channels' floors, and the host expert
 kernel's GB/s at 4 / 8 / 16 threads and decode batches 1-16 against torch's bf16 matmul.
 
@@ -9,7 +9,7 @@ computed on the host. Floors: PCIe = copied bytes / measured H2D; host = host-co
 the host kernel's measured bytes/s; two-channel = all missed bytes / (H2D + host), the best any
 split of the misses can do; host kernel ms: the kernel's own wall time per step (its calls
 timed inside, as the graph's host nodes run them). llama.cpp's batch-1 figures (`--n-cpu-moe`, the CPU computes the
-experts not on the GPU) were measured on the same host and shape (issue #20).
+experts not on the GPU) were measured on the same host and shape.
 
 GPU only: without CUDA it says so and exits 0.
 """
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from benchmarks.common import (add_results_flag, command_line, free_engine_memory, gpu_main, h2d_bandwidth,
                                markdown_table, report, share_slots, timed_decode, uniform_routing)
 from moeferry.kernels.fused_moe.host import DEFAULT_SCHEDULE, SCHEDULES
-from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
+from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 LLAMA_CPP_BATCH1 = {0.0: 74.3, 0.25: 93.9, 0.5: 134.6, 0.75: 237.7, 1.0: 596.6}
 

@@ -1,5 +1,5 @@
-"""bf16 parity on the GPU against HF transformers (issue: foundation): for each tiny random
-checkpoint of moeferry.testing.fixtures, moeferry in bfloat16 on CUDA against transformers in
+"""bf16 parity on the GPU against HF transformers: for each tiny random
+checkpoint of tests.support.fixtures, moeferry in bfloat16 on CUDA against transformers in
 float32: the largest logit error over a batch of prompts, beside transformers' own model in
 bfloat16 against the same float32 logits (the yardstick: how far bf16 rounding alone moves
 this checkpoint), and how many of 24 greedy tokens agree (first divergence, since one
@@ -41,7 +41,7 @@ def main(argv=None) -> int:
         print("bench_parity: no CUDA GPU, nothing measured")
         return 0
     from moeferry import LLM, SamplingParams
-    from moeferry.testing.fixtures import family_configs, make_checkpoint
+    from tests.support.fixtures import family_configs, make_checkpoint
 
     rows = []
     for name, config in family_configs():  # every family, DeepSeek and gpt-oss included
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
            markdown_table(["family", "max abs logit error (last position)", "transformers bf16's own error",
                            "max abs logit", "greedy tokens agreeing before the first divergence, per prompt"], rows),
            "moeferry in bfloat16 on CUDA (CUDA graphs on) vs transformers in float32 on the CPU; tiny random "
-           "checkpoints (moeferry.testing.fixtures). The yardstick: transformers' own model cast to bfloat16, on "
+           "checkpoints (tests.support.fixtures). The yardstick: transformers' own model cast to bfloat16, on "
            "the CPU, against its float32 logits at the same positions.", args.results)
     return 0
 

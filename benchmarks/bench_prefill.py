@@ -1,4 +1,4 @@
-"""Prefill over a partly resident expert cache (issue #22): a dummy Qwen3-30B-A3B-shaped model
+"""Prefill over a partly resident expert cache: a dummy Qwen3-30B-A3B-shaped model
 (12 layers by default, 128 experts, top-8, bf16), uniform routing (router logits + N(0, 100)
 noise, benchmarks/common.uniform_routing, so every expert of a layer is routed by a long chunk).
 
@@ -31,7 +31,7 @@ import torch
 
 from benchmarks.common import (add_results_flag, command_line, free_engine_memory, gpu_main, h2d_bandwidth,
                                markdown_table, report, share_slots, uniform_routing)
-from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
+from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 PREFILL_HEADER = ["prompt tokens", "strategy", "experts resident", "resident per layer (min-max)", "tok/s", "ms",
                   "GiB streamed", "floor ms", "time / floor", "vs gpu"]

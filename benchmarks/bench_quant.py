@@ -1,4 +1,4 @@
-"""Decode tokens/s per expert format (issue #21's table): `offload` with 25 / 50 / 75 / 100% of
+"""Decode tokens/s per expert format: `offload` with 25 / 50 / 75 / 100% of
 the experts resident, unquantized (bf16) against block FP8, int4 W4A16 and MXFP4
 (`--quantization fp8`, `int4`, `mxfp4`), at batch 1 and 4, a dummy Qwen3-30B-A3B-shaped model cut to 12 layers, routing uniform (large noise added
 to the router logits inside the decode graph: the hit rate follows the resident share).
@@ -21,7 +21,7 @@ import tempfile
 from benchmarks.common import (add_results_flag, command_line, free_engine_memory, gpu_main, h2d_bandwidth,
                                markdown_table, report, timed_decode, uniform_routing)
 from moeferry.moe.formats import QUANTIZATIONS
-from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
+from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 UNQUANTIZED = "bf16"  # the --formats name of the checkpoint's own dtype (float32 on a CPU run)
 HEADER = ["format", "resident", "requests", "tok/s", "vs bf16", "ms/step", "PCIe floor ms/step", "hit rate",
@@ -152,7 +152,7 @@ def main(argv, args) -> int:
              f"prompt {args.prompt_len} tokens, {args.steps} timed steps, the fastest of {args.repeats} runs, "
              f"statistics off. 'vs bf16': tok/s over the bf16 row of the same share and batch. Hit rate and PCIe "
              f"floor (misses x bytes/expert / {h2d / 1e9:.1f} GB/s measured H2D, per step; under hybrid the misses "
-             f"copied, not those the host computed) from a second run with statistics on. Goal (issue #21): fp8 >= 1.8x and int4 >= 3x bf16 below 100%, no slower at 100% "
+             f"copied, not those the host computed) from a second run with statistics on. Target: fp8 >= 1.8x and int4 >= 3x bf16 below 100%, no slower at 100% "
              f"(mxfp4 moves int4's bytes per expert).")
     hybrid = args.strategy == "hybrid"
     report("quant/hybrid" if hybrid else "quant", "Decode tokens/s per expert format" + (", hybrid" if hybrid else ""),

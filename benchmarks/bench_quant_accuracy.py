@@ -1,11 +1,11 @@
-"""Accuracy per expert format (issue #21's accuracy table): the built-in trained model
+"""Accuracy per expert format: the built-in trained model
 (moeferry-tiny-moe) with its routed experts unquantized, in block FP8, in int4 W4A16 and in
 MXFP4 (`--quantization`), its perplexity on held-out text (tests/data/austen_heldout.txt: text the
 model never trained on) and the largest logit difference from the unquantized model.
 
 The whole held-out text runs through the engine's own forward in windows of `--window` tokens
 (one prefill each, every position's logits), on the CPU in float32 by default (the reference
-kernels) or on a GPU (the Triton kernels, bf16). Goal (issue #21): perplexity within +1% of
+kernels) or on a GPU (the Triton kernels, bf16). Target: perplexity within +1% of
 unquantized for fp8, +5% for int4 (and for mxfp4, the other 4-bit format).
 """
 
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     notes = (f"moeferry-tiny-moe (the built-in trained model), its routed experts in each format, dense weights "
              f"unquantized; {args.device}, {'float32 reference kernels' if args.device == 'cpu' else 'bf16 Triton'}; "
              f"held-out text in windows of {args.window} tokens; logit differences against the unquantized row over "
-             f"every position. Goal (issue #21): perplexity <= +1% (fp8), <= +5% (int4, mxfp4).")
+             f"every position. Target: perplexity <= +1% (fp8), <= +5% (int4, mxfp4).")
     report("quant-accuracy", "Accuracy per expert format", command_line("benchmarks.bench_quant_accuracy", argv),
            markdown_table(HEADER, rows), notes, args.results)
     return 0

@@ -1,4 +1,4 @@
-"""Sampled against greedy decode (SPEC section 6.3: a sampled request decodes as fast as a
+"""Sampled against greedy decode (target: a sampled request decodes as fast as a
 greedy one): whole engine steps of a dummy Qwen3-30B-A3B-shaped model, `gpu` strategy, at
 several batch sizes, for greedy rows and for sampled rows with the parameters real clients
 send (temperature 1 and top_p 0.95, the OpenAI defaults' neighbourhood; top_k 50 with
@@ -26,7 +26,7 @@ import torch
 
 from benchmarks.common import (add_results_flag, command_line, free_engine_memory, gpu_main, hbm_bandwidth,
                                markdown_table, replay_us, report, timed_decode, uniform_routing)
-from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
+from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 CASES = {
     "greedy": {"temperature": 0.0},

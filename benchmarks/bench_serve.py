@@ -1,4 +1,4 @@
-"""Serving through the HTTP API (issue 3): decode tokens/s at 1, 4 and 16 concurrent streaming
+"""Serving through the HTTP API: decode tokens/s at 1, 4 and 16 concurrent streaming
 requests and time to first token of a 512-token prompt, for a dummy Qwen3-30B-A3B-shaped
 model behind `moeferry serve`, with decode CUDA graphs and with `--disable-cuda-graph`.
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks.common import add_results_flag, command_line, markdown_table, report
-from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
+from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,6 +1,6 @@
-"""Decode tokens/s with a JSON-schema grammar against without (issue 25: >= 0.9x), for a dummy
+"""Decode tokens/s with a JSON-schema grammar against without (target: >= 0.9x), for a dummy
 Qwen3-30B-A3B-shaped model with a synthetic 151,936-token tokenizer (the built-in one's tokens
-and random joins of them: moeferry.testing.fixtures.write_wide_tokenizer).
+and random joins of them: tests.support.fixtures.write_wide_tokenizer).
 
 Every request of a constrained run carries the same schema: an array of at least 1,000
 objects of a bounded string, an integer in a range and an enum array, so no request completes
@@ -19,7 +19,7 @@ import sys
 import tempfile
 
 from benchmarks.common import add_results_flag, command_line, gpu_main, markdown_table, report, timed_decode
-from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir, write_wide_tokenizer
+from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir, write_wide_tokenizer
 
 ITEM = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                          "age": {"type": "integer", "minimum": 0, "maximum": 120},

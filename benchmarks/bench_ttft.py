@@ -1,4 +1,4 @@
-"""TTFT vs prompt length (SPEC section 6.4, after background/pr-demand-prefill.txt): a dummy
+"""TTFT vs prompt length: a dummy
 Qwen3-30B-A3B-shaped model, `offload` with the cache at 25% of the experts, demand
 thresholds 0 (always stream), 256, 512, 1024, 4096 and auto.
 
@@ -24,7 +24,7 @@ import torch
 
 from benchmarks.common import (add_results_flag, command_line, free_engine_memory, gpu_main, h2d_bandwidth,
                                markdown_table, report)
-from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
+from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 LENGTHS = (87, 117, 151, 230, 387, 718, 1324, 4096)
 THRESHOLDS = ("0", "256", "512", "1024", "4096", "auto")

@@ -1,4 +1,4 @@
-"""UVA naive vs sorted block assignment (SPEC section 6.5, after background/pr-uva-sorted-path.txt):
+"""UVA naive vs sorted block assignment:
 output tokens/s at 1, 2, 3, 4, 8 and 16 requests in flight for a dummy Qwen3-30B-A3B-shaped model.
 
 Rows: `uva` with the naive assignment (each (token, expert) route its own block: an expert
@@ -31,7 +31,7 @@ import torch
 
 from benchmarks.common import (add_results_flag, command_line, free_engine_memory, gpu_main,
                                h2d_bandwidth, markdown_table, report, timed_decode)
-from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
+from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 ROUTINGS = ("uniform", "skewed")
 

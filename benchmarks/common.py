@@ -17,7 +17,7 @@ import torch
 
 
 def commit() -> str:
-    if os.environ.get("MOEFERRY_COMMIT"):  # the device machine gets the tree without .git
+    if os.environ.get("MOEFERRY_COMMIT"):  # a copy of the tree without .git
         return os.environ["MOEFERRY_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
@@ -169,11 +169,11 @@ def command_line(module: str, argv: list[str]) -> str:
 
 def section(name: str, title: str, command: str, body: str, notes: str = "") -> str:
     """One benchmark table as a section of RESULTS.md: between ``<!-- bench:NAME -->`` and
-    ``<!-- /bench:NAME -->``, its title, the date, GPU and commit, the command line as run, the
-    table(s) and notes."""
-    lines = [f"<!-- bench:{name} -->", f"### {title}", "",
-             f"{datetime.date.today().isoformat()}, {gpu_name()}, commit {commit()}", "",
-             f"`{command}`", "", body.strip("\n")]
+    ``<!-- /bench:NAME -->``, its title, one line of the date, GPU, commit and the command line
+    as run, the table(s) and notes."""
+    lines = [f"<!-- bench:{name} -->", f"### {title}",
+             f"{datetime.date.today().isoformat()}, {gpu_name()}, commit {commit()}: `{command}`", "",
+             body.strip("\n")]
     if notes:
         lines += ["", notes.strip("\n")]
     return "\n".join(lines + [f"<!-- /bench:{name} -->"]) + "\n"
@@ -223,7 +223,7 @@ def report(name: str, title: str, command: str, body: str, notes: str = "", resu
 def free_engine_memory() -> None:
     """Give back a dropped engine's device memory and pinned banks before the next engine pins
     its own (the runner and its graphs hold each other, so only a collection frees them): at
-    48 layers an offload engine pins 58 GB, two of them more than the GPU machine's RAM."""
+    48 layers an offload engine pins 58 GB, two of them more than a 128 GB host's RAM."""
     import gc
 
     gc.collect()

@@ -1,4 +1,4 @@
-"""Command line: `moeferry serve|generate|bench|routing simulate`. Engine flags are built from EngineConfig's
+"""Command line: `moeferry serve|generate|routing simulate`. Engine flags are built from EngineConfig's
 fields (one flag per field, its help text and argument group declared beside the field,
 choices from config.CHOICES), so the CLI and `LLM(**kwargs)` never drift apart, and both are
 checked by EngineConfig.check. Every flag's help shows its default.
@@ -80,10 +80,6 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if "(default: " in (action.help or "") or action.required:
             return action.help
         return super()._get_help_string(action)
-
-
-class ListingFormatter(argparse.RawDescriptionHelpFormatter, HelpFormatter):
-    """HelpFormatter for a description laid out beforehand (bench's list of benchmarks)."""
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -175,56 +171,6 @@ def _cmd_serve(args) -> int:
     return serve(engine_config_from_args(args).check(), args)
 
 
-# What each benchmarks/bench_<name>.py measures (its docstring says how).
-_BENCHMARKS = {
-    "admission": "the slot cache's admission kernel: microseconds per call at decode widths, all hits and about "
-                 "10% misses, with and without the statistics counters",
-    "copy": "miss copies: the gather kernel's bandwidth from pinned host memory to expert slots, against torch's "
-            "pinned host-to-device copy_",
-    "decode": "decode tokens/s of a dummy Qwen3-30B-A3B-shaped model under gpu, offload (several cache sizes) and "
-              "uva, beside each step's bandwidth floor",
-    "sampling": "sampled against greedy decode steps, and the sampler kernel alone: microseconds per call",
-    "fused_moe": "one MoE layer's grouped GEMM at Qwen3-30B-A3B shapes: time per layer and achieved bandwidth",
-    "attention": "paged decode attention, the Triton kernel against the torch reference: time per call and "
-                 "bandwidth over batch sizes and contexts",
-    "linear": "decode-sized linear layers, the skinny Triton kernel against cuBLAS: time per call beside the floor",
-    "ttft": "time to first token against prompt length under offload, for each --moe-prefill-demand-tokens",
-    "prefill": "prefill tokens/s of offload at 25-100% of the experts resident beside gpu and each row's floor, and "
-               "multi-turn chat TTFT with and without prefix caching",
-    "uva": "uva's naive and sorted expert reads: output tokens/s at 1 to 16 requests, beside offload's",
-    "serve": "through the HTTP API: decode tokens/s at 1, 4 and 16 streaming clients and TTFT, with and without "
-             "CUDA graphs",
-    "parity": "bf16 on the GPU against transformers in float32: the largest logit error and greedy tokens agreeing",
-    "deepseek": "DeepSeek-V3 shapes: decode tokens/s of a dummy model cut to a few layers under gpu and offload "
-                "(25%, 100% resident), and the MLA decode attention kernel against its HBM floor",
-    "gpt_oss": "gpt-oss-20b shapes: decode tokens/s of a dummy model cut to a few layers under gpu and offload "
-               "(25%, 100% resident)",
-    "quant": "offload decode tokens/s per expert format (bf16, fp8, int4, mxfp4) at 25-100% of the experts resident",
-    "quant_accuracy": "per expert format: perplexity of the built-in model on held-out text and the largest logit error",
-    "structured": "decode tokens/s with a JSON-schema grammar constraining every request against without",
-    "hybrid": "the host channel: the host expert kernel's GB/s against torch, and decode tokens/s of cpu, offload, "
-              "hybrid and gpu at 0-100% of the experts on the GPU beside both channels' floors",
-    "routing": "expert-cache policies on the built-in model's trained routing at 25/50/75% caches, each simulated "
-               "from a recorded trace and measured on the offload engine: decode hit rates and tok/s",
-}
-
-
-def _cmd_bench(args) -> int:
-    """Run benchmarks/bench_<which>.py. The benchmarks live beside the package in a source
-    checkout (they are not installed), so the checkout's root goes on sys.path."""
-    import os
-    import runpy
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if not os.path.isfile(os.path.join(root, "benchmarks", f"bench_{args.which}.py")):
-        print(f"moeferry bench needs a source checkout: {root}/benchmarks/ not found", file=sys.stderr)
-        return 2
-    sys.path.insert(0, root)
-    sys.argv = [f"bench_{args.which}"] + args.rest
-    runpy.run_module(f"benchmarks.bench_{args.which}", run_name="__main__")
-    return 0
-
-
 def _cmd_routing_simulate(args) -> int:
     """A recorded trace replayed through the slot cache at each size and policy (routing/simulate.py)."""
     from moeferry.routing.simulate import SimulationError, cache_sizes, h2d_bandwidth, report
@@ -277,10 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", type=str.upper,
                         choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                         help="the least severe log lines shown (INFO: start-up plan, one line per request)")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,serve,bench,routing}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,serve,routing}")
     _add_generate(sub)
     _add_serve(sub)
-    _add_bench(sub)
     add_routing_commands(sub)
     return parser
 
@@ -337,27 +282,6 @@ def _add_serve(sub) -> None:
                              "mistral for Mixtral, deepseek_v3, openai for gpt-oss's harmony)")
     add_engine_flags(srv)
     srv.set_defaults(func=_cmd_serve)
-
-
-def _bench_description(columns: int = 100) -> str:
-    import textwrap
-
-    width = max(map(len, _BENCHMARKS)) + 4
-    intro = textwrap.fill("Run one of the benchmarks in benchmarks/ (from a source checkout; each needs a GPU, and "
-                          "without one says so and exits 0). Each prints its table; --results "
-                          "benchmarks/RESULTS.md replaces its section there.", columns)
-    listing = [textwrap.fill(what, columns, initial_indent=f"  {name:<{width - 2}}", subsequent_indent=" " * width,
-                             break_on_hyphens=False) for name, what in _BENCHMARKS.items()]
-    return intro + "\n\n" + "\n".join(listing)
-
-
-def _add_bench(sub) -> None:
-    bench = sub.add_parser("bench", help="run a GPU benchmark (from a source checkout)",
-                           description=_bench_description(), formatter_class=ListingFormatter)
-    bench.add_argument("which", choices=list(_BENCHMARKS), metavar="NAME", help="the benchmark (listed above)")
-    bench.add_argument("rest", nargs=argparse.REMAINDER, metavar="...",
-                       help="the benchmark's own flags (moeferry bench NAME --help)")
-    bench.set_defaults(func=_cmd_bench)
 
 
 def main(argv: list[str] | None = None) -> int:

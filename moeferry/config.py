@@ -249,7 +249,7 @@ class EngineConfig:
                                                            "(default: the model's max_position_embeddings, lowered "
                                                            "with a warning to what the KV cache holds)")
     enable_prefix_caching: bool = option(True, "scheduling", "reuse the KV pages of a prompt prefix another "
-                                                             "request computed (docs/architecture.md)")
+                                                             "request computed (docs/serving.md)")
     disable_cuda_graph: bool = option(False, "runtime", "decode eagerly instead of replaying captured CUDA graphs "
                                                         "(to debug or compare)")
 

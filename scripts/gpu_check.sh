@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Everything that needs the GPU, in one call on the device machine: the GPU tests, then the
-# benchmarks of SPEC section 6. Logs go to $OUT (or ./gpu-out); a short table is printed last.
+# Everything that needs a CUDA GPU, in one call from a source checkout: the GPU tests, then the
+# benchmarks (python -m benchmarks.NAME). Logs go to $OUT (or ./gpu-out); a short table is printed last.
 #   [MOEFERRY_COMMIT=<commit>] bash scripts/gpu_check.sh [STAGES] [pytest -k expression]
 # STAGES: comma-separated of tests, kernels (copy, admission, fused MoE, attention, linear benches),
 # decode (full decode benchmark), decode-quick, sampling, ttft, uva, serve, routing (cache policies on
@@ -8,13 +8,13 @@
 # and the MLA kernel; 3 layers, 2 of them MoE layers of 22.5 GB each, pinned: ~45 GB of host memory), gpt-oss (gpt-oss-20b-shaped
 # decode, 4 layers of 32 bf16 experts), quant (decode and accuracy
 # per expert format: bf16, fp8, int4, mxfp4), hybrid (the host channel: kernel GB/s, decode at 0-100%, the channels contending, the kernel beside busy processes, a layer timeline on the
-# GPU), structured (decode with a JSON-schema grammar against without; needs .whl), prefill (prefill tok/s
+# GPU), structured (decode with a JSON-schema grammar against without; needs xgrammar), prefill (prefill tok/s
 # by share of the experts resident, multi-turn TTFT with and without prefix caching); default
 # tests,kernels,decode-quick.
 # Results: $OUT/results.md holds this call's benchmark sections alone; $OUT/RESULTS.md is
 # benchmarks/RESULTS.md with those sections regenerated (every stage but decode-quick, a smoke
 # run), to copy over benchmarks/RESULTS.md. MOEFERRY_COMMIT names the commit in the tables
-# (the device machine's tree has no history of its own).
+# (for a copy of the tree without git history).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
@@ -23,8 +23,8 @@ has() { [[ ",$STAGES," == *",$1,"* ]]; }
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 RESULTS=$OUT/results.md; : > "$RESULTS"
 CURRENT=$OUT/RESULTS.md; cp benchmarks/RESULTS.md "$CURRENT"
-# The wheels of scripts/device_wheels.txt, when the call carries .whl: the server, structured
-# output (xgrammar) and the test-only jsonschema.
+# On a machine without network access: the wheels of scripts/offline_wheels.txt, when .whl/ holds
+# them (the server, structured output's xgrammar, the test-only jsonschema).
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
@@ -76,6 +76,6 @@ has quant && run bench-quant python3 -m benchmarks.bench_quant --results "$RESUL
   && run bench-quant-accuracy python3 -m benchmarks.bench_quant_accuracy --device cuda --results "$RESULTS"
 has structured && run bench-structured python3 -m benchmarks.bench_structured --results "$RESULTS" "$CURRENT"
 has hybrid && run bench-hybrid python3 -m benchmarks.bench_hybrid --parts decode kernel contention timeline preemption --results "$RESULTS" "$CURRENT"
-has serve && run bench-serve python3 -m benchmarks.bench_serve --results "$RESULTS" "$CURRENT"  # needs .whl
+has serve && run bench-serve python3 -m benchmarks.bench_serve --results "$RESULTS" "$CURRENT"  # needs the serve extras
 echo; cat "$OUT/gpu.txt"; echo
 printf '%s\n' "${summary[@]}"

@@ -49,13 +49,6 @@ def test_a_bad_flag_value_is_a_clear_error(tmp_path):
     assert "fewer than one layer's 32" in out.stderr
 
 
-def test_bench_runs_a_benchmark_from_the_checkout(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "moeferry.cli", "bench", "ttft", "--help"], capture_output=True,
-                         text=True, timeout=120, cwd=tmp_path)
-    assert out.returncode == 0, out.stderr
-    assert "usage: bench_ttft" in out.stdout and "--thresholds" in out.stdout
-
-
 def test_choices_come_from_the_registries():
     from moeferry.kernels.admission import POLICIES
     from moeferry.moe.strategies import strategy_names
@@ -79,7 +72,7 @@ def test_every_engine_option_declares_its_help_and_its_group():
         assert f.metadata.get("group") in {"model", "runtime", "MoE", "memory", "scheduling"}, f.name
 
 
-@pytest.mark.parametrize("command", ["generate", "serve", "bench"])
+@pytest.mark.parametrize("command", ["generate", "serve"])
 def test_every_flag_has_help_and_shows_its_default(command):
     from moeferry.cli import HelpFormatter
 
@@ -97,20 +90,6 @@ def test_engine_flags_come_in_groups_after_the_commands_own(command, groups):
     assert titles == groups + ["model", "runtime", "MoE", "memory", "scheduling"]
     in_group = {a.dest: g.title for g in subcommands()[command]._action_groups for a in g._group_actions}
     assert in_group["max_model_len"] == "scheduling" and in_group["moe_cache_gb"] == "MoE"
-
-
-def test_bench_lists_what_each_benchmark_measures_and_each_exists():
-    import glob
-
-    from moeferry.cli import _BENCHMARKS
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    scripts = {os.path.basename(p)[len("bench_"):-3] for p in glob.glob(os.path.join(root, "benchmarks", "bench_*.py"))}
-    assert set(_BENCHMARKS) == scripts
-    text = subcommands()["bench"].format_help()
-    assert "SPEC" not in text
-    for name, what in _BENCHMARKS.items():
-        assert f"  {name} " in text and what.split()[0] in text
 
 
 def run_cli(argv, capsys) -> str:

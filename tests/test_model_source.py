@@ -9,7 +9,7 @@ import pytest
 from moeferry import LLM
 from moeferry.config import ConfigError
 from moeferry.model_source import hub_cache_dir, resolve_model
-from moeferry.testing.fixtures import family_configs, make_checkpoint
+from tests.support.fixtures import family_configs, make_checkpoint
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

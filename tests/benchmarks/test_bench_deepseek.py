@@ -29,7 +29,7 @@ def test_bench_deepseek_decode_runs_end_to_end_on_the_cpu(tmp_path):
     """The decode loop (engines per strategy, statistics runs, floors, table rows) on a tiny
     dummy DeepSeek-V3 config; the CPU runs the references, so only the bookkeeping is checked."""
     from benchmarks import bench_deepseek
-    from moeferry.testing.fixtures import DEEPSEEK_V3_DIR_CONFIG, write_config_dir
+    from tests.support.fixtures import DEEPSEEK_V3_DIR_CONFIG, write_config_dir
 
     tiny = dict(DEEPSEEK_V3_DIR_CONFIG, vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=16,
                 num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,

@@ -21,7 +21,7 @@ def test_bench_gpt_oss_decode_runs_end_to_end_on_the_cpu(tmp_path):
     """The decode loop (engines per strategy, statistics runs, floors, table rows) on a tiny
     dummy gpt-oss config cut to 2 of its layers; the CPU runs the references."""
     from benchmarks import bench_gpt_oss
-    from moeferry.testing.fixtures import GPT_OSS_20B_DIR_CONFIG, write_config_dir
+    from tests.support.fixtures import GPT_OSS_20B_DIR_CONFIG, write_config_dir
 
     tiny = dict(GPT_OSS_20B_DIR_CONFIG, vocab_size=128, hidden_size=64, intermediate_size=32, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, num_local_experts=8, sliding_window=8,

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from benchmarks import bench_hybrid
-from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
+from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 
 def test_the_timeline_part_gives_every_span_per_share_and_batch(tmp_path, monkeypatch):

@@ -19,7 +19,7 @@ def test_bench_prefill_arguments_and_no_gpu_exit(capsys):
 
 @pytest.fixture
 def tiny(tmp_path):
-    from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
+    from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
     config = dict(QWEN3_30B_DIR_CONFIG, vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=16,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=16, num_experts_per_tok=2,

@@ -25,7 +25,7 @@ def test_bench_quant_arguments_and_no_gpu_exit(capsys):
 def test_bench_quant_runs_end_to_end_on_the_cpu(tmp_path):
     from benchmarks import bench_quant
     from benchmarks.common import markdown_table
-    from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
+    from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
     tiny = dict(QWEN3_30B_DIR_CONFIG, vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=16, num_experts_per_tok=4,

@@ -21,7 +21,7 @@ def test_bench_structured_runs_end_to_end_on_the_cpu(model_cache):
     """Both runs of each batch size on a tiny model: the grammar's requests decode every timed
     step (the schema cannot complete), and the table has its columns."""
     from benchmarks import bench_structured
-    from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG
+    from tests.support.fixtures import QWEN3_30B_DIR_CONFIG
 
     tiny = dict(QWEN3_30B_DIR_CONFIG, vocab_size=4096, hidden_size=64, intermediate_size=64, moe_intermediate_size=16,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,

@@ -33,7 +33,7 @@ def test_bench_uva_runs_end_to_end_on_the_cpu(tmp_path):
     """The whole measuring loop (engines, skew hooks, path switches, counters, table) on a
     tiny dummy model; the CPU runs the reference kernels, so only the bookkeeping is checked."""
     from benchmarks import bench_uva
-    from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
+    from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
     tiny = dict(QWEN3_30B_DIR_CONFIG, vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=16,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=32, num_experts_per_tok=2,

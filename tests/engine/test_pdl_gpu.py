@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
+from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 from moeferry.config import EngineConfig
 from moeferry.engine.engine import Engine
 from moeferry.kernels import triton_common as common

@@ -8,7 +8,7 @@ import pytest
 from moeferry.config import EngineConfig
 from moeferry.engine.engine import Engine
 from moeferry.sampling import SamplingParams
-from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
+from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 pytestmark = pytest.mark.gpu
 

@@ -7,7 +7,7 @@ from moeferry import LLM, SamplingParams
 def offload_decodes_gpus_tokens(tmp_path, quantization: str, cache_gb: float):
     """--quantization `quantization` --load-format dummy: offload within `cache_gb` GiB of slots
     decodes `gpu`'s greedy tokens. Returns (bytes per expert, offload's memory plan)."""
-    from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
+    from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
     path = write_config_dir(str(tmp_path / "qwen3"), QWEN3_30B_DIR_CONFIG)
     common = dict(load_format="dummy", quantization=quantization, hf_overrides={"num_hidden_layers": 12},

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from moeferry import LLM, SamplingParams
 from moeferry.config import ConfigError
 from moeferry.scheduler.request import Request
-from moeferry.testing.fixtures import deepseek_configs, make_checkpoint, make_checkpoint_with_builtin_tokenizer
+from tests.support.fixtures import deepseek_configs, make_checkpoint, make_checkpoint_with_builtin_tokenizer
 from tests.models.mixed_batch import assert_mixed_batch_matches_transformers
 
 CONFIGS = deepseek_configs()

@@ -17,7 +17,7 @@ from moeferry.config import ConfigError
 from moeferry.engine.loader import LoadError
 from moeferry.kernels.fused_moe.reference import dequantize_blocks
 from moeferry.moe.formats import quantize_fp8_blocks
-from moeferry.testing.fixtures import family_configs, make_checkpoint, make_fp8_checkpoint
+from tests.support.fixtures import family_configs, make_checkpoint, make_fp8_checkpoint
 from tests.models.test_hf_parity import PROMPTS, _all_logits, assert_logits_match
 
 BLOCK = (16, 16)
@@ -82,7 +82,7 @@ def test_a_deepseek_fp8_release_matches_transformers_loading_it_dequantized(tmp_
     experts stay fp8 in the banks."""
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
-    from moeferry.testing.fixtures import deepseek_configs
+    from tests.support.fixtures import deepseek_configs
 
     # 4x4 blocks divide every MLA width of the tiny configs (20, 24, 48, 56): transformers'
     # dequantizer assumes whole blocks (the real kv_a_proj_with_mqa, 576 rows, has a partial
@@ -143,7 +143,7 @@ def test_quantization_fp8_quantizes_a_bf16_checkpoints_experts_at_load(tmp_path)
 
 
 def test_quantization_fp8_with_dummy_weights_halves_the_bytes_per_expert(tmp_path):
-    from moeferry.testing.fixtures import write_config_dir
+    from tests.support.fixtures import write_config_dir
 
     config = QWEN3.to_dict()
     config.update(hidden_size=256, moe_intermediate_size=192, head_dim=64)
@@ -185,7 +185,7 @@ def test_an_fp8_weight_without_its_scales_is_refused(tmp_path, fp8_dir):
 
 
 def test_unsupported_quantization_configs_are_refused(tmp_path):
-    from moeferry.testing.fixtures import write_config_dir
+    from tests.support.fixtures import write_config_dir
 
     config = QWEN3.to_dict()
     config["quantization_config"] = {"quant_method": "awq", "bits": 4}

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from moeferry import LLM, SamplingParams
 from moeferry.config import ConfigError
 from moeferry.scheduler.request import Request
-from moeferry.testing.fixtures import gpt_oss_configs, make_checkpoint, make_checkpoint_with_builtin_tokenizer
+from tests.support.fixtures import gpt_oss_configs, make_checkpoint, make_checkpoint_with_builtin_tokenizer
 from tests.models.mixed_batch import assert_mixed_batch_matches_transformers
 
 CONFIGS = gpt_oss_configs()
@@ -163,7 +163,7 @@ def test_a_released_style_mxfp4_checkpoint_matches_transformers_dequantizing_it(
     Mxfp4Config(dequantize=True); the banks hold the bytes (mxfp4 format), not bf16."""
     import transformers as T
 
-    from moeferry.testing.fixtures import mxfp4_blocks
+    from tests.support.fixtures import mxfp4_blocks
 
     config = T.GptOssConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moeferry import LLM, SamplingParams
-from moeferry.testing.fixtures import family_configs, make_checkpoint
+from tests.support.fixtures import family_configs, make_checkpoint
 
 FAMILIES = family_configs()
 PROMPTS = [[5, 17, 33, 2, 9, 71, 40], [88, 3], [12, 60, 61, 62, 7, 1, 90, 45, 23, 30, 31, 8, 19]]

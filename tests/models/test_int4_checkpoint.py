@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from moeferry import LLM, SamplingParams
-from moeferry.testing.fixtures import family_configs, make_int4_checkpoint
+from tests.support.fixtures import family_configs, make_int4_checkpoint
 from tests.models.test_hf_parity import PROMPTS, _all_logits, assert_logits_match
 
 GROUP = 16
@@ -106,7 +106,7 @@ def test_every_strategy_gives_the_same_bits_on_the_int4_checkpoint(int4_checkpoi
 
 
 def test_quantization_int4_of_a_bf16_checkpoint_and_dummy_weights(tmp_path):
-    from moeferry.testing.fixtures import make_checkpoint, write_config_dir
+    from tests.support.fixtures import make_checkpoint, write_config_dir
 
     make_checkpoint(QWEN3, str(tmp_path / "bf16"), seed=6)
     llm = LLM(str(tmp_path / "bf16"), quantization="int4", **ENGINE)

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from moeferry import LLM, SamplingParams
 from moeferry.config import ConfigError
-from moeferry.testing.fixtures import family_configs, make_checkpoint
+from tests.support.fixtures import family_configs, make_checkpoint
 
 
 @pytest.fixture(scope="module")

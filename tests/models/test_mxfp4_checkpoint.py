@@ -14,7 +14,7 @@ import torch
 from moeferry import LLM, SamplingParams
 from moeferry.kernels.fused_moe.reference import dequantize_blocks
 from moeferry.moe.formats import quantize_mxfp4
-from moeferry.testing.fixtures import family_configs, make_checkpoint, make_mxfp4_checkpoint, mxfp4_blocks
+from tests.support.fixtures import family_configs, make_checkpoint, make_mxfp4_checkpoint, mxfp4_blocks
 from tests.models.test_hf_parity import PROMPTS, _all_logits
 
 QWEN3 = dict(family_configs())["qwen3_moe"]  # H = 32, I = 16: a partial block in every down row
@@ -213,7 +213,7 @@ def test_gpt_oss_mxfp4_experts_land_in_the_banks_as_transformers_reads_them(tmp_
 
 
 def test_quantization_mxfp4_with_dummy_weights(tmp_path):
-    from moeferry.testing.fixtures import write_config_dir
+    from tests.support.fixtures import write_config_dir
 
     config = QWEN3.to_dict()
     config.update(hidden_size=256, moe_intermediate_size=192, head_dim=64)

@@ -10,7 +10,7 @@ import torch
 from moeferry import LLM, SamplingParams
 from moeferry.config import ConfigError
 from moeferry.moe.host_speeds import ChannelSpeeds
-from moeferry.testing.fixtures import family_configs, make_checkpoint
+from tests.support.fixtures import family_configs, make_checkpoint
 
 FAMILIES = family_configs()
 PROMPTS = [[5, 17, 33, 2, 9, 71, 40], [88, 3], [12, 60, 61, 62, 7, 1, 90, 45, 23, 30, 31, 8, 19]]
@@ -92,7 +92,7 @@ def test_cpu_prefill_streams_long_chunks_and_computes_short_ones_on_the_host(ckp
 def quantized_ckpt(request, tmp_path_factory):
     """(path, engine options, experts) of a tiny Qwen3-MoE in each quantized expert format: the
     fp8 and int4 checkpoint layouts (tests/models), mxfp4 by --quantization at load."""
-    from moeferry.testing.fixtures import make_fp8_checkpoint, make_int4_checkpoint
+    from tests.support.fixtures import make_fp8_checkpoint, make_int4_checkpoint
 
     config = dict(FAMILIES)["qwen3_moe"]
     path = str(tmp_path_factory.mktemp(request.param))

@@ -113,7 +113,7 @@ def test_host_strategies_generate_what_gpu_generates_on_quantized_and_biased_exp
     --quantization), and a tiny gpt-oss (expert biases and the clamped SwiGLU) with bf16 or
     mxfp4 experts: the host kernel computes its share of the misses inside the decode graph."""
     from moeferry import LLM, SamplingParams
-    from moeferry.testing.fixtures import family_configs, make_checkpoint, make_fp8_checkpoint, make_int4_checkpoint
+    from tests.support.fixtures import family_configs, make_checkpoint, make_fp8_checkpoint, make_int4_checkpoint
 
     config = dict(family_configs())[family]
     make = {"fp8": lambda p: make_fp8_checkpoint(config, p, seed=3, block_shape=(16, 16)),

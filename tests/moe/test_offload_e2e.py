@@ -5,7 +5,7 @@ import pytest
 
 from moeferry import LLM, SamplingParams
 from moeferry.config import ConfigError
-from moeferry.testing.fixtures import family_configs, make_checkpoint
+from tests.support.fixtures import family_configs, make_checkpoint
 
 FAMILIES = family_configs()
 PROMPTS = [[5, 17, 33, 2, 9, 71, 40], [88, 3], [12, 60, 61, 62, 7, 1, 90, 45, 23, 30, 31, 8, 19]]
@@ -95,7 +95,7 @@ def test_cache_sizing_from_slots_gigabytes_or_every_expert():
 def test_a_dense_model_resets_moe_flags_with_a_warning(tmp_path, caplog):
     import transformers
 
-    from moeferry.testing.fixtures import COMMON
+    from tests.support.fixtures import COMMON
 
     config = transformers.Qwen2MoeConfig(intermediate_size=48, moe_intermediate_size=16,
                                          shared_expert_intermediate_size=24, num_experts=8, num_experts_per_tok=2,

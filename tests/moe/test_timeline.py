@@ -5,7 +5,7 @@ import pytest
 
 from moeferry import LLM, SamplingParams
 from moeferry.moe.timeline import HYBRID_POINTS, LayerTimeline
-from moeferry.testing.fixtures import family_configs, make_checkpoint
+from tests.support.fixtures import family_configs, make_checkpoint
 
 PROMPTS = [[5, 17, 33, 2, 9, 71, 40], [88, 3]]
 

@@ -19,7 +19,7 @@ from moeferry.layers.moe import MoEBlock
 from moeferry.moe import strategy as strategy_module
 from moeferry.engine.planner import plan_memory
 from moeferry.moe.strategies import create_strategy
-from moeferry.testing.fixtures import family_configs, make_checkpoint
+from tests.support.fixtures import family_configs, make_checkpoint
 
 E, K, H, I = 32, 2, 32, 16  # naive allowed while T * 2 * 4 <= 32, i.e. up to 4 tokens
 

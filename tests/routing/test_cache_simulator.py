@@ -22,7 +22,7 @@ from moeferry.routing.recorder import RoutingRecorder
 from moeferry.routing.simulate import (DEFAULT_H2D_GBPS, SimulationError, cache_sizes, compute_seconds,
                                        h2d_bandwidth, simulate)
 from moeferry.routing.trace import RoutingTrace, TraceHeader, TraceStep, TraceWriter
-from moeferry.testing.fixtures import family_configs, make_checkpoint
+from tests.support.fixtures import family_configs, make_checkpoint
 from tests.test_cli import run_cli
 
 PROMPTS = [[5, 17, 33, 2, 9, 71, 40], [88, 3], [12, 60, 61, 62, 7, 1, 90, 45, 23, 30, 31, 8, 19]]

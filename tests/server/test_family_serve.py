@@ -8,8 +8,8 @@ import json
 import httpx
 import pytest
 
-from moeferry.testing.fixtures import deepseek_configs, gpt_oss_configs, make_checkpoint_with_builtin_tokenizer
 from tests.server.conftest import running_server
+from tests.support.fixtures import deepseek_configs, gpt_oss_configs, make_checkpoint_with_builtin_tokenizer
 
 FAMILIES = {"deepseek_v3": deepseek_configs, "gpt_oss": gpt_oss_configs}
 

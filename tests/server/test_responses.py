@@ -10,8 +10,8 @@ import pytest
 
 from moeferry.server.protocol import APIError
 from moeferry.server.responses import ResponseStore
-from moeferry.testing.scripted import scripted_answers
 from tests.server.conftest import openai_client, serve_engine
+from tests.support.scripted import scripted_answers
 
 ARGS = '{"city": "Paris"}'
 

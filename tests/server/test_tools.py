@@ -1,5 +1,5 @@
 """Tool calling through the official `openai` client against the server on the built-in model,
-most answers scripted (moeferry.testing.scripted: the tiny model writes no family's syntax of
+most answers scripted (tests.support.scripted: the tiny model writes no family's syntax of
 its own): a round trip per family's parser, streamed tool-call deltas that
 join into the non-streamed call, tool_choice none / required / named, tool messages in the
 history rendered as transformers renders them, and an agent loop that runs a local function;
@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from moeferry.testing.scripted import scripted_answers
 from tests.server.conftest import openai_client, serve_engine
+from tests.support.scripted import scripted_answers
 
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city now.",

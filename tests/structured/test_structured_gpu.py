@@ -12,7 +12,7 @@ from moeferry.config import EngineConfig
 from moeferry.engine.engine import Engine
 from moeferry.sampling import SamplingParams
 from moeferry.structured import json_schema_constraint
-from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir, write_wide_tokenizer
+from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir, write_wide_tokenizer
 
 pytestmark = pytest.mark.gpu
 

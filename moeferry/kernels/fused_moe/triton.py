@@ -115,7 +115,7 @@ def select_config(num_tokens: int, top_k: int, hidden_size: int, intermediate_si
     BLOCK_M follows the tokens each expert gets (T * K / E): 16 for small-batch decode,
     where a block is mostly one or two rows, up to 64 for prefill. Pipeline depth at decode
     sizes, from benchmarks/sweep_fused_moe.py on an H200 at Qwen3-30B-A3B shapes (figures in
-    benchmarks/RESULTS.md, Findings): 3 stages for the down GEMM up to one token per expert,
+    docs/performance.md, fused MoE tiles): 3 stages for the down GEMM up to one token per expert,
     and for gate+up from 2 tokens; at 1 token gate+up keeps 4, which measured faster there.
     4-bit banks take split-field dots (FusedMoEConfig.split_fields): on the same sweep with
     int4 banks they cut the decode GEMMs' time by a fifth to a third. MXFP4 banks take them

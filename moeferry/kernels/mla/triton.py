@@ -67,7 +67,7 @@ class MLAConfig:
 
 
 # The default tiles (select_config), one place to change them, from benchmarks/sweep_mla.py on
-# the H200 at DeepSeek-V3's shapes (RESULTS.md, "MLA decode tiles"). From two requests up: 64
+# the H200 at DeepSeek-V3's shapes (docs/mla.md, the decode kernel's tiles). From two requests up: 64
 # heads a program (FlashMLA's row count, the 64 rows of a Hopper warpgroup MMA), all 512 value
 # columns (a split value dimension recomputes the scores per block, which costs more than the
 # accumulator's few spilled registers), 32 tokens a step, two stages. One request has too few

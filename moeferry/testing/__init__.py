@@ -1,2 +1,0 @@
-"""What the tests and the benchmarks share (``moeferry.testing.fixtures``); nothing the engine
-itself imports."""
