@@ -5,6 +5,7 @@ the one check of those options (`EngineConfig.check`)."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import logging
 import math
@@ -48,35 +49,20 @@ def cache_policies() -> tuple[str, ...]:
     return tuple(POLICIES)
 
 
-def host_dispatches() -> tuple[str, ...]:
-    from moeferry.moe.host_channel import DISPATCHES
-
-    return DISPATCHES
-
-
-def host_stagings() -> tuple[str, ...]:
-    from moeferry.moe.host_channel import STAGINGS
-
-    return STAGINGS
-
-
-def host_schedules() -> tuple[str, ...]:
-    from moeferry.kernels.fused_moe.host import SCHEDULES
-
-    return tuple(SCHEDULES)
-
-
-def block_assignments() -> tuple[str, ...]:
-    from moeferry.kernels.fused_moe import BLOCK_ASSIGNMENTS
-
-    return BLOCK_ASSIGNMENTS
+def _choices(module: str, name: str):
+    """The choices `name` of `module` (a tuple, or a dict's keys), imported when first asked."""
+    def names() -> tuple[str, ...]:
+        return tuple(getattr(importlib.import_module(module), name))
+    return names
 
 
 CHOICES = {"load_format": lambda: LOAD_FORMATS, "device": lambda: DEVICES, "dtype": lambda: DTYPES,
            "quantization": quantizations,
            "moe_strategy": strategy_names, "moe_cache_policy": cache_policies,
-           "moe_host_dispatch": host_dispatches, "moe_host_staging": host_stagings,
-           "moe_host_schedule": host_schedules, "moe_uva_block_assignment": block_assignments}
+           "moe_host_dispatch": _choices("moeferry.moe.host_channel", "DISPATCHES"),
+           "moe_host_staging": _choices("moeferry.moe.host_channel", "STAGINGS"),
+           "moe_host_schedule": _choices("moeferry.kernels.fused_moe.host", "SCHEDULES"),
+           "moe_uva_block_assignment": _choices("moeferry.kernels.fused_moe", "BLOCK_ASSIGNMENTS")}
 
 
 def flag(name: str) -> str:
@@ -209,6 +195,28 @@ class EngineConfig:
     moe_record_routing: str | None = option(None, "MoE", "a file: every step's routed experts per MoE layer, "
                                                          "recorded under any strategy, for `moeferry routing "
                                                          "simulate` (docs/offload.md; at most 1 GiB)")
+    memory_ratio: float = option(0.9, "memory", "share of the GPU memory free after the weights that the plan may "
+                                                "use (expert slots, KV cache, buffers)")
+    vram_reserve_mb: int = option(1024, "memory", "MiB of GPU memory the plan leaves free, for CUDA graphs and "
+                                                  "allocator slack")
+    kv_reserve_tokens: int | None = option(None, "memory", "KV cache tokens reserved before the expert cache is sized "
+                                                           "(default: --max-running-requests contexts of "
+                                                           "--max-model-len; of at most 8192 tokens when not given)")
+    page_size: int = option(16, "memory", "tokens per KV cache page")
+    num_tokens: int | None = option(None, "memory", "the KV cache's size in tokens (default: from the memory plan; "
+                                                    "16384 on the CPU)")
+    max_running_requests: int = option(8, "scheduling", "requests decoded together in one step (and the largest "
+                                                        "CUDA graph's batch)")
+    max_prefill_tokens: int = option(2048, "scheduling", "prompt tokens prefilled in one step; a longer prompt is "
+                                                         "prefilled in chunks")
+    max_model_len: int | None = option(None, "scheduling", "the most tokens (prompt + output) one request may hold "
+                                                           "(default: the model's max_position_embeddings, lowered "
+                                                           "with a warning to what the KV cache holds)")
+    enable_prefix_caching: bool = option(True, "scheduling", "reuse the KV pages of a prompt prefix another "
+                                                             "request computed (docs/serving.md)")
+    disable_cuda_graph: bool = option(False, "runtime", "decode eagerly instead of replaying captured CUDA graphs "
+                                                        "(to debug or compare)")
+
     # developer options: how the MoE parts run, for benchmarks and debugging (--help shows them apart)
     moe_host_dispatch: str = option("mailbox", DEVELOPER, "cpu or hybrid on a GPU: how the host kernel is run: "
                                                           "mailbox (a worker thread polls pinned memory; kernels "
@@ -231,27 +239,6 @@ class EngineConfig:
                                                               "auto (the kernel's choice), sorted (each expert read "
                                                               "once per step) or naive (a block per route where "
                                                               "the small-batch rule allows it)")
-    memory_ratio: float = option(0.9, "memory", "share of the GPU memory free after the weights that the plan may "
-                                                "use (expert slots, KV cache, buffers)")
-    vram_reserve_mb: int = option(1024, "memory", "MiB of GPU memory the plan leaves free, for CUDA graphs and "
-                                                  "allocator slack")
-    kv_reserve_tokens: int | None = option(None, "memory", "KV cache tokens reserved before the expert cache is sized "
-                                                           "(default: --max-running-requests contexts of "
-                                                           "--max-model-len; of at most 8192 tokens when not given)")
-    page_size: int = option(16, "memory", "tokens per KV cache page")
-    num_tokens: int | None = option(None, "memory", "the KV cache's size in tokens (default: from the memory plan; "
-                                                    "16384 on the CPU)")
-    max_running_requests: int = option(8, "scheduling", "requests decoded together in one step (and the largest "
-                                                        "CUDA graph's batch)")
-    max_prefill_tokens: int = option(2048, "scheduling", "prompt tokens prefilled in one step; a longer prompt is "
-                                                         "prefilled in chunks")
-    max_model_len: int | None = option(None, "scheduling", "the most tokens (prompt + output) one request may hold "
-                                                           "(default: the model's max_position_embeddings, lowered "
-                                                           "with a warning to what the KV cache holds)")
-    enable_prefix_caching: bool = option(True, "scheduling", "reuse the KV pages of a prompt prefix another "
-                                                             "request computed (docs/serving.md)")
-    disable_cuda_graph: bool = option(False, "runtime", "decode eagerly instead of replaying captured CUDA graphs "
-                                                        "(to debug or compare)")
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
@@ -359,9 +346,11 @@ def _check_together(ec: EngineConfig) -> None:
     if trace is not None and (not trace or os.path.isdir(trace)
                               or not os.path.isdir(os.path.dirname(os.path.abspath(trace)))):
         raise ConfigError(f"--moe-record-routing {trace!r}: give a file path in an existing directory")
+    from moeferry.moe.host_compute import channel_options
     from moeferry.moe.prefill_policy import validate_demand_prefill
 
     validate_demand_prefill(ec)
+    channel_options(ec)  # the host channel's options together (the mailbox stages by kernel only)
     ec.torch_dtype  # noqa: B018 - resolves --device and --dtype (ConfigError: cuda asked for, none seen)
 
 

@@ -69,7 +69,7 @@ def test_every_engine_option_declares_its_help_and_its_group():
 
     for f in dataclasses.fields(EngineConfig):
         assert f.metadata.get("help"), f.name
-        assert f.metadata.get("group") in {"model", "runtime", "MoE", "memory", "scheduling"}, f.name
+        assert f.metadata.get("group") in {"model", "runtime", "MoE", "memory", "scheduling", "MoE (developer)"}, f.name
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
@@ -87,9 +87,10 @@ def test_every_flag_has_help_and_shows_its_default(command):
 @pytest.mark.parametrize("command,groups", [("generate", ["prompt", "sampling"]), ("serve", ["server"])])
 def test_engine_flags_come_in_groups_after_the_commands_own(command, groups):
     titles = [g.title for g in subcommands()[command]._action_groups][2:]  # after positionals and options
-    assert titles == groups + ["model", "runtime", "MoE", "memory", "scheduling"]
+    assert titles == groups + ["model", "runtime", "MoE", "memory", "scheduling", "MoE (developer)"]
     in_group = {a.dest: g.title for g in subcommands()[command]._action_groups for a in g._group_actions}
     assert in_group["max_model_len"] == "scheduling" and in_group["moe_cache_gb"] == "MoE"
+    assert in_group["moe_host_dispatch"] == in_group["moe_timeline"] == "MoE (developer)"
 
 
 def run_cli(argv, capsys) -> str:

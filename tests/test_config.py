@@ -43,6 +43,10 @@ def _reader_of(name: str) -> dict:
     (dict(moe_cache_gb=4.0), "read only by --moe-strategy offload or hybrid; under --moe-strategy gpu it would be ignored"),
     (dict(moe_strategy="uva", moe_cache_slots=8), "read only by --moe-strategy offload or hybrid; under --moe-strategy uva"),
     (dict(num_tokens=8), "less than one KV page"),
+    (dict(moe_timeline=True), "--moe-timeline is read only by --moe-strategy hybrid"),
+    (dict(moe_strategy="offload", moe_host_schedule="static"), "--moe-host-schedule is read only by --moe-strategy hybrid or cpu"),
+    (dict(moe_strategy="hybrid", moe_host_staging="copy"), "--moe-host-dispatch mailbox stages by kernel only"),
+    (dict(moe_strategy="uva", moe_uva_block_assignment="grouped"), "--moe-uva-block-assignment 'grouped' is unknown"),
 ])
 def test_llm_keywords_are_checked_before_anything_loads(options, says, monkeypatch):
     import moeferry.default_model
