@@ -2,6 +2,8 @@
 
 - trace.py: the file format (its docstring), `TraceWriter` (bounded) and `RoutingTrace` (reader).
 - recorder.py: `RoutingRecorder`, `--moe-record-routing FILE`: every forward's routes, graphs included.
+- profiles.py: generated routing (`uniform`, `qwen3`, `mixtral`) calibrated to published
+  statistics, drawn on the device inside a decode graph; the oracle predictor of stated recall.
 - simulate.py: `simulate(trace, num_slots, policy)`, the slot cache's own admission replayed on
   the CPU, and the table `moeferry routing simulate` prints.
 """
