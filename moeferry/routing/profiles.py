@@ -313,3 +313,26 @@ def describe(c: Calibration) -> str:
     top = "" if c.top16 is None else f"; top-16 share {c.top16[0]:.2f}-{c.top16[1]:.2f}"
     return f"reuse {c.reuse:.2f}; LRU hit {lru}{top}"
 
+
+
+# ---- a generated trace, for `moeferry routing simulate` ---------------------------------------
+QWEN3_30B_EXPERT_BYTES = 3 * 2048 * 768 * 2  # one Qwen3-30B-A3B expert in bf16: gate, up and down
+
+
+def write_trace(path: str, profile: RoutingProfile, num_layers: int, num_experts: int, top_k: int, tokens: int,
+                rows: int = 1, seed: int = 0, expert_bytes: int = QWEN3_30B_EXPERT_BYTES) -> int:
+    """Write `tokens` decode steps of `rows` requests under `profile` as a routing trace
+    (trace.py; untimed steps, the model named `generated:PROFILE`), as a recorded one
+    replays; returns the steps written."""
+    from moeferry.routing.trace import TraceHeader, TraceStep, TraceWriter
+
+    header = TraceHeader(num_layers, num_experts, top_k, expert_bytes, model=f"generated:{profile.name}")
+    gen = RouteGenerator(profile, num_layers, num_experts, top_k, max_rows=rows, seed=seed)
+    writer = TraceWriter(path, header)
+    try:
+        for _ in range(tokens):
+            if not writer.write(TraceStep("decode", False, rows, float("nan"), gen.generate(rows).numpy())):
+                break
+    finally:
+        writer.close()
+    return writer.steps
