@@ -30,10 +30,10 @@ class ForcedRouting:
     holds the routes of the latest forward, `routes` [L, max_rows, K] in MoE-layer order."""
 
     def __init__(self, model, mc, profile: RoutingProfile, max_rows: int, device: torch.device | str,
-                 seed: int = 0):
+                 seed: int = 0, decode_rows: int | None = None):
         self.profile, self.layer_ids = profile, tuple(mc.moe_layer_ids)
         self.generator = RouteGenerator(profile, len(self.layer_ids), mc.num_experts, mc.top_k, max_rows,
-                                        device=device, seed=seed)
+                                        device=device, seed=seed, decode_rows=decode_rows)
         self.handles = [model.moe_block(layer_id).route_module.register_forward_hook(self._hook(i))
                         for i, layer_id in enumerate(self.layer_ids)]
 
@@ -42,7 +42,7 @@ class ForcedRouting:
         """Hooks on `engine`'s model for its widest forward (a prefill chunk or the decode rows)."""
         ec = engine.ec
         return cls(engine.runner.model, engine.mc, profile, max(ec.max_prefill_tokens, ec.max_running_requests),
-                   engine.runner.device, seed)
+                   engine.runner.device, seed, decode_rows=ec.max_running_requests)
 
     @property
     def routes(self) -> torch.Tensor:

@@ -30,9 +30,9 @@ is drawn from row t's last one (a decode row follows its request; a prefill's to
 rows of their own, so a chunk's tokens are no more local than separate requests).
 
 The figures a profile is fitted to (SPEC section 6) are its `targets`; tests/routing holds the
-generator to them. `oracle_prediction` is the next-layer predictor a prefetcher gets under
-generated routes, which carry no hidden state: each true id kept with a stated recall, the
-others replaced by wrong ids.
+generator to them. `oracle_prediction` (and `OraclePredictor`, its graph-ready form) is the
+next-layer predictor a prefetcher gets under generated routes, which carry no hidden state:
+each true id kept with a stated recall, the others replaced by wrong ids.
 """
 
 from __future__ import annotations
@@ -122,9 +122,9 @@ MIXTRAL = register(RoutingProfile(
 
 
 # ---- the counter hash -------------------------------------------------------------------------
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mix of int64 values in [0, 2^32); multipliers under 2^31, so no
-    product leaves int64."""
+def _hash32(x):
+    """A 32-bit integer mix of int64 values (tensors or ints) in [0, 2^32); multipliers under
+    2^31, so no product leaves int64."""
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & _MASK32
     x = x ^ (x >> 15)
@@ -132,15 +132,27 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniforms(seed: torch.Tensor, shape: tuple[int, ...], offsets: tuple[int, ...], salt: int) -> torch.Tensor:
-    """float32 uniforms in (0, 1) of `shape`, a hash of (`seed`, a device int64 scalar tensor
-    the caller advances, `salt`, each element's index along every dimension plus `offsets`)."""
-    key = _hash32((seed * 0x9E3779B1 + salt * 0x6A09E667) & _MASK32)
+def index_keys(seed: int, salt: int, shape: tuple[int, ...], offsets: tuple[int, ...],
+               device: torch.device | str = "cpu") -> torch.Tensor:
+    """int64 keys in [0, 2^32) of `shape`: a hash of (`seed`, `salt`, each element's index
+    along every dimension plus `offsets`). Fixed for a seed: static buffers may hold them."""
+    key = torch.tensor(_hash32((seed * 0x9E3779B1 + salt * 0x6A09E667) & _MASK32), device=device)
     for dim, (size, offset) in enumerate(zip(shape, offsets)):
-        index = torch.arange(offset, offset + size, device=seed.device, dtype=torch.int64)
-        index = index.view([size if d == dim else 1 for d in range(len(shape))])
-        key = _hash32((key + index * 0x5851F42D + 0x14057B7E) & _MASK32)
-    return ((key >> 8).float() + 0.5) / float(1 << 24)
+        index = torch.arange(offset, offset + size, device=device, dtype=torch.int64)
+        key = _hash32((key + index.view([size if d == dim else 1 for d in range(len(shape))]) * 0x5851F42D
+                       + 0x14057B7E) & _MASK32)
+    return key
+
+
+def step_key(counter: torch.Tensor) -> torch.Tensor:
+    """The key of one draw: a hash of a device int64 counter the caller advances."""
+    return _hash32((counter * 0x3C6EF372 + 0x1B873593) & _MASK32)
+
+
+def uniforms(keys: torch.Tensor, step: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 uniforms in (0, 1), one per key (index_keys), mixed with a draw's `step` key."""
+    x = keys if step is None else _hash32((keys + step) & _MASK32)
+    return ((x >> 8).float() + 0.5) / float(1 << 24)
 
 
 def gumbel(u: torch.Tensor) -> torch.Tensor:
@@ -164,28 +176,38 @@ def layer_popularity(profile: RoutingProfile, num_layers: int, num_experts: int,
     return torch.from_numpy(pop / pop.sum(axis=1, keepdims=True))
 
 
+_GUMBEL, _KEEP, _CONTEXT, _WRONG, _ORACLE_KEEP = range(5)  # salts: one independent stream each
+
+
 class RouteGenerator:
     """Draws every layer's routes of one forward (see the module) into static device buffers.
 
     `routes` [L, max_rows, K] int64: row t of each layer's latest routes, also the state the
     next forward keeps from. `counter` [1] int64 advances once per forward. `generate(rows)`
-    rewrites rows [0, rows) of every layer and returns that view; nothing is allocated that a
-    captured graph keeps, and nothing is read back to the host.
+    rewrites rows [0, rows) of every layer and returns that view; nothing a captured graph
+    keeps is allocated, and nothing is read back to the host. For forwards of at most
+    `decode_rows` rows (default min(max_rows, 256)) the fixed part of the scores and the hash
+    keys are static buffers, so a decode step's draw is a few dozen small kernels; a wider
+    forward (a prefill chunk, eager) computes them, the same values.
 
     Invariants: each row's K ids of a layer are distinct and in [0, E); the same seed and the
     same sequence of `generate` calls give the same routes on any device.
     """
 
     def __init__(self, profile: RoutingProfile, num_layers: int, num_experts: int, top_k: int, max_rows: int,
-                 device: torch.device | str = "cpu", seed: int = 0):
+                 device: torch.device | str = "cpu", seed: int = 0, decode_rows: int | None = None):
         if not 0 < top_k <= num_experts:
             raise ValueError(f"top_k {top_k} of {num_experts} experts")
         self.profile, self.num_layers, self.num_experts, self.top_k = profile, num_layers, num_experts, top_k
-        self.max_rows = max_rows
+        self.max_rows, self.seed, self.device = max_rows, seed & _MASK32, device
         self.log_pop = layer_popularity(profile, num_layers, num_experts, seed).log().float().to(device)
-        self.seed = torch.tensor(seed & _MASK32, dtype=torch.int64, device=device)
         self.counter = torch.zeros(1, dtype=torch.int64, device=device)
         self.routes = torch.zeros((num_layers, max_rows, top_k), dtype=torch.int64, device=device)
+        self.decode_rows = min(max_rows, 256) if decode_rows is None else min(max_rows, decode_rows)
+        rows = self.decode_rows
+        self._fixed_static = self._compute_fixed(0, num_layers, rows)
+        self._gumbel_keys = index_keys(self.seed, _GUMBEL, (num_layers, rows, num_experts), (0, 0, 0), device)
+        self._keep_keys = index_keys(self.seed, _KEEP, (num_layers, rows, top_k), (0, 0, 0), device)
         self._draw(max_rows, keep=False)  # a first token for every row, kept from nothing
 
     def generate(self, rows: int) -> torch.Tensor:
@@ -195,20 +217,33 @@ class RouteGenerator:
         self._draw(rows, keep=self.profile.keep > 0)
         return self.routes[:, :rows]
 
+    def _compute_fixed(self, a: int, b: int, rows: int) -> torch.Tensor:
+        """log popularity plus each row's context preference, [b - a, rows, E] float32."""
+        fixed = self.log_pop[a:b, None, :].expand(b - a, rows, self.num_experts)
+        if not self.profile.context:
+            return fixed.contiguous()
+        keys = index_keys(self.seed, _CONTEXT, (b - a, rows, self.num_experts), (a, 0, 0), self.device)
+        return fixed + self.profile.context * normal(uniforms(keys))
+
+    def _parts(self, a: int, b: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(fixed scores, Gumbel keys, keep keys) of layers [a, b) and rows [0, rows)."""
+        if rows <= self.decode_rows:
+            return (self._fixed_static[a:b, :rows], self._gumbel_keys[a:b, :rows], self._keep_keys[a:b, :rows])
+        return (self._compute_fixed(a, b, rows),
+                index_keys(self.seed, _GUMBEL, (b - a, rows, self.num_experts), (a, 0, 0), self.device),
+                index_keys(self.seed, _KEEP, (b - a, rows, self.top_k), (a, 0, 0), self.device))
+
     def _draw(self, rows: int, keep: bool) -> None:
         layers, e, k = self.num_layers, self.num_experts, self.top_k
-        step = max(1, min(layers, _SCORE_BUDGET // max(1, rows * e)))
-        key = self.seed + self.counter * 0x3C6EF372  # a new stream per forward
-        for a in range(0, layers, step):
-            b = min(layers, a + step)
-            natural = self.log_pop[a:b, None, :] + gumbel(uniforms(key, (b - a, rows, e), (a, 0, 0), salt=0))
-            if self.profile.context:
-                natural = natural + self.profile.context * normal(uniforms(self.seed, (b - a, rows, e), (a, 0, 0),
-                                                                           salt=4))
-            scores = natural
-            prev = self.routes[a:b, :rows]
+        chunk = max(1, min(layers, _SCORE_BUDGET // max(1, rows * e)))
+        step = step_key(self.counter)  # a new stream per forward
+        for a in range(0, layers, chunk):
+            b = min(layers, a + chunk)
+            fixed, gumbel_keys, keep_keys = self._parts(a, b, rows)
+            natural = fixed + gumbel(uniforms(gumbel_keys, step))
+            scores, prev = natural, self.routes[a:b, :rows]
             if keep:
-                kept = uniforms(key, (b - a, rows, k), (a, 0, 0), salt=1) < self.profile.keep
+                kept = uniforms(keep_keys, step) < self.profile.keep
                 scores = natural.scatter_add(2, prev, kept.float() * BIG)
             chosen = scores.topk(k, dim=2).indices
             # order the chosen experts as an unbiased router would (by their own scores):
@@ -218,29 +253,64 @@ class RouteGenerator:
         self.counter.add_(1)
 
 
-def oracle_prediction(true_ids: torch.Tensor, num_experts: int, recall: float, seed: torch.Tensor,
-                      width: int | None = None) -> torch.Tensor:
+def _check_oracle(num_experts: int, top_k: int, recall: float, width: int) -> None:
+    if not top_k <= width <= num_experts - top_k:  # room for width wrong ids when every true one is dropped
+        raise ValueError(f"an oracle of {width} predictions at top-{top_k} needs {top_k} to "
+                         f"{num_experts - top_k} of them, over {num_experts} experts")
+    if not 0.0 <= recall <= 1.0:
+        raise ValueError(f"recall {recall} outside [0, 1]")
+
+
+def _oracle(true_ids: torch.Tensor, u_wrong: torch.Tensor, u_keep: torch.Tensor, recall: float,
+            width: int) -> torch.Tensor:
+    k = true_ids.shape[1]
+    keep = (u_keep < recall).float()
+    # a kept true id scores 2 + its place, a dropped one -1: kept first, dropped never chosen
+    place = torch.arange(k, 0, -1, device=true_ids.device, dtype=torch.float32) / (k + 1)
+    scores = u_wrong.scatter(1, true_ids.long(), keep * (2.0 + place) - (1.0 - keep))
+    return scores.topk(width, dim=1).indices
+
+
+def oracle_prediction(true_ids: torch.Tensor, num_experts: int, recall: float, step: torch.Tensor,
+                      width: int | None = None, seed: int = 0) -> torch.Tensor:
     """A predictor of stated recall for routes that carry no hidden state: true_ids [T, K]
     (distinct per row) -> predicted ids [T, width] (default K), distinct per row. Each true id
     is kept with probability `recall` (independently, so recall is `recall` in expectation);
     the other width - kept slots hold ids outside the row's true set, drawn uniformly: the
-    false positives, as many as the true ids dropped when width == K. `seed` is a device
-    int64 tensor the caller advances between calls (a fresh draw per step, graph-safe).
-    Kept ids come first, in their order in true_ids."""
+    false positives, as many as the true ids dropped when width == K. `step` is a device int64
+    tensor the caller advances between calls (a fresh draw per call, graph-safe). Kept ids come
+    first, in their order in true_ids. (`OraclePredictor` holds the keys in static buffers.)"""
     t, k = true_ids.shape
     width = k if width is None else width
-    if not k <= width <= num_experts - k:  # room for width wrong ids when every true one is dropped
-        raise ValueError(f"an oracle of {width} predictions at top-{k} needs {k} to {num_experts - k} of them, "
-                         f"over {num_experts} experts")
-    if not 0.0 <= recall <= 1.0:
-        raise ValueError(f"recall {recall} outside [0, 1]")
-    u = uniforms(seed, (t, num_experts), (0, 0), salt=2)  # wrong ids' order, in (0, 1)
-    keep = (uniforms(seed, (t, k), (0, 0), salt=3) < recall).float()
-    # a kept true id scores 2 + its place, a dropped one -1: kept first, dropped never chosen
-    place = torch.arange(k, 0, -1, device=true_ids.device, dtype=torch.float32) / (k + 1)
-    true_scores = keep * (2.0 + place) - (1.0 - keep)
-    scores = u.scatter(1, true_ids.long(), true_scores)
-    return scores.topk(width, dim=1).indices
+    _check_oracle(num_experts, k, recall, width)
+    key = step_key(step)
+    u_wrong = uniforms(index_keys(seed, _WRONG, (t, num_experts), (0, 0), true_ids.device), key)
+    u_keep = uniforms(index_keys(seed, _ORACLE_KEEP, (t, k), (0, 0), true_ids.device), key)
+    return _oracle(true_ids, u_wrong, u_keep, recall, width)
+
+
+class OraclePredictor:
+    """`oracle_prediction` for a prefetcher inside a decode graph: the keys of `max_rows` rows
+    in static buffers, and its own counter, advanced by each `predict` (one fresh draw per
+    layer and step)."""
+
+    def __init__(self, num_experts: int, top_k: int, recall: float, max_rows: int, width: int | None = None,
+                 device: torch.device | str = "cpu", seed: int = 0):
+        self.num_experts, self.top_k, self.recall = num_experts, top_k, recall
+        self.width = top_k if width is None else width
+        _check_oracle(num_experts, top_k, recall, self.width)
+        self.counter = torch.zeros(1, dtype=torch.int64, device=device)
+        self._wrong = index_keys(seed, _WRONG, (max_rows, num_experts), (0, 0), device)
+        self._keep = index_keys(seed, _ORACLE_KEEP, (max_rows, top_k), (0, 0), device)
+
+    def predict(self, true_ids: torch.Tensor) -> torch.Tensor:
+        """true_ids [T, K] -> predicted ids [T, width] (see oracle_prediction)."""
+        t = true_ids.shape[0]
+        key = step_key(self.counter)
+        ids = _oracle(true_ids, uniforms(self._wrong[:t], key), uniforms(self._keep[:t], key), self.recall,
+                      self.width)
+        self.counter.add_(1)
+        return ids
 
 
 # ---- what the targets measure ----------------------------------------------------------------

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from moeferry.routing.profiles import (PROFILES, RouteGenerator, calibrate, get_profile, oracle_prediction, reuse,
-                                       top_share)
+from moeferry.routing.profiles import (PROFILES, OraclePredictor, RouteGenerator, calibrate, get_profile,
+                                       oracle_prediction, reuse, top_share)
 
 # Tolerances, absolute. The 6% point of qwen3's LRU curve is 8 slots, exactly one token's top-8:
 # there a per-route LRU's hits depend on the order of a token's accesses (a miss evicts an
@@ -118,3 +118,18 @@ def test_the_oracle_draws_anew_for_each_seed():
     true = _true_ids(200, 32, 4, seed=2)
     assert not torch.equal(oracle_prediction(true, 32, 0.5, torch.tensor(1)),
                            oracle_prediction(true, 32, 0.5, torch.tensor(2)))
+
+
+def test_the_static_oracle_draws_what_the_function_draws():
+    true = _true_ids(300, 32, 4, seed=3)
+    oracle = OraclePredictor(32, 4, 0.7, max_rows=512, width=6)
+    for step in range(3):
+        assert torch.equal(oracle.predict(true), oracle_prediction(true, 32, 0.7, torch.tensor(step), width=6))
+
+
+def test_a_wide_forward_draws_what_the_static_buffers_would():
+    # decode_rows=2: a forward of 5 rows computes its keys; another generator holds all 5 static
+    computed = RouteGenerator(get_profile("qwen3"), 3, 32, 4, max_rows=8, seed=5, decode_rows=2)
+    static = RouteGenerator(get_profile("qwen3"), 3, 32, 4, max_rows=8, seed=5, decode_rows=8)
+    for rows in (5, 2, 5, 8):
+        assert torch.equal(computed.generate(rows), static.generate(rows))
