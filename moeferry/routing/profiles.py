@@ -144,9 +144,14 @@ def index_keys(seed: int, salt: int, shape: tuple[int, ...], offsets: tuple[int,
     return key
 
 
-def step_key(counter: torch.Tensor) -> torch.Tensor:
-    """The key of one draw: a hash of a device int64 counter the caller advances."""
-    return _hash32((counter * 0x3C6EF372 + 0x1B873593) & _MASK32)
+def first_key(seed: int, salt: int) -> int:
+    """The key of a stream's first draw (`advance` gives the next ones)."""
+    return _hash32((seed * 0x3C6EF372 + salt * 0x1B873593 + 1) & _MASK32)
+
+
+def advance(key: torch.Tensor) -> None:
+    """The next draw's key, in place (a linear congruential step: three small kernels, graph-safe)."""
+    key.mul_(0x41C64E6D).add_(0x3039).bitwise_and_(_MASK32)
 
 
 def uniforms(keys: torch.Tensor, step: torch.Tensor | None = None) -> torch.Tensor:
@@ -183,7 +188,7 @@ class RouteGenerator:
     """Draws every layer's routes of one forward (see the module) into static device buffers.
 
     `routes` [L, max_rows, K] int64: row t of each layer's latest routes, also the state the
-    next forward keeps from. `counter` [1] int64 advances once per forward. `generate(rows)`
+    next forward keeps from. `counter` [1] int64, the draw's key, advances once per forward. `generate(rows)`
     rewrites rows [0, rows) of every layer and returns that view; nothing a captured graph
     keeps is allocated, and nothing is read back to the host. For forwards of at most
     `decode_rows` rows (default min(max_rows, 256)) the fixed part of the scores and the hash
@@ -201,7 +206,7 @@ class RouteGenerator:
         self.profile, self.num_layers, self.num_experts, self.top_k = profile, num_layers, num_experts, top_k
         self.max_rows, self.seed, self.device = max_rows, seed & _MASK32, device
         self.log_pop = layer_popularity(profile, num_layers, num_experts, seed).log().float().to(device)
-        self.counter = torch.zeros(1, dtype=torch.int64, device=device)
+        self.counter = torch.tensor([first_key(seed, _GUMBEL)], dtype=torch.int64, device=device)
         self.routes = torch.zeros((num_layers, max_rows, top_k), dtype=torch.int64, device=device)
         self.decode_rows = min(max_rows, 256) if decode_rows is None else min(max_rows, decode_rows)
         rows = self.decode_rows
@@ -236,7 +241,7 @@ class RouteGenerator:
     def _draw(self, rows: int, keep: bool) -> None:
         layers, e, k = self.num_layers, self.num_experts, self.top_k
         chunk = max(1, min(layers, _SCORE_BUDGET // max(1, rows * e)))
-        step = step_key(self.counter)  # a new stream per forward
+        step = self.counter  # a new stream per forward
         for a in range(0, layers, chunk):
             b = min(layers, a + chunk)
             fixed, gumbel_keys, keep_keys = self._parts(a, b, rows)
@@ -250,7 +255,7 @@ class RouteGenerator:
             # a kept expert is not first in line
             order = natural.gather(2, chosen).argsort(dim=2, descending=True)
             prev.copy_(chosen.gather(2, order))
-        self.counter.add_(1)
+        advance(self.counter)
 
 
 def _check_oracle(num_experts: int, top_k: int, recall: float, width: int) -> None:
@@ -263,53 +268,59 @@ def _check_oracle(num_experts: int, top_k: int, recall: float, width: int) -> No
 
 def _oracle(true_ids: torch.Tensor, u_wrong: torch.Tensor, u_keep: torch.Tensor, recall: float,
             width: int) -> torch.Tensor:
-    k = true_ids.shape[1]
+    k = true_ids.shape[-1]
     keep = (u_keep < recall).float()
     # a kept true id scores 2 + its place, a dropped one -1: kept first, dropped never chosen
     place = torch.arange(k, 0, -1, device=true_ids.device, dtype=torch.float32) / (k + 1)
-    scores = u_wrong.scatter(1, true_ids.long(), keep * (2.0 + place) - (1.0 - keep))
-    return scores.topk(width, dim=1).indices
+    scores = u_wrong.scatter(-1, true_ids.long(), keep * (2.0 + place) - (1.0 - keep))
+    return scores.topk(width, dim=-1).indices
 
 
 def oracle_prediction(true_ids: torch.Tensor, num_experts: int, recall: float, step: torch.Tensor,
                       width: int | None = None, seed: int = 0) -> torch.Tensor:
-    """A predictor of stated recall for routes that carry no hidden state: true_ids [T, K]
-    (distinct per row) -> predicted ids [T, width] (default K), distinct per row. Each true id
-    is kept with probability `recall` (independently, so recall is `recall` in expectation);
+    """A predictor of stated recall for routes that carry no hidden state: true_ids [..., T, K]
+    (distinct per row) -> predicted ids [..., T, width] (default K), distinct per row. Each true
+    id is kept with probability `recall` (independently, so recall is `recall` in expectation);
     the other width - kept slots hold ids outside the row's true set, drawn uniformly: the
-    false positives, as many as the true ids dropped when width == K. `step` is a device int64
-    tensor the caller advances between calls (a fresh draw per call, graph-safe). Kept ids come
-    first, in their order in true_ids. (`OraclePredictor` holds the keys in static buffers.)"""
-    t, k = true_ids.shape
+    false positives, as many as the true ids dropped when width == K. `step` (an int64 tensor
+    in [0, 2^32)) keys the draw. Kept ids come first, in their order in true_ids. Eager: it
+    builds its hash keys (`OraclePredictor` holds them in static buffers, for a graph)."""
+    k = true_ids.shape[-1]
     width = k if width is None else width
     _check_oracle(num_experts, k, recall, width)
-    key = step_key(step)
-    u_wrong = uniforms(index_keys(seed, _WRONG, (t, num_experts), (0, 0), true_ids.device), key)
-    u_keep = uniforms(index_keys(seed, _ORACLE_KEEP, (t, k), (0, 0), true_ids.device), key)
+    lead = tuple(true_ids.shape[:-1])
+    zeros = (0,) * (len(lead) + 1)
+    u_wrong = uniforms(index_keys(seed, _WRONG, (*lead, num_experts), zeros, true_ids.device), step)
+    u_keep = uniforms(index_keys(seed, _ORACLE_KEEP, (*lead, k), zeros, true_ids.device), step)
     return _oracle(true_ids, u_wrong, u_keep, recall, width)
 
 
 class OraclePredictor:
-    """`oracle_prediction` for a prefetcher inside a decode graph: the keys of `max_rows` rows
-    in static buffers, and its own counter, advanced by each `predict` (one fresh draw per
-    layer and step)."""
+    """`oracle_prediction` of every layer of a forward at once, for a prefetcher inside a
+    decode graph: `predict(routes)` with routes [L, T, K] (a RouteGenerator's) -> [L, T, width],
+    a fresh draw each call (its key `counter` advanced in place). For T <= `static_rows` the
+    hash keys are static buffers (a few dozen small kernels a call); wider calls build them
+    (eager), the same values."""
 
-    def __init__(self, num_experts: int, top_k: int, recall: float, max_rows: int, width: int | None = None,
-                 device: torch.device | str = "cpu", seed: int = 0):
-        self.num_experts, self.top_k, self.recall = num_experts, top_k, recall
+    def __init__(self, num_layers: int, num_experts: int, top_k: int, recall: float, static_rows: int,
+                 width: int | None = None, device: torch.device | str = "cpu", seed: int = 0):
+        self.num_experts, self.top_k, self.recall, self.seed = num_experts, top_k, recall, seed
         self.width = top_k if width is None else width
         _check_oracle(num_experts, top_k, recall, self.width)
-        self.counter = torch.zeros(1, dtype=torch.int64, device=device)
-        self._wrong = index_keys(seed, _WRONG, (max_rows, num_experts), (0, 0), device)
-        self._keep = index_keys(seed, _ORACLE_KEEP, (max_rows, top_k), (0, 0), device)
+        self.counter = torch.tensor([first_key(seed, _WRONG)], dtype=torch.int64, device=device)
+        self.static_rows = static_rows
+        self._wrong = index_keys(seed, _WRONG, (num_layers, static_rows, num_experts), (0, 0, 0), device)
+        self._keep = index_keys(seed, _ORACLE_KEEP, (num_layers, static_rows, top_k), (0, 0, 0), device)
 
-    def predict(self, true_ids: torch.Tensor) -> torch.Tensor:
-        """true_ids [T, K] -> predicted ids [T, width] (see oracle_prediction)."""
-        t = true_ids.shape[0]
-        key = step_key(self.counter)
-        ids = _oracle(true_ids, uniforms(self._wrong[:t], key), uniforms(self._keep[:t], key), self.recall,
-                      self.width)
-        self.counter.add_(1)
+    def predict(self, routes: torch.Tensor) -> torch.Tensor:
+        """routes [L, T, K] -> predicted ids [L, T, width] (see oracle_prediction)."""
+        t = routes.shape[1]
+        if t > self.static_rows:
+            ids = oracle_prediction(routes, self.num_experts, self.recall, self.counter, self.width, self.seed)
+        else:
+            ids = _oracle(routes, uniforms(self._wrong[:, :t], self.counter), uniforms(self._keep[:, :t], self.counter),
+                          self.recall, self.width)
+        advance(self.counter)
         return ids
 
 

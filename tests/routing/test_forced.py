@@ -5,6 +5,7 @@ router that routes by itself (DeepSeek's); and `moeferry routing generate` write
 
 import numpy as np
 import pytest
+import torch
 
 from moeferry import LLM, SamplingParams
 from moeferry.cli import main
@@ -51,6 +52,24 @@ def test_every_forward_routes_the_generators_experts_under_every_strategy(checkp
         assert (np.sort(a.ids, axis=2) == want).all() and (np.sort(b.ids, axis=2) == want).all()
 
 
+def test_the_oracle_predicts_each_forwards_routes_at_its_stated_recall(tmp_path_factory):
+    checkpoint = _checkpoint(tmp_path_factory, "qwen3_moe-tied-top4")
+    llm = LLM(checkpoint, dtype="float32", device="cpu", max_running_requests=2, max_prefill_tokens=16)
+    forced = ForcedRouting.install(llm.engine, get_profile("qwen3"), seed=2, oracle_recall=0.75)
+    seen = []
+    block = llm.engine.runner.model.moe_block(llm.engine.mc.moe_layer_ids[-1])
+    handle = block.register_forward_pre_hook(
+        lambda _m, args: seen.append((forced.routes[:, :args[0].shape[0]].clone(),
+                                      forced.predictions[:, :args[0].shape[0]].clone())))
+    llm.generate(PROMPTS * 4, GREEDY)
+    handle.remove()
+    routes = torch.cat([r for r, _ in seen], dim=1)
+    predicted = torch.cat([p for _, p in seen], dim=1)
+    assert predicted.shape == routes.shape  # width k: one wrong id for each true one dropped
+    hit = (predicted[..., :, None] == routes[..., None, :]).any(dim=-1).float().mean().item()
+    assert abs(hit - 0.75) < 0.05, hit
+
+
 def test_removing_the_hooks_gives_the_models_own_routes_back(tmp_path_factory):
     checkpoint = _checkpoint(tmp_path_factory, "qwen3_moe")
     llm = LLM(checkpoint, dtype="float32", device="cpu", max_running_requests=2)
@@ -81,3 +100,26 @@ def test_routing_generate_refuses_a_top_k_over_the_experts(tmp_path, capsys):
 
     line = run_cli(["routing", "generate", "--experts", "4", "--top-k", "8", "-o", str(tmp_path / "t")], capsys)
     assert "--top-k 8 exceeds --experts 4" in line
+
+
+@pytest.mark.gpu
+def test_decode_graphs_draw_new_routes_each_replay_the_same_under_gpu_and_offload(tmp_path_factory, tmp_path):
+    checkpoint = _checkpoint(tmp_path_factory, "qwen3_moe-tied-top4")
+    traces = []
+    for strategy, slots in (("gpu", None), ("offload", 20)):
+        llm = LLM(checkpoint, dtype="float32", device="cuda", max_running_requests=4, moe_strategy=strategy,
+                  moe_cache_slots=slots, moe_record_routing=str(tmp_path / strategy))
+        forced = ForcedRouting.install(llm.engine, get_profile("qwen3"), seed=4, oracle_recall=0.8)
+        llm.engine.runner.recapture_graphs()  # the graphs draw the routes and the oracle's predictions
+        assert llm.engine.runner.graphs is not None
+        llm.generate(PROMPTS, GREEDY)
+        llm.engine.runner.recorder.close()
+        traces.append(RoutingTrace.read(str(tmp_path / strategy)))
+        forced.remove()
+    gpu, offload = traces
+    decode = [s for s in gpu.steps if s.phase == "decode"]
+    assert len(decode) > 3 and not all((a.ids == decode[0].ids).all() for a in decode[1:])  # a new draw per replay
+    assert len(gpu.steps) == len(offload.steps)
+    for a, b in zip(gpu.steps, offload.steps):
+        assert (np.sort(a.ids, axis=2) == np.sort(b.ids, axis=2)).all()
+        assert (np.diff(np.sort(a.ids, axis=2), axis=2) > 0).all()

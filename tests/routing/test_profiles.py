@@ -120,11 +120,17 @@ def test_the_oracle_draws_anew_for_each_seed():
                            oracle_prediction(true, 32, 0.5, torch.tensor(2)))
 
 
-def test_the_static_oracle_draws_what_the_function_draws():
-    true = _true_ids(300, 32, 4, seed=3)
-    oracle = OraclePredictor(32, 4, 0.7, max_rows=512, width=6)
-    for step in range(3):
-        assert torch.equal(oracle.predict(true), oracle_prediction(true, 32, 0.7, torch.tensor(step), width=6))
+def test_the_static_oracle_predicts_every_layer_as_the_function_does():
+    routes = torch.stack([_true_ids(300, 32, 4, seed=s) for s in range(3)])  # [L, T, K]
+    oracle = OraclePredictor(3, 32, 4, 0.7, static_rows=512, width=6)
+    wide = OraclePredictor(3, 32, 4, 0.7, static_rows=100, width=6)  # builds its keys: T > 100
+    for _ in range(3):
+        key = oracle.counter.clone()
+        got = oracle.predict(routes)
+        assert got.shape == (3, 300, 6)
+        assert torch.equal(got, oracle_prediction(routes, 32, 0.7, key, width=6))
+        assert torch.equal(got, wide.predict(routes))
+    assert not torch.equal(got, oracle_prediction(routes, 32, 0.7, key + 1, width=6))
 
 
 def test_a_wide_forward_draws_what_the_static_buffers_would():
