@@ -316,7 +316,7 @@ def routing_note(routing: str, seed: int = 0) -> str:
         return "Routing: the model's own router (dummy weights: near-uniform, not a measure of locality)."
     from moeferry.routing.profiles import get_profile
 
-    return f"Routing: {get_profile(routing).heading} (seed {seed}; moeferry/routing/profiles.py)."
+    return f"Routing `{routing}`: {get_profile(routing).description} (seed {seed}; moeferry/routing/profiles.py)."
 
 
 def share_slots(engine, share: float) -> int:

@@ -78,11 +78,6 @@ class RoutingProfile:
     description: str
     targets: ProfileTargets | None = field(default=None, compare=False)
 
-    @property
-    def heading(self) -> str:
-        """How a benchmark table names its routing."""
-        return f"routing `{self.name}`: {self.description}"
-
 
 PROFILES: dict[str, RoutingProfile] = {}
 
