@@ -4,8 +4,9 @@ dummy Qwen3-30B-A3B-shaped model, with the floor of each step beside it.
 Floor per step = bytes of missed experts / measured pinned H2D bandwidth
                + (bytes of the distinct experts the step reads + dense weights) / measured HBM bandwidth
 (dense weights: every parameter but an untied input embedding, of which a step reads a row per token).
-A dummy router routes near-uniformly, so the hit rate follows the cache fraction: this
-measures the machinery, not the policy. Every configuration decodes the same prompts from
+Routing (--routing): the dummy router as it is by default (near-uniform, so the hit rate
+follows the cache fraction: the machinery, not the policy), or a generated profile
+(benchmarks/common.force_routing: uniform, qwen3, mixtral), the same routes for every strategy. Every configuration decodes the same prompts from
 the same weights; the whole engine step is timed (scheduler, graph replay, sampling), with
 the admission statistics off as the engine's default has them; each offload row runs again
 with them on for its hit rate (and, with --compare-pdl, each row again without programmatic
@@ -23,8 +24,9 @@ import tempfile
 
 import torch
 
-from benchmarks.common import (add_results_flag, command_line, free_engine_memory, gpu_main,
-                               h2d_bandwidth, hbm_bandwidth, markdown_table, report, timed_decode)
+from benchmarks.common import (MODEL_ROUTING, add_results_flag, add_routing_flag, command_line, force_routing,
+                               free_engine_memory, gpu_main, h2d_bandwidth, hbm_bandwidth, markdown_table, report,
+                               routed_section, routing_note, timed_decode)
 from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 
@@ -44,6 +46,7 @@ def parse_args(argv):
                         "few percent)")
     p.add_argument("--compare-pdl", action="store_true",
                    help="time each row again without programmatic dependent launch (MOEFERRY_PDL=0)")
+    add_routing_flag(p, default=MODEL_ROUTING)
     add_results_flag(p)
     return p.parse_args(argv)
 
@@ -56,7 +59,10 @@ def make_engine(config_dir, args, strategy, slots=None, policy="lru"):
                       moe_strategy=strategy, moe_cache_slots=slots, moe_collect_stats=False, moe_cache_policy=policy,
                       max_running_requests=max(args.batch), max_model_len=args.prompt_len + args.warmup + args.steps + 16,
                       disable_cuda_graph=args.disable_cuda_graph, num_tokens=(args.prompt_len + 64) * max(args.batch) * 2)
-    return Engine(ec)
+    engine = Engine(ec)
+    if force_routing(engine, args.routing, args.routing_seed) is not None:
+        engine.runner.recapture_graphs()  # the graphs draw the routes
+    return engine
 
 
 def set_statistics(engine, on: bool) -> None:
@@ -168,9 +174,9 @@ def main(argv, args) -> int:
              f"whose tok/s is the column 'tok/s with statistics'; 'vs floor' of an offload row is that run's step over the floor of its "
              f"own misses (a faster run without statistics may have missed less). gpu and uva rows have a floor only "
              f"when offload ran in the same call. 'without PDL': the same row timed again with programmatic "
-             f"dependent launch off (--compare-pdl; '-' when not asked for). Routing: the dummy router "
-             "(near-uniform).")
-    report("decode", "Decode tokens/s vs floor", command_line("benchmarks.bench_decode", argv),
+             f"dependent launch off (--compare-pdl; '-' when not asked for). "
+             + routing_note(args.routing, args.routing_seed))
+    report(routed_section("decode", args.routing, MODEL_ROUTING), f"Decode tokens/s vs floor, routing {args.routing}", command_line("benchmarks.bench_decode", argv),
            markdown_table(header, rows), notes, args.results)
     return 0
 

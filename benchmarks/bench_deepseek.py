@@ -27,8 +27,9 @@ import tempfile
 
 import torch
 
-from benchmarks.common import (add_results_flag, command_line, free_engine_memory, gpu_main, h2d_bandwidth,
-                               hbm_bandwidth, markdown_table, report, timed_decode)
+from benchmarks.common import (MODEL_ROUTING, add_results_flag, add_routing_flag, command_line, force_routing,
+                               free_engine_memory, gpu_main, h2d_bandwidth, hbm_bandwidth, markdown_table, report,
+                               routed_section, routing_note, timed_decode)
 from tests.support.fixtures import DEEPSEEK_V3_DIR_CONFIG, write_config_dir
 
 HEADS, RANK, ROPE, PAGE_SIZE = 128, 512, 64, 16
@@ -46,6 +47,7 @@ def add_decode_flags(p, layers: int) -> None:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--repeats", type=int, default=2)
+    add_routing_flag(p, default=MODEL_ROUTING)
 
 
 def parse_args(argv):
@@ -78,7 +80,10 @@ def make_engine(config_dir: str, args, strategy: str, slots: int | None, device_
                       moe_cache_slots=slots, moe_collect_stats=False, max_running_requests=max(args.batch),
                       max_model_len=context, num_tokens=(args.prompt_len + 64) * max(args.batch) * 2,
                       device=device_type)
-    return Engine(ec)
+    engine = Engine(ec)
+    if force_routing(engine, args.routing, args.routing_seed) is not None:
+        engine.runner.recapture_graphs()  # the decode graphs draw the routes
+    return engine
 
 
 def cache_slots(frac: float, moe_layers: int, experts: int) -> int:
@@ -191,9 +196,9 @@ def main(argv, args) -> int:
                  f"prompt {args.prompt_len} tokens, {args.steps} timed steps, the fastest of {args.repeats} runs. "
                  f"Measured H2D {h2d / 1e9:.1f} GB/s, HBM {hbm / 1e12:.2f} TB/s. Floor: missed bytes / H2D + "
                  "(resident distinct experts + dense weights) / HBM, with the misses and distinct experts of the "
-                 "offload run with statistics (a gpu row takes the distinct experts of the offload rows). The "
-                 "dummy router routes near-uniformly.")
-        report("deepseek/decode", "DeepSeek-V3-shaped decode tokens/s vs floor", command,
+                 "offload run with statistics (a gpu row takes the distinct experts of the offload rows). "
+                 + routing_note(args.routing, args.routing_seed))
+        report(routed_section("deepseek/decode", args.routing, MODEL_ROUTING), "DeepSeek-V3-shaped decode tokens/s vs floor", command,
                markdown_table(header, rows), notes, args.results)
     if "mla" in args.sections:
         header = ["B", "context", "latent MiB", "splits", "reference µs", "Triton µs", "floor µs", "% of floor"]

@@ -5,8 +5,8 @@ Section gpt-oss/decode: gpt-oss-20b's config in its bf16 form
 with sinks, a 128-token window on every other layer, 32 experts of 2880 rows with biases and
 the clamped SwiGLU, top-4) with ``--layers`` layers (--hf-overrides num_hidden_layers), bf16,
 dummy weights; ``offload`` with ``--cache-fracs`` of the experts resident and ``gpu``. Rows,
-floor and hit rate as bench_deepseek's decode section (its decode_rows). The dummy router
-routes near-uniformly.
+floor and hit rate as bench_deepseek's decode section (its decode_rows). Routing: --routing (bench_deepseek's
+add_decode_flags), the dummy router as it is (near-uniform) by default.
 
 GPU only: without CUDA it says so and exits 0.
 """
@@ -18,8 +18,8 @@ import sys
 import tempfile
 
 from benchmarks.bench_deepseek import add_decode_flags, decode_rows
-from benchmarks.common import (add_results_flag, command_line, gpu_main, h2d_bandwidth, hbm_bandwidth,
-                               markdown_table, report)
+from benchmarks.common import (MODEL_ROUTING, add_results_flag, command_line, gpu_main, h2d_bandwidth, hbm_bandwidth,
+                               markdown_table, report, routed_section, routing_note)
 from tests.support.fixtures import GPT_OSS_20B_DIR_CONFIG, write_config_dir
 
 
@@ -50,8 +50,8 @@ def main(argv, args) -> int:
              f"{args.steps} timed steps, the fastest of {args.repeats} runs. Measured H2D {h2d / 1e9:.1f} GB/s, HBM "
              f"{hbm / 1e12:.2f} TB/s. Floor: missed bytes / H2D + (resident distinct experts + dense weights) / HBM, "
              "with the misses and distinct experts of the offload run with statistics (the gpu row takes the "
-             "offload rows' distinct experts). The dummy router routes near-uniformly.")
-    report("gpt-oss/decode", "gpt-oss-20b-shaped decode tokens/s vs floor", command,
+             "offload rows' distinct experts). " + routing_note(args.routing, args.routing_seed))
+    report(routed_section("gpt-oss/decode", args.routing, MODEL_ROUTING), "gpt-oss-20b-shaped decode tokens/s vs floor", command,
            markdown_table(header, rows(cfg_dir, GPT_OSS_20B_DIR_CONFIG, args, h2d, hbm)), notes, args.results)
     return 0
 

@@ -2,8 +2,9 @@
 50 / 75 / 100% of the experts on the GPU, with both channels' floors, and the host expert
 kernel's GB/s at 4 / 8 / 16 threads and decode batches 1-16 against torch's bf16 matmul.
 
-Routing is made uniform (large noise added to the router logits inside the decode graph,
-benchmarks/common.uniform_routing), so the hit rate follows the cache share; each row
+Routing is generated inside the decode graph (--routing, benchmarks/common.force_routing):
+uniform by default, so the hit rate follows the cache share, or qwen3 / mixtral, those models'
+published locality; the same routes for every strategy. Each row
 prints its measured split of the step's distinct experts: hit (resident), copied over PCIe,
 computed on the host. Floors: PCIe = copied bytes / measured H2D; host = host-computed bytes /
 the host kernel's measured bytes/s; two-channel = all missed bytes / (H2D + host), the best any
@@ -24,8 +25,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import (add_results_flag, command_line, free_engine_memory, gpu_main, h2d_bandwidth,
-                               markdown_table, report, share_slots, timed_decode, uniform_routing)
+from benchmarks.common import (add_results_flag, add_routing_flag, command_line, force_routing, free_engine_memory,
+                               gpu_main, h2d_bandwidth, markdown_table, report, routed_section, routing_note, share_slots,
+                               timed_decode)
 from moeferry.kernels.fused_moe.host import DEFAULT_SCHEDULE, SCHEDULES
 from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
@@ -62,6 +64,7 @@ def parse_args(argv):
                         "the main stream, or copy_ on the side stream")
     p.add_argument("--schedule", nargs="+", choices=list(SCHEDULES), default=[DEFAULT_SCHEDULE],
                    help="cpu and hybrid rows once per host-kernel schedule (kernels/fused_moe/host.py SCHEDULES)")
+    add_routing_flag(p)
     add_results_flag(p)
     return p.parse_args(argv)
 
@@ -161,7 +164,7 @@ def decode_rows(config_dir, args, h2d) -> tuple[list[list], float]:
         for mode in host_channel_modes(args) if strategy in ("cpu", "hybrid") else [None]:
             options = dict(zip(("moe_host_dispatch", "moe_host_staging", "moe_host_schedule"), mode or ()))
             engine = make_engine(config_dir, args, strategy, **options)
-            uniform_routing(engine)
+            force_routing(engine, args.routing, args.routing_seed)
             s = engine.runner.strategy
             host_bw = s.host.speeds.host_bytes_per_s if s.host is not None else host_bw
             for share in shares:
@@ -203,7 +206,7 @@ def timeline_rows(config_dir, args, h2d: float) -> list[list]:
     from moeferry.moe.timeline import HYBRID_POINTS
 
     engine = make_engine(config_dir, args, "hybrid", moe_timeline=True)
-    uniform_routing(engine)
+    force_routing(engine, args.routing, args.routing_seed)
     s = engine.runner.strategy
     layers = len(s.moe_layer_of)
     rows = []
@@ -243,7 +246,7 @@ def timeline_rows(config_dir, args, h2d: float) -> list[list]:
 
 def big_rows(config_dir, args, h2d) -> list[list]:
     engine = make_engine(config_dir, args, "hybrid", layers=args.big_layers)
-    uniform_routing(engine)
+    force_routing(engine, args.routing, args.routing_seed)
     s = engine.runner.strategy
     s.store.build_cache(share_slots(engine, 0.25))
     engine.runner.recapture_graphs()
@@ -465,12 +468,12 @@ def main(argv, args) -> int:
     host_bw = 0.0
     if "decode" in args.parts:
         rows, host_bw = decode_rows(config_dir, args, h2d)
-        report("hybrid/decode", "Decode with the host channel, uniform routing", command,
+        report(routed_section("hybrid/decode", args.routing), f"Decode with the host channel, routing {args.routing}", command,
                markdown_table(DECODE_HEADER, rows),
-               f"{args.layers} layers, 128 experts, top-8, bf16, dummy weights, uniform routing (router logits + "
-               f"N(0, 100) noise in the graph); prompt {args.prompt_len}, {args.warmup} warm-up + {args.steps} timed "
+               f"{args.layers} layers, 128 experts, top-8, bf16, dummy weights; prompt {args.prompt_len}, {args.warmup} warm-up + {args.steps} timed "
                f"steps, cache restarted warm before each row. Measured H2D {h2d / 1e9:.1f} GB/s, host kernel "
-               f"{host_bw / 1e9:.1f} GB/s (the strategy's start-up measurement, one token per expert).",
+               f"{host_bw / 1e9:.1f} GB/s (the strategy's start-up measurement, one token per expert). "
+               + routing_note(args.routing, args.routing_seed),
                args.results)
     if "contention" in args.parts:
         rows = contention_rows(args)
@@ -491,13 +494,13 @@ def main(argv, args) -> int:
                args.results)
     if "timeline" in args.parts:
         rows = timeline_rows(config_dir, args, h2d)
-        report("hybrid/timeline", "Where a hybrid decode layer's time goes", command,
+        report(routed_section("hybrid/timeline", args.routing), "Where a hybrid decode layer's time goes", command,
                markdown_table(["experts on GPU", "requests", "tok/s", "step us / layer",
                                *(f"{span} us" for span in TIMELINE_SPANS), "between layers us",
                                "host kernel us / layer", "host alone GB/s before", "host experts / layer",
                                "copied experts / layer", "floor us / layer, whole experts",
                                "floor us / layer, experts divisible", "steps"], rows),
-               f"{args.layers} layers, uniform routing, bf16, the mailbox dispatch; device timestamps (%globaltimer, "
+               f"{args.layers} layers, routing {args.routing}, bf16, the mailbox dispatch; device timestamps (%globaltimer, "
                "kernels/timestamps) at seven points of each MoE layer inside the decode graph, means over the timed "
                "steps. The spans follow the GPU's stream: 'wait for host' is how long the GPU stood waiting for "
                "the host's routes after its own experts; the host kernel's time is measured inside its calls. "

@@ -1,10 +1,10 @@
 """Prefill over a partly resident expert cache: a dummy Qwen3-30B-A3B-shaped model
-(12 layers by default, 128 experts, top-8, bf16), uniform routing (router logits + N(0, 100)
-noise, benchmarks/common.uniform_routing, so every expert of a layer is routed by a long chunk).
+(12 layers by default, 128 experts, top-8, bf16), routing `--routing` (default uniform,
+generated in the graph: every expert of a layer is routed by a long chunk; qwen3 / mixtral: those models' published locality; benchmarks/common.force_routing).
 
 `prefill`: pp512 and pp4096 (each prompt one chunk) of `offload` with 25 / 50 / 75 / 100% of
 the experts resident, and of `gpu`, side by side in one run. The residency is what decode
-leaves: the warm start, then a few decode steps of uniform routing that scatter each layer's
+leaves: the warm start, then a few decode steps of the routing that scatter each layer's
 share over its experts. A streamed chunk reads the resident experts from their slots and
 copies the others; each row's floor is those experts' bytes (the statistics'
 `prefill_streamed_bytes`) / measured H2D, plus gpu's time for the same prompt, and the ratio
@@ -29,8 +29,9 @@ import time
 
 import torch
 
-from benchmarks.common import (add_results_flag, command_line, free_engine_memory, gpu_main, h2d_bandwidth,
-                               markdown_table, report, share_slots, uniform_routing)
+from benchmarks.common import (add_results_flag, add_routing_flag, command_line, force_routing, free_engine_memory,
+                               gpu_main, h2d_bandwidth, markdown_table, report, routed_section, routing_note,
+                               share_slots)
 from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 PREFILL_HEADER = ["prompt tokens", "strategy", "experts resident", "resident per layer (min-max)", "tok/s", "ms",
@@ -55,6 +56,7 @@ def parse_args(argv):
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--user-tokens", type=int, default=100)
     p.add_argument("--answer-tokens", type=int, default=100)
+    add_routing_flag(p)
     add_results_flag(p)
     return p.parse_args(argv)
 
@@ -68,8 +70,8 @@ def make_engine(config_dir, args, strategy, max_len, prefix_caching=False, **opt
                       max_prefill_tokens=max_len, max_model_len=max_len + 8, num_tokens=2 * (max_len + 64) + 4096,
                       enable_prefix_caching=prefix_caching, **options)
     engine = Engine(ec)
-    uniform_routing(engine)
-    engine.runner.recapture_graphs()  # the decode graphs draw the routing noise too
+    force_routing(engine, args.routing, args.routing_seed)
+    engine.runner.recapture_graphs()  # the decode graphs draw the routes too
     return engine
 
 
@@ -97,7 +99,7 @@ def time_to_first_token(engine, prompt: list[int], max_tokens: int = 1):
 
 
 def scatter_residency(engine, steps: int, gen) -> None:
-    """`steps` decode steps of 4 requests under uniform routing: each layer keeps a scattered
+    """`steps` decode steps of 4 requests under the benchmark's routing: each layer keeps a scattered
     share of the slots, as a server's decode leaves it."""
     from moeferry.sampling import SamplingParams
 
@@ -242,12 +244,12 @@ def main(argv, args) -> int:
     config_dir = write_config_dir(os.path.join(tempfile.mkdtemp(), "qwen3-30b-a3b"), QWEN3_30B_DIR_CONFIG)
     h2d = h2d_bandwidth()
     command = command_line("benchmarks.bench_prefill", argv)
-    shape = (f"{args.layers} layers of Qwen3-30B-A3B (128 experts, top-8), bf16 dummy weights, uniform routing "
-             f"(router logits + N(0, 100) noise); measured H2D {h2d / 1e9:.1f} GB/s; residency after the warm start "
+    shape = (f"{args.layers} layers of Qwen3-30B-A3B (128 experts, top-8), bf16 dummy weights; "
+             f"{routing_note(args.routing, args.routing_seed)} Measured H2D {h2d / 1e9:.1f} GB/s; residency after the warm start "
              f"and {args.scatter_steps} decode steps of 4 requests.")
     if "prefill" in args.parts:
         rows = prefill_rows(prefill_records(config_dir, args), h2d)
-        report("prefill", "Prefill tok/s by share of the experts resident", command,
+        report(routed_section("prefill", args.routing), "Prefill tok/s by share of the experts resident", command,
                markdown_table(PREFILL_HEADER, rows),
                f"{shape} Time to the first token of one prompt (one chunk, no other request, prefix caching off), "
                f"fastest of {args.repeats}. Floor: GiB streamed / H2D + gpu's time for the same prompt; the "
@@ -256,7 +258,7 @@ def main(argv, args) -> int:
         profile_prefills(config_dir, args)
     if "multi-turn" in args.parts:
         rows = multi_turn_rows(multi_turn_records(config_dir, args))
-        report("prefill/multi-turn", "Multi-turn chat TTFT with and without prefix caching", command,
+        report(routed_section("prefill/multi-turn", args.routing), "Multi-turn chat TTFT with and without prefix caching", command,
                markdown_table(TURN_HEADER, rows),
                f"{shape} {args.turn_share:.0%} of the experts resident, streamed prefill "
                f"(--moe-prefill-demand-tokens 0). A {args.system_tokens}-token system prompt, then per turn a "

@@ -1,7 +1,8 @@
 """Decode tokens/s per expert format: `offload` with 25 / 50 / 75 / 100% of
 the experts resident, unquantized (bf16) against block FP8, int4 W4A16 and MXFP4
-(`--quantization fp8`, `int4`, `mxfp4`), at batch 1 and 4, a dummy Qwen3-30B-A3B-shaped model cut to 12 layers, routing uniform (large noise added
-to the router logits inside the decode graph: the hit rate follows the resident share).
+(`--quantization fp8`, `int4`, `mxfp4`), at batch 1 and 4, a dummy Qwen3-30B-A3B-shaped model cut to 12 layers, routing `--routing` (default
+uniform, drawn inside the decode graph: the hit rate follows the resident share; qwen3 and
+mixtral: generated with those models' published locality, benchmarks/common.force_routing).
 
 Every format runs the same shares of its experts, so the rows of one share hit alike and differ
 by the bytes a miss copies and the kernel reads. Beside each row: the hit rate and the PCIe floor
@@ -18,8 +19,9 @@ import os
 import sys
 import tempfile
 
-from benchmarks.common import (add_results_flag, command_line, free_engine_memory, gpu_main, h2d_bandwidth,
-                               markdown_table, report, timed_decode, uniform_routing)
+from benchmarks.common import (add_results_flag, add_routing_flag, command_line, force_routing, free_engine_memory,
+                               gpu_main, h2d_bandwidth, markdown_table, report, routed_section, routing_note,
+                               timed_decode, unforce_routing)
 from moeferry.moe.formats import QUANTIZATIONS
 from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
@@ -42,6 +44,7 @@ def parse_args(argv):
     p.add_argument("--repeats", type=int, default=2, help="time each row this many times and keep the fastest")
     p.add_argument("--strategy", choices=["offload", "hybrid"], default="offload",
                    help="hybrid: the host computes a measured share of the misses (section quant/hybrid)")
+    add_routing_flag(p)
     add_results_flag(p)
     args = p.parse_args(argv)
     if args.steps < 1 or args.layers < 1 or not all(0 < s <= 1 for s in args.shares):
@@ -83,12 +86,12 @@ def run(config_dir: str, args) -> list[dict]:
     for fmt in args.formats:
         shares = sorted(args.shares, reverse=True)
         engine = make_engine(config_dir, args, fmt, max(num_experts, int(shares[0] * total)))
-        hooks = uniform_routing(engine)
+        forced = force_routing(engine, args.routing, args.routing_seed)
         strategy = engine.runner.strategy
         for share in shares:
             slots = max(num_experts, int(share * total))
             strategy.store.build_cache(slots)
-            engine.runner.recapture_graphs()  # the graphs bake in the pool and the router noise
+            engine.runner.recapture_graphs()  # the graphs bake in the pool and the routes' draw
             for batch in args.batch:
                 runs = [timed_decode(engine, batch, args.prompt_len, args.warmup, args.steps, lambda e: {})
                         for _ in range(max(1, args.repeats))]
@@ -102,8 +105,7 @@ def run(config_dir: str, args) -> list[dict]:
                                 "expert_bytes": strategy.expert_bytes,
                                 "experts_in_budget": slots_for_gb(args.cache_gb, strategy.expert_bytes)})
                 print(records[-1], flush=True)
-        for hook in hooks:
-            hook.remove()
+        unforce_routing(forced)
         del engine, strategy
         free_engine_memory()
     return records
@@ -148,14 +150,15 @@ def main(argv, args) -> int:
             + markdown_table(["format", "bytes/expert", f"experts in {args.cache_gb:g} GiB"],
                              budget_rows(records, args.cache_gb)))
     notes = (f"{args.strategy}, {args.layers} layers of Qwen3-30B-A3B ({QWEN3_30B_DIR_CONFIG['num_experts']} experts, top-8), "
-             f"dummy weights (fp8, int4, mxfp4: drawn in bf16, then quantized at load); routing uniform by in-graph router noise; "
+             f"dummy weights (fp8, int4, mxfp4: drawn in bf16, then quantized at load); "
              f"prompt {args.prompt_len} tokens, {args.steps} timed steps, the fastest of {args.repeats} runs, "
              f"statistics off. 'vs bf16': tok/s over the bf16 row of the same share and batch. Hit rate and PCIe "
              f"floor (misses x bytes/expert / {h2d / 1e9:.1f} GB/s measured H2D, per step; under hybrid the misses "
              f"copied, not those the host computed) from a second run with statistics on. Target: fp8 >= 1.8x and int4 >= 3x bf16 below 100%, no slower at 100% "
-             f"(mxfp4 moves int4's bytes per expert).")
+             f"(mxfp4 moves int4's bytes per expert). " + routing_note(args.routing, args.routing_seed))
     hybrid = args.strategy == "hybrid"
-    report("quant/hybrid" if hybrid else "quant", "Decode tokens/s per expert format" + (", hybrid" if hybrid else ""),
+    report(routed_section("quant/hybrid" if hybrid else "quant", args.routing), "Decode tokens/s per expert format" + (", hybrid" if hybrid else "")
+           + f", routing {args.routing}",
            command_line("benchmarks.bench_quant", argv), body, notes, args.results)
     return 0
 

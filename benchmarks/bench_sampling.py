@@ -9,8 +9,8 @@ floor of one read of the logits at the measured HBM bandwidth.
 Routing matters even with every expert on the GPU: a step reads each distinct routed expert
 once, and the dummy weights make greedy requests repeat one token, so a greedy batch routes
 every row to the same few experts while sampled rows spread over all of them. Rows are
-measured under two routings: `dummy` (the router as it is) and `uniform` (large noise added to
-the router logits inside the graph, so every row routes at random and greedy and sampled
+measured under two routings: `dummy` (the router as it is) and `uniform` (routes generated inside
+the graph, benchmarks/common.force_routing, so every row routes at random and greedy and sampled
 batches read the same experts: the ratio then measures sampling alone).
 GPU only: without CUDA it says so and exits 0.
 """
@@ -24,8 +24,10 @@ import tempfile
 
 import torch
 
-from benchmarks.common import (add_results_flag, command_line, free_engine_memory, gpu_main, hbm_bandwidth,
-                               markdown_table, replay_us, report, timed_decode, uniform_routing)
+from benchmarks.common import (MODEL_ROUTING, add_results_flag, command_line, force_routing, free_engine_memory,
+                               gpu_main, hbm_bandwidth, markdown_table, replay_us, report, timed_decode,
+                               unforce_routing)
+from moeferry.routing.profiles import names as profile_names
 from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 CASES = {
@@ -50,7 +52,9 @@ def parse_args(argv):
     p.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES),
                    help="the sampling cases (greedy first: the ratios are to it)")
     p.add_argument("--parts", nargs="+", choices=["decode", "kernel"], default=["decode", "kernel"])
-    p.add_argument("--routings", nargs="+", choices=["uniform", "dummy"], default=["uniform", "dummy"])
+    p.add_argument("--routings", nargs="+", choices=[*profile_names(), "dummy"], default=["uniform", "dummy"],
+                   help="dummy: the router as it is; else a generated routing profile (benchmarks/common.force_routing)")
+    p.add_argument("--routing-seed", type=int, default=0, help="the generated routes' seed")
     add_results_flag(p)
     return p.parse_args(argv)
 
@@ -71,7 +75,7 @@ def decode_rows(engine, args, routing: str) -> list[list]:
     the repeats, under `routing`."""
     from moeferry.sampling import SamplingParams
 
-    hooks = uniform_routing(engine) if routing == "uniform" else []
+    forced = force_routing(engine, MODEL_ROUTING if routing == "dummy" else routing, args.routing_seed)
     engine.runner.recapture_graphs()  # the graphs bake in the router hooks
     rows = []
     for batch in args.batch:
@@ -85,8 +89,7 @@ def decode_rows(engine, args, routing: str) -> list[list]:
             greedy_tok_s = greedy_tok_s or tok_s
             rows.append([routing, batch, CASE_NAMES[name], f"{tok_s:.1f}", f"{tok_s / greedy_tok_s:.3f}"])
             print(rows[-1], flush=True)
-    for hook in hooks:
-        hook.remove()
+    unforce_routing(forced)
     return rows
 
 

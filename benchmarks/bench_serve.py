@@ -36,7 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.common import add_results_flag, command_line, markdown_table, report
+from benchmarks.common import (MODEL_ROUTING, add_results_flag, add_routing_flag, command_line, markdown_table,
+                               report, routed_section, routing_note)
 from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,6 +60,7 @@ def parse_args(argv):
     p.add_argument("--ttft-repeats", type=int, default=3)
     p.add_argument("--skip-no-graph", action="store_true", help="measure with CUDA graphs only")
     p.add_argument("--startup-timeout", type=float, default=420.0, help="seconds to wait for /health")
+    add_routing_flag(p, default=MODEL_ROUTING)
     add_results_flag(p)
     p.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -101,7 +103,9 @@ class ServerProcess:
     def __init__(self, model_dir: str, args, graphs: bool):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "moeferry.cli", "serve", "--model", model_dir, "--load-format", "dummy",
+        launcher = (["moeferry.cli", "serve"] if args.routing == MODEL_ROUTING else
+                    ["benchmarks.serve_routed", args.routing, str(args.routing_seed)])
+        self.cmd = [sys.executable, "-m", *launcher, "--model", model_dir, "--load-format", "dummy",
                     "--moe-strategy", "gpu", "--max-running-requests", str(max(args.requests)), "--host", "127.0.0.1",
                     "--port", str(self.port), "--log-interval", "30"]
         if not graphs:
@@ -287,10 +291,10 @@ def main(argv=None) -> int:
     text = (f"{args.layers} layers, {shape}, dummy weights, `--moe-strategy gpu`, max {max(args.requests)} running "
             f"requests. Streaming /v1/completions over HTTP on 127.0.0.1 (httpx): {args.prompt_len}-token random "
             f"prompts, {args.max_tokens} tokens each, ignore_eos, temperature 0 (greedy) or as shown (seeded, top_p 1). "
-            f"Routing: the dummy router (greedy rows repeat tokens and read fewer experts). Decode tok/s counts the tokens after each "
+            f"{routing_note(args.routing, args.routing_seed)} Decode tok/s counts the tokens after each "
             f"request's first, over the time from the first first-token to the last token; TTFT is a lone request, "
             f"median of {args.ttft_repeats}, after a warm-up. " + "; ".join(notes) + ".")
-    report("serve", "Serving through the HTTP API", command_line("benchmarks.bench_serve", argv),
+    report(routed_section("serve", args.routing, MODEL_ROUTING), "Serving through the HTTP API", command_line("benchmarks.bench_serve", argv),
            decode + "\n\n" + ttft, text, args.results)
     return 0
 

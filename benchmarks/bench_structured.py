@@ -18,7 +18,8 @@ import os
 import sys
 import tempfile
 
-from benchmarks.common import add_results_flag, command_line, gpu_main, markdown_table, report, timed_decode
+from benchmarks.common import (MODEL_ROUTING, add_results_flag, add_routing_flag, command_line, force_routing,
+                               gpu_main, markdown_table, report, routed_section, routing_note, timed_decode)
 from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir, write_wide_tokenizer
 
 ITEM = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -39,6 +40,7 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3, help="time each row this many times and keep the fastest")
+    add_routing_flag(p, default=MODEL_ROUTING)
     add_results_flag(p)
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
@@ -54,7 +56,10 @@ def make_engine(model_dir: str, args):
                       moe_strategy=args.strategy, max_running_requests=max(args.batch),
                       max_model_len=args.prompt_len + args.warmup + args.steps + 16,
                       num_tokens=(args.prompt_len + 64) * max(args.batch) * 2)
-    return Engine(ec)
+    engine = Engine(ec)
+    if force_routing(engine, args.routing, args.routing_seed) is not None:
+        engine.runner.recapture_graphs()  # the decode graphs draw the routes
+    return engine
 
 
 def generated(engine) -> dict:
@@ -104,8 +109,8 @@ def main(argv, args) -> int:
              "runs; greedy. With grammar: every request constrained by one JSON schema (an array of >= 1,000 "
              "objects: a string, a bounded integer, an enum array), xgrammar's masks computed on the host each "
              "step while the forward's graph runs, then copied and applied by the sampler's graph (a step with "
-             "a mask replays two graphs, engine/cuda_graph.py).")
-    report("structured", "Decode tokens/s with a JSON-schema grammar against without",
+             "a mask replays two graphs, engine/cuda_graph.py). " + routing_note(args.routing, args.routing_seed))
+    report(routed_section("structured", args.routing, MODEL_ROUTING), "Decode tokens/s with a JSON-schema grammar against without",
            command_line("benchmarks.bench_structured", argv), markdown_table(HEADER, rows), notes, args.results)
     return 0
 

@@ -22,8 +22,9 @@ import time
 
 import torch
 
-from benchmarks.common import (add_results_flag, command_line, free_engine_memory, gpu_main, h2d_bandwidth,
-                               markdown_table, report)
+from benchmarks.common import (MODEL_ROUTING, add_results_flag, add_routing_flag, command_line, force_routing,
+                               free_engine_memory,
+                               gpu_main, h2d_bandwidth, markdown_table, report, routed_section, routing_note)
 from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 LENGTHS = (87, 117, 151, 230, 387, 718, 1324, 4096)
@@ -37,6 +38,7 @@ def parse_args(argv):
     p.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
     p.add_argument("--thresholds", nargs="+", default=list(THRESHOLDS))
     p.add_argument("--hit-steps", type=int, default=4)
+    add_routing_flag(p, default=MODEL_ROUTING)
     add_results_flag(p)
     return p.parse_args(argv)
 
@@ -99,6 +101,8 @@ def main(argv, args) -> int:
                           max_model_len=longest + 64, num_tokens=2 * (longest + 64) + 4096,
                           enable_prefix_caching=False)  # each threshold runs the same prompts: all would be hits
         engine = Engine(ec)
+        if force_routing(engine, args.routing, args.routing_seed) is not None:
+            engine.runner.recapture_graphs()  # the decode graphs draw the routes
         for length in args.lengths:
             gen = torch.Generator().manual_seed(length)
             ttft, hit_before, hit_after, moved = measure(engine, length, args, gen)
@@ -113,8 +117,8 @@ def main(argv, args) -> int:
     notes = (f"{args.layers} layers, 128 experts, top-8, bf16 dummy weights; offload cache {slots} slots "
              f"({args.cache_frac:.0%} of experts); measured H2D {h2d / 1e9:.1f} GB/s. One background request decodes "
              f"throughout; hit rates are its decode admissions over {args.hit_steps} steps before and right after "
-             f"the prompt's prefill. Routing: the dummy router (near-uniform).")
-    report("ttft", "TTFT vs prompt length by demand threshold", command_line("benchmarks.bench_ttft", argv),
+             f"the prompt's prefill. " + routing_note(args.routing, args.routing_seed))
+    report(routed_section("ttft", args.routing, MODEL_ROUTING), "TTFT vs prompt length by demand threshold", command_line("benchmarks.bench_ttft", argv),
            markdown_table(header, rows), notes, args.results)
     return 0
 

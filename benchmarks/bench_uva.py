@@ -11,7 +11,9 @@ H2D (what the naive path reads).
 
 Run twice: the dummy router as it is (near-uniform routing) and a skewed router (a fixed
 per-expert bias, log of Zipf(s) probabilities in a random per-layer order, added to the
-router logits by a forward hook, so a few experts are popular as in real models). Each
+router logits by a forward hook, so a few experts are popular as in real models); with
+`--routings qwen3 mixtral` also under generated routes with those models' published locality
+(benchmarks/common.force_routing). Each
 engine is built once and reused across batch sizes, paths and routings; the decode CUDA
 graphs are recaptured whenever the path or the router changes.
 
@@ -29,11 +31,12 @@ import time
 
 import torch
 
-from benchmarks.common import (add_results_flag, command_line, free_engine_memory, gpu_main,
-                               h2d_bandwidth, markdown_table, report, timed_decode)
+from benchmarks.common import (add_results_flag, command_line, force_routing, free_engine_memory, gpu_main,
+                               h2d_bandwidth, markdown_table, report, routing_note, timed_decode)
 from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
-ROUTINGS = ("uniform", "skewed")
+ROUTINGS = ("uniform", "skewed")  # the dummy router as is; with a fixed Zipf bias
+GENERATED = ("qwen3", "mixtral")  # generated routes with those models' locality (benchmarks/common.force_routing)
 
 
 def parse_args(argv):
@@ -43,7 +46,8 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=8, help="timed decode steps per batch size")
     p.add_argument("--warmup", type=int, default=2, help="untimed decode steps before timing")
     p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--routings", nargs="+", choices=ROUTINGS, default=list(ROUTINGS))
+    p.add_argument("--routings", nargs="+", choices=[*ROUTINGS, *GENERATED], default=list(ROUTINGS))
+    p.add_argument("--routing-seed", type=int, default=0, help="the generated routes' seed")
     p.add_argument("--zipf", type=float, default=1.1, help="exponent s of the skewed router's popularity")
     p.add_argument("--strategies", nargs="+", choices=["uva", "offload"], default=["uva", "offload"])
     p.add_argument("--cache-frac", type=float, default=0.5, help="offload cache, share of all experts")
@@ -98,6 +102,15 @@ def add_skew(engine, s: float) -> list:
         bias = zipf_bias(engine.mc.num_experts, s, seed=layer_id).to(gate.weight.device, gate.weight.dtype)
         handles.append(gate.register_forward_hook(lambda _m, _i, out, bias=bias: out + bias))
     return handles
+
+
+def routing_hooks(engine, routing: str, args) -> list:
+    """The hooks `routing` needs on `engine`'s routers (removables; none for the router as is)."""
+    if routing == "skewed":
+        return add_skew(engine, args.zipf)
+    if routing in GENERATED:
+        return [force_routing(engine, routing, args.routing_seed)]
+    return []
 
 
 # --- measuring ----------------------------------------------------------------------------
@@ -166,11 +179,13 @@ def run(model_dir: str, args) -> tuple[list[dict], int]:
         options = {"moe_uva_block_assignment": assignment} if assignment else {}
         engine = make_engine(model_dir, args, name, slots, **options)
         expert_bytes = engine.runner.strategy.expert_bytes
+        hooked = False  # the graphs hold router hooks
         for routing in args.routings:
-            stale = routing == "skewed"
-            if stale:
-                add_skew(engine, args.zipf)
-            records += (run_uva if name == "uva" else run_offload)(engine, args, routing, stale)
+            handles = routing_hooks(engine, routing, args)
+            records += (run_uva if name == "uva" else run_offload)(engine, args, routing, hooked or bool(handles))
+            for handle in handles:
+                handle.remove()
+            hooked = bool(handles)
         del engine
         free_engine_memory()
     return records, expert_bytes
@@ -214,7 +229,8 @@ def table_rows(records: list[dict], routing: str, expert_bytes: int, h2d: float)
 
 def notes(args, h2d: float, expert_bytes: int, routing: str) -> str:
     router = ("dummy router as is (near-uniform)" if routing == "uniform" else
-              f"dummy router + fixed per-expert bias log Zipf(s={args.zipf}) (skewed)")
+              f"dummy router + fixed per-expert bias log Zipf(s={args.zipf}) (skewed)" if routing == "skewed" else
+              routing_note(routing, args.routing_seed).rstrip("."))
     return (f"{args.layers} layers, 128 experts, top-8, bf16, dummy weights, {router}; prompt {args.prompt_len} "
             f"tokens, {args.warmup} warm-up + {args.steps} timed decode steps per batch size. Expert "
             f"{expert_bytes / 1e6:.2f} MB; measured pinned H2D {h2d / 1e9:.1f} GB/s. Floor = distinct experts read per "

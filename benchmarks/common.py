@@ -266,16 +266,57 @@ def timed_decode(engine, batch: int, prompt_len: int, warmup: int, steps: int, c
     return {"tok_s": batch * steps / dt, "step_s": dt / steps, **per_step}
 
 
-UNIFORM_NOISE_STD = 100.0  # router logits have a spread of about 1: this drowns them
+# --- routing: the routes every strategy of a table is measured under ------------------------
+
+MODEL_ROUTING = "model"  # the model's own router, as it is (dummy weights: near-uniform)
 
 
-def uniform_routing(engine) -> list:
-    """Forward hooks on every MoE router adding N(0, UNIFORM_NOISE_STD) noise to the router
-    logits (drawn inside the decode graph at every replay: recapture the graphs after adding
-    them), so every row routes uniformly at random; returns the handles."""
-    model = engine.runner.model
-    return [model.moe_block(layer_id).route_module.register_forward_hook(
-        lambda _m, _i, out: out + torch.randn_like(out) * UNIFORM_NOISE_STD) for layer_id in engine.mc.moe_layer_ids]
+def routing_choices() -> list[str]:
+    from moeferry.routing.profiles import names
+
+    return [*names(), MODEL_ROUTING]
+
+
+def add_routing_flag(parser, default: str = "uniform") -> None:
+    """The ``--routing`` flag of a decode, prefill or serve benchmark (see ``force_routing``)."""
+    parser.add_argument("--routing", choices=routing_choices(), default=default,
+                        help="the routes measured under: a generated profile (moeferry/routing/profiles.py: uniform, "
+                             "the worst case for a cache; qwen3 and mixtral, calibrated to those models' published "
+                             f"locality), the same for every strategy, or {MODEL_ROUTING!r}, the model's own router")
+    parser.add_argument("--routing-seed", type=int, default=0, help="the generated routes' seed")
+
+
+def force_routing(engine, routing: str, seed: int = 0):
+    """Hooks on every MoE router of ``engine`` forcing ``routing``'s generated routes
+    (moeferry/routing/forced.py: drawn inside the decode graphs, the same routes under every
+    strategy for the same seed and steps); None for ``model``. Recapture the graphs after
+    (and after ``remove()`` on what this returns)."""
+    if routing == MODEL_ROUTING:
+        return None
+    from moeferry.routing.forced import ForcedRouting
+    from moeferry.routing.profiles import get_profile
+
+    return ForcedRouting.install(engine, get_profile(routing), seed)
+
+
+def unforce_routing(forced) -> None:
+    if forced is not None:
+        forced.remove()
+
+
+def routed_section(name: str, routing: str, default: str = "uniform") -> str:
+    """A table's RESULTS.md section under ``routing``: ``name`` under the benchmark's default
+    routing, ``name/ROUTING`` otherwise, so tables of two routings stand side by side."""
+    return name if routing == default else f"{name}/{routing}"
+
+
+def routing_note(routing: str, seed: int = 0) -> str:
+    """The line under a table naming its routing."""
+    if routing == MODEL_ROUTING:
+        return "Routing: the model's own router (dummy weights: near-uniform, not a measure of locality)."
+    from moeferry.routing.profiles import get_profile
+
+    return f"Routing `{routing}`: {get_profile(routing).description} (seed {seed}; moeferry/routing/profiles.py)."
 
 
 def share_slots(engine, share: float) -> int:

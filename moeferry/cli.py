@@ -188,11 +188,47 @@ def _cmd_routing_simulate(args) -> int:
     return 0
 
 
+def _cmd_routing_generate(args) -> int:
+    """A trace of generated routes (routing/profiles.py), replayable by `routing simulate`."""
+    from moeferry.routing.profiles import get_profile, write_trace
+
+    if args.top_k > args.experts:
+        raise UsageError(f"--top-k {args.top_k} exceeds --experts {args.experts}")
+    try:
+        steps = write_trace(args.output, get_profile(args.profile), args.layers, args.experts, args.top_k,
+                            args.tokens, rows=args.rows, seed=args.seed, expert_bytes=args.expert_bytes)
+    except OSError as exc:
+        raise UsageError(f"cannot write {args.output}: {exc.strerror or exc}") from None
+    print(f"wrote {steps} decode steps of {args.rows} request(s), {args.layers} layers x {args.experts} experts, "
+          f"top-{args.top_k}, routing {args.profile}, to {args.output}")
+    return 0
+
+
 def add_routing_commands(sub) -> None:
     from moeferry.config import cache_policies
+    from moeferry.routing.profiles import QWEN3_30B_EXPERT_BYTES
+    from moeferry.routing.profiles import names as profile_names
 
-    routing = sub.add_parser("routing", help="routing traces (--moe-record-routing): size the expert cache")
-    sim = routing.add_subparsers(dest="routing_command", required=True).add_parser(
+    routing = sub.add_parser("routing", help="routing traces (--moe-record-routing or generated): size the expert "
+                                             "cache")
+    commands = routing.add_subparsers(dest="routing_command", required=True)
+    gen = commands.add_parser(
+        "generate", help="write a trace of generated routes (a routing profile), replayable by simulate",
+        description="Writes decode steps of routes drawn under a routing profile (uniform; qwen3 and mixtral, "
+                    "calibrated to those models' published reuse and LRU curves) in the trace format "
+                    "--moe-record-routing writes, so `moeferry routing simulate` replays it.")
+    gen.add_argument("--profile", choices=profile_names(), default="qwen3")
+    gen.add_argument("--layers", type=bounded(int, 1), default=48, help="MoE layers")
+    gen.add_argument("--experts", type=bounded(int, 1, 65536), default=128, help="experts per layer")
+    gen.add_argument("--top-k", type=bounded(int, 1), default=8, help="experts routed per token")
+    gen.add_argument("--tokens", type=bounded(int, 1), default=256, help="decode steps")
+    gen.add_argument("--rows", type=bounded(int, 1, 4096), default=1, help="requests decoded together")
+    gen.add_argument("--seed", type=bounded(int, 0), default=0)
+    gen.add_argument("--expert-bytes", type=bounded(int, 1), default=QWEN3_30B_EXPERT_BYTES,
+                     help="bytes one expert moves (default: a Qwen3-30B-A3B expert in bf16)")
+    gen.add_argument("-o", "--output", required=True, help="the trace file to write")
+    gen.set_defaults(func=_cmd_routing_generate)
+    sim = commands.add_parser(
         "simulate", help="replay a trace through the slot cache's admission: hit rates, copies, predicted tok/s",
         description="Replays a trace through the slot cache's own admission at each cache size and policy. "
                     "Predicted decode tok/s = decode tokens / (compute time + missed decode bytes / H2D bandwidth), "

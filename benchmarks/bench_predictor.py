@@ -1,0 +1,136 @@
+"""Next-layer expert prediction (moeferry/routing/predict.py): how often layer l+1's own router,
+applied early to a hidden state of layer l, names the experts layer l+1 then routes to, and
+what a prefetch of its guesses would copy for nothing. No training, no weights of its own.
+
+Models: the built-in trained model on held-out Austen (tests/data/austen_heldout.txt, never
+trained on), and every family's tiny checkpoint (tests/support/fixtures.py: random
+weights, random prompts). Each prompt is prefilled once; every token of every prefill counts,
+each consecutive pair of MoE layers. Inputs (predict.INPUTS): `moe_input`, layer l's MoE
+input; `residual`, the stream entering layer l+1 under its post-attention norm;
+`residual_input_norm`, the same under its input norm.
+
+Recall@W = true experts among the W predicted / experts routed (top-k), at W = k and 2k.
+Wasted = predicted experts not routed, per token and layer, in experts and in bytes (an
+expert's bf16 gate, up and down: 3 x hidden x moe_intermediate x 2 bytes, the model's own; and
+at Qwen3-30B-A3B's 9.44 MB, what the same count costs at scale). A prefetch already resident
+costs nothing, so these are the most a step's prefetch can waste, not what it does.
+
+Runs on the CPU (a few minutes); `--device cuda` on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+import tempfile
+
+import torch
+
+from benchmarks.common import add_results_flag, command_line, markdown_table, report
+
+DATA = pathlib.Path(__file__).resolve().parent.parent / "tests" / "data"
+QWEN3_30B_EXPERT_MB = 3 * 2048 * 768 * 2 / 1e6
+HEADER = ["model", "experts, top-k", "layer pairs", "tokens", "input", "recall@k", "wasted experts/token/layer @k",
+          "wasted KB/token/layer @k", "at 30B MB @k", "recall@2k", "wasted experts @2k", "at 30B MB @2k"]
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=["builtin", "families"], choices=["builtin", "families"])
+    p.add_argument("--prompts", type=int, default=16, help="held-out windows (built-in) or random prompts")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--device", default="cpu")
+    add_results_flag(p)
+    return p.parse_args(argv)
+
+
+def held_out_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
+    """`count` windows of `length` tokens spread over the held-out text, as the training recipe
+    streams it (paragraphs separated by a blank line, each novel ended by <|endoftext|>)."""
+    novels = [n.splitlines() for n in (DATA / "austen_heldout.txt").read_text().strip("\n").split("\n\n")]
+    ids = tokenizer("".join("\n\n".join(paras) + "<|endoftext|>" for paras in novels))["input_ids"]
+    stride = max(length, (len(ids) - length) // max(1, count))
+    return [ids[s:s + length] for s in range(0, len(ids) - length, stride)][:count]
+
+
+def measure(llm, prompts: list[list[int]]) -> tuple[object, int]:
+    """The PredictorProbe's counts over one prefill of each prompt, and the tokens counted."""
+    from moeferry.routing.predict import PredictorProbe
+    from moeferry.sampling import SamplingParams
+
+    engine = llm.engine
+    probe = PredictorProbe(engine.runner.model, engine.mc)
+    try:
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    finally:
+        probe.remove()
+    return probe, sum(len(p) for p in prompts)
+
+
+def rows_of(name: str, llm, probe, tokens: int) -> list[list]:
+    from moeferry.routing.predict import INPUTS
+
+    mc = llm.engine.mc
+    k, pairs = mc.top_k, len(probe.pairs)
+    expert_kb = 3 * mc.hidden_size * mc.moe_intermediate_size * 2 / 1e3
+    rows = []
+    for inp in INPUTS:
+        one, two = probe.counts[inp, k], probe.counts[inp, 2 * k]
+        per = max(1, tokens * pairs)
+        w1, w2 = one.wasted / per, two.wasted / per
+        rows.append([name, f"{mc.num_experts}, {k}", pairs, tokens, inp, f"{one.recall:.3f}", f"{w1:.2f}",
+                     f"{w1 * expert_kb:.1f}", f"{w1 * QWEN3_30B_EXPERT_MB:.1f}", f"{two.recall:.3f}", f"{w2:.2f}",
+                     f"{w2 * QWEN3_30B_EXPERT_MB:.1f}"])
+    return rows
+
+
+def builtin_rows(args) -> list[list]:
+    from moeferry.default_model import DEFAULT_MODEL_NAME
+    from moeferry.llm import LLM
+
+    llm = LLM(DEFAULT_MODEL_NAME, device=args.device, dtype="float32", max_prefill_tokens=4 * args.prompt_len)
+    prompts = held_out_prompts(llm.tokenizer, args.prompts, args.prompt_len)
+    probe, tokens = measure(llm, prompts)
+    return rows_of("built-in (trained, held-out Austen)", llm, probe, tokens)
+
+
+def family_rows(args) -> list[list]:
+    from moeferry.llm import LLM
+    from tests.support.fixtures import family_configs, make_checkpoint
+
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, config in family_configs():
+            path = os.path.join(tmp, name)
+            make_checkpoint(config, path)
+            llm = LLM(path, device=args.device, dtype="float32", max_prefill_tokens=4 * args.prompt_len)
+            vocab = llm.engine.mc.vocab_size
+            prompts = [torch.randint(vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(args.prompts)]
+            probe, tokens = measure(llm, prompts)
+            rows += rows_of(f"{name} (tiny, random)", llm, probe, tokens)
+            print(rows[-1], flush=True)
+            del llm
+    return rows
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    rows = (builtin_rows(args) if "builtin" in args.models else []) + (
+        family_rows(args) if "families" in args.models else [])
+    notes = (f"{args.prompts} prompts of {args.prompt_len} tokens per model, one prefill each, on {args.device}, "
+             "float32. Predictor: layer l+1's own router on the input named (moeferry/routing/predict.py), its "
+             "top W experts. Wasted: predicted experts layer l+1 did not route, per token and layer pair; KB at "
+             "the model's own bf16 expert size, MB at Qwen3-30B-A3B's 9.44 MB. The tiny checkpoints' weights are "
+             "random: their figures test the predictor's plumbing on each family's router, not what a trained "
+             "model of that family would recall.")
+    report("predictor", "Next-layer expert prediction: recall and wasted prefetch",
+           command_line("benchmarks.bench_predictor", argv), markdown_table(HEADER, rows), notes, args.results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

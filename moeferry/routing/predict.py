@@ -1,0 +1,135 @@
+"""The next-layer expert predictor: layer l+1's own router applied early, to a hidden state that
+exists before layer l+1 routes, so its experts can be moved while layer l computes. No
+training, no weights of its own.
+
+Inputs it can be given (`INPUTS`, measured by benchmarks/bench_predictor.py):
+- `moe_input`: layer l's MoE input, the normed stream after layer l's attention (ready when
+  layer l's experts start: the whole of layer l's MoE and layer l+1's attention to hide a
+  copy behind);
+- `residual`: the stream entering layer l+1 (layer l's MoE output added), normed by layer
+  l+1's post-attention norm, the norm its router is trained behind (ready when layer l ends:
+  layer l+1's attention to hide behind);
+- `residual_input_norm`: the same stream normed by layer l+1's input norm, as its attention
+  sees it.
+
+`predict_experts(router, hidden, width)` is the predictor: the `width` experts the router
+scores highest (width >= top_k predicts more than it will route: more recall, more bytes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moeferry.layers.linear import Linear
+
+INPUTS = ("moe_input", "residual", "residual_input_norm")
+
+
+def router_scores(router: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """[T, E] float32 scores whose order is the router's preference: a Linear gate's logits
+    (the softmax keeps their order), or a self-routing router's (DeepSeek's) choice scores:
+    its logits, or sigmoid(logits) + its correction bias when it scores by sigmoid (its group
+    limit is left out: a prediction, not the route). Calls the modules' forward directly, so
+    router hooks (benchmarks' forced routes) neither fire nor change the prediction."""
+    if isinstance(router, Linear):
+        return router.forward(hidden).float()
+    logits = F.linear(hidden.float(), router.weight.float())
+    if getattr(router, "scoring", "softmax") == "sigmoid":
+        bias = router.e_score_correction_bias
+        return torch.sigmoid(logits) + (0.0 if bias is None else bias.float())
+    return logits
+
+
+def predict_experts(router: torch.nn.Module, hidden: torch.Tensor, width: int) -> torch.Tensor:
+    """The next layer's predicted experts: `router` (layer l+1's MoEBlock.route_module), a
+    hidden state [T, H] (see the module for which) -> ids [T, width] int64, best first.
+    Fixed shapes, no host sync: callable inside a captured decode graph."""
+    return router_scores(router, hidden).topk(width, dim=1).indices
+
+
+def routed_ids(block, hidden: torch.Tensor) -> torch.Tensor:
+    """The experts `block` (a MoEBlock) routes `hidden` [T, H] to, [T, K], by its own rule
+    (softmax top-k, or its router's), without firing router hooks."""
+    router = block.route_module
+    if isinstance(router, Linear):
+        return router.forward(hidden).float().topk(block.top_k, dim=1).indices
+    return router.forward(hidden)[1].long()
+
+
+# ---- measuring it on a model's own routing ----------------------------------------------------
+@dataclass
+class Recall:
+    """Counts over every (token, predicted layer) pair: `hits` true experts predicted, `routed`
+    true experts in all, `predicted` predictions made; per prediction width."""
+
+    width: int
+    hits: int = 0
+    routed: int = 0
+    predicted: int = 0
+
+    @property
+    def recall(self) -> float:
+        return self.hits / self.routed if self.routed else float("nan")
+
+    @property
+    def wasted(self) -> int:
+        """Predicted experts the layer did not route: a prefetch's wasted copies."""
+        return self.predicted - self.hits
+
+
+class PredictorProbe:
+    """Forward hooks on a model that capture, in every forward, each MoE layer's input and the
+    stream entering the next MoE layer, and count how well each of INPUTS predicts the next
+    MoE layer's routes at each width in `widths` (multiples of top_k, e.g. (1, 2)). Pairs are
+    consecutive MoE layers (a dense layer between two is skipped over). `remove()` ends it."""
+
+    def __init__(self, model, mc, widths=(1, 2)):
+        self.model, self.mc = model, mc
+        self.widths = tuple(w * mc.top_k for w in widths)
+        self.counts = {(name, w): Recall(w) for name in INPUTS for w in self.widths}
+        self._moe_in: dict[int, torch.Tensor] = {}
+        self._stream: dict[int, torch.Tensor] = {}
+        ids = list(mc.moe_layer_ids)
+        self.pairs = list(zip(ids, ids[1:]))
+        layers = model.model.layers
+        self.handles = [layers[i].mlp_module.register_forward_pre_hook(self._on_moe(i)) for i in ids]
+        self.handles += [layers[j].register_forward_pre_hook(self._on_layer(j)) for _, j in self.pairs]
+
+    def _on_layer(self, layer_id: int):
+        def capture(_module, args):
+            x, residual = args[0], args[1]
+            if residual is not None:
+                self._stream[layer_id] = (x.sum(dim=1) if x.dim() == 3 else x) + residual
+        return capture
+
+    def _on_moe(self, layer_id: int):
+        def capture(_module, args):
+            self._moe_in[layer_id] = args[0]
+            for prev, nxt in self.pairs:
+                if nxt == layer_id and prev in self._moe_in and nxt in self._stream:
+                    self._count(prev, nxt, args[0])
+        return capture
+
+    @torch.no_grad()
+    def _count(self, prev: int, nxt: int, next_input: torch.Tensor) -> None:
+        layer = self.model.model.layers[nxt]
+        block = layer.mlp_module
+        stream = self._stream[nxt].to(next_input.dtype)
+        hidden = {"moe_input": self._moe_in[prev], "residual": layer.post_attention_layernorm(stream),
+                  "residual_input_norm": layer.input_layernorm(stream)}
+        true = routed_ids(block, next_input)
+        for name, h in hidden.items():
+            for width in self.widths:
+                pred = predict_experts(block.route_module, h, min(width, self.mc.num_experts))
+                c = self.counts[name, width]
+                c.hits += int((pred[:, :, None] == true[:, None, :]).any(dim=2).sum())
+                c.routed += true.numel()
+                c.predicted += pred.numel()
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []

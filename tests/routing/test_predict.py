@@ -1,0 +1,66 @@
+"""The next-layer predictor (routing/predict.py): on the built-in trained model, layer l+1's
+router on the stream entering layer l+1 recalls at least 0.75 of its true top-k on held-out
+text; the predictor is its router's own ranking, and forced-route hooks do not touch it."""
+
+import pytest
+import torch
+
+from benchmarks.bench_predictor import held_out_prompts, measure
+from moeferry import LLM
+from moeferry.routing.forced import ForcedRouting
+from moeferry.routing.predict import INPUTS, predict_experts, routed_ids
+from moeferry.routing.profiles import get_profile
+from tests.support.fixtures import family_configs, make_checkpoint
+
+RECALL_BOUND = 0.75  # measured 0.81 at 2,048 tokens (benchmarks/bench_predictor.py)
+
+
+@pytest.fixture(scope="module")
+def builtin_probe():
+    from moeferry.default_model import DEFAULT_MODEL_NAME
+
+    llm = LLM(DEFAULT_MODEL_NAME, device="cpu", dtype="float32", max_prefill_tokens=512)
+    probe, tokens = measure(llm, held_out_prompts(llm.tokenizer, 6, 96))
+    return llm, probe, tokens
+
+
+def test_the_built_in_models_next_layer_recall_is_at_least_its_bound(builtin_probe):
+    llm, probe, tokens = builtin_probe
+    k = llm.engine.mc.top_k
+    best = max(INPUTS, key=lambda name: probe.counts[name, k].recall)
+    assert probe.counts[best, k].recall >= RECALL_BOUND, {n: probe.counts[n, k].recall for n in INPUTS}
+    assert probe.counts["residual", k].recall > probe.counts["moe_input", k].recall
+    c = probe.counts[best, k]
+    assert c.routed == tokens * len(probe.pairs) * k and c.predicted == c.routed  # every pair of every token
+
+
+def test_predicting_twice_the_experts_recalls_more_and_wastes_more(builtin_probe):
+    llm, probe, _ = builtin_probe
+    k = llm.engine.mc.top_k
+    for name in INPUTS:
+        one, two = probe.counts[name, k], probe.counts[name, 2 * k]
+        assert two.recall > one.recall and two.wasted > one.wasted
+        assert one.wasted == one.predicted - one.hits
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_the_predictor_on_a_layers_own_input_is_its_route_and_ignores_router_hooks(family, tmp_path):
+    make_checkpoint(dict(family_configs())[family], str(tmp_path))
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32")
+    mc, model = llm.engine.mc, llm.engine.runner.model
+    block = model.moe_block(mc.moe_layer_ids[-1])
+    hidden = torch.randn(64, mc.hidden_size, generator=torch.Generator().manual_seed(0))
+    forced = ForcedRouting.install(llm.engine, get_profile("uniform"))
+    counter = forced.generator.counter.clone()
+    ids = predict_experts(block.route_module, hidden, mc.top_k)
+    assert torch.equal(forced.generator.counter, counter)  # no hook fired
+    forced.remove()
+    own = block.route_module(hidden)[1] if family == "deepseek_v3" else None
+    want = routed_ids(block, hidden)
+    assert ids.shape == (64, mc.top_k)
+    if family == "qwen3_moe":  # a softmax gate: the prediction is exactly its top-k
+        assert torch.equal(ids.sort(dim=1).values, want.sort(dim=1).values)
+    else:  # grouped routing limits the choice to groups: the prediction may differ, but mostly agrees
+        assert torch.equal(want, own.long())
+        hit = (ids[:, :, None] == want[:, None, :]).any(dim=2).float().mean()
+        assert hit >= 0.5
