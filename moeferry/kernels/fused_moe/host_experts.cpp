@@ -84,6 +84,8 @@ struct MoEHostCall {
   int32_t activation;       // MoEHostActivation
   float alpha, limit;       // kClampedSwiglu's constants
   int32_t schedule;         // MoEHostSchedule: how the work units are dealt to the threads
+  int32_t activations;      // MoEHostActivations: the tokens' precision in the dots of int4 and mxfp4 banks
+  int32_t int8_isa;         // MoEHostInt8Isa: the integer dots' vector path (host.py sets it from moe_host_int8_isa)
 };
 
 // How the weight banks are stored (host.py: FORMATS).
@@ -99,6 +101,15 @@ enum MoEHostActivation { kSilu = 0, kClampedSwiglu = 1 };
 // fixed in advance, or one at a time to whichever thread is free, so that a thread the OS
 // preempts holds up only the unit it is on instead of its whole block.
 enum MoEHostSchedule { kStatic = 0, kDynamic = 1 };
+
+// The tokens' (and the activated intermediate's) precision in the dots of int4 and MXFP4 banks
+// (host.py: ACTIVATIONS): bf16 against float32 weights (the exact path), or int8 per group
+// against the weights' integer values (the int8 path; bf16 and fp8 banks have no integer
+// weights and take the exact path whatever it says).
+enum MoEHostActivations { kActBf16 = 0, kActInt8 = 1 };
+
+// The int8 path's integer dots: portable, AVX2 (vpmaddubsw) or AVX512-VNNI (vpdpbusd).
+enum MoEHostInt8Isa { kInt8Portable = 0, kInt8Avx2 = 1, kInt8Vnni = 2 };
 
 }  // extern "C"
 
@@ -402,6 +413,194 @@ float* thread_tile(int64_t floats) {
   return tile.data();
 }
 
+// ---- The int8 path: int4 and MXFP4 banks against int8 activations (see the header) ----
+
+constexpr int64_t kChunk = 32;  // values one vector step reads: 16 bytes of nibbles
+
+// Where value k of a quantized row sits: each chunk of 32 values holds its even-indexed values,
+// then its odd ones, the order in which the low and the high nibbles of 16 weight bytes come out.
+inline int64_t dot_position(int64_t k) {
+  return (k & ~(kChunk - 1)) | ((k & 1) << 4) | ((k & (kChunk - 1)) >> 1);
+}
+
+// Rows quantized to int8 per group of `group` values, in the dot layout (zeros past `cols`),
+// with each group's scale d and the sum of its q.
+struct Int8Rows {
+  int64_t cols = 0, group = 1, groups = 0, stride = 0;
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+  std::vector<int32_t> sum;
+
+  void reset(int64_t rows, int64_t cols_, int64_t group_) {
+    cols = cols_, group = group_, groups = ceil_div(cols, group), stride = ceil_div(cols, kChunk) * kChunk;
+    q.assign(rows * stride, 0);
+    scale.assign(rows * groups, 0.0f);
+    sum.assign(rows * groups, 0);
+  }
+  const int8_t* values(int64_t row) const { return q.data() + row * stride; }
+  const float* scales(int64_t row) const { return scale.data() + row * groups; }
+  const int32_t* sums(int64_t row) const { return sum.data() + row * groups; }
+};
+
+// Row `row` of `rows` from bf16 x: per group d = max |x| / 127, q = x / d rounded half to even.
+void quantize_row(const uint16_t* x, Int8Rows& rows, int64_t row) {
+  int8_t* q = rows.q.data() + row * rows.stride;
+  for (int64_t g = 0; g < rows.groups; ++g) {
+    const int64_t k0 = g * rows.group, k1 = std::min(rows.cols, k0 + rows.group);
+    float amax = 0.0f;
+    for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(bf16_to_f32(x[k])));
+    const float d = amax / 127.0f;
+    int32_t total = 0;
+    for (int64_t k = k0; k < k1; ++k) {
+      const float v = d > 0.0f ? std::nearbyint(bf16_to_f32(x[k]) / d) : 0.0f;
+      const int32_t qk = static_cast<int32_t>(std::min(127.0f, std::max(-127.0f, v)));
+      q[dot_position(k)] = static_cast<int8_t>(qk);
+      total += qk;
+    }
+    rows.scale[row * rows.groups + g] = d;
+    rows.sum[row * rows.groups + g] = total;
+  }
+}
+
+// A nibble code as the unsigned byte the integer dots multiply, its value v + offset: int4 codes
+// are v + 8 already; an MXFP4 code maps to 2 * E2M1 value + 12 (v = 2 * E2M1 in [-12, 12]).
+struct NibbleCodes {
+  uint8_t byte[16];
+  int32_t offset;
+};
+constexpr NibbleCodes kInt4Codes = {{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, 8};
+constexpr NibbleCodes kMxfp4Codes = {{12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0}, 12};
+
+inline const NibbleCodes& nibble_codes(const MoEHostCall& c) { return c.format == kMxfp4 ? kMxfp4Codes : kInt4Codes; }
+
+// The float32 scale s of a weight group in the int8 path (MXFP4: half the E8M0 scale, v being 2 * E2M1).
+inline float int8_weight_scale(const MoEHostCall& c, const QuantMatrix& m, int64_t scale_row, int64_t g) {
+  const int64_t at = scale_row * m.scale_cols + g;
+  return c.format == kMxfp4 ? e8m0_to_f32(m.scales[at]) * 0.5f : reinterpret_cast<const float*>(m.scales)[at];
+}
+
+// One int8 dot call: R <= 4 rows of nibbles against NT <= 4 quantized rows, `groups` groups of
+// `group` values over `cols`; sums[(r * NT + t) * groups + g] = the group's sum of (v + offset) q.
+struct GroupSums {
+  const uint8_t* const* w;
+  int R;
+  const int8_t* const* q;
+  int NT;
+  int64_t cols, group, groups;
+  int32_t* sums;
+};
+
+void group_sums_portable(const NibbleCodes& codes, const GroupSums& s) {
+  for (int r = 0; r < s.R; ++r)
+    for (int t = 0; t < s.NT; ++t)
+      for (int64_t g = 0; g < s.groups; ++g) {
+        const int64_t k0 = g * s.group, k1 = std::min(s.cols, k0 + s.group);
+        int32_t total = 0;
+        for (int64_t k = k0; k < k1; ++k) {
+          const uint32_t code = (s.w[r][k / 2] >> (4 * (k & 1))) & 15u;
+          total += static_cast<int32_t>(codes.byte[code]) * s.q[t][dot_position(k)];
+        }
+        s.sums[(r * s.NT + t) * s.groups + g] = total;
+      }
+}
+
+#define AVX2 __attribute__((target("avx2,fma")))
+#define AVX512_VNNI __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
+
+// The 16 bytes of nibbles at w (`bytes` of them readable; fewer: zero-filled) as 32 unsigned
+// bytes in the dot layout, the low nibbles' then the high ones', each through the code table.
+AVX2 inline __m256i nibble_chunk(const uint8_t* w, int64_t bytes, __m256i table) {
+  __m128i b;
+  if (bytes >= 16) {
+    b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  } else {
+    alignas(16) uint8_t tail[16] = {};
+    std::memcpy(tail, w, bytes);
+    b = _mm_load_si128(reinterpret_cast<const __m128i*>(tail));
+  }
+  const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(15));
+  return _mm256_shuffle_epi8(table, codes);
+}
+
+AVX2 inline int32_t sum_epi32(__m256i v) {
+  __m128i x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  x = _mm_add_epi32(x, _mm_shuffle_epi32(x, _MM_SHUFFLE(1, 0, 3, 2)));
+  x = _mm_add_epi32(x, _mm_shuffle_epi32(x, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(x);
+}
+
+AVX2 inline __m256i code_table(const NibbleCodes& codes) {
+  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes.byte)));
+}
+
+// The group sums with vpmaddubsw (unsigned bytes times int8 into int16 pairs: at most 2 x 24 x
+// 127, no saturation) and vpmaddwd into int32. Groups of a multiple of 32 values.
+AVX2 void group_sums_avx2(const NibbleCodes& codes, const GroupSums& s) {
+  const __m256i table = code_table(codes), ones = _mm256_set1_epi16(1);
+  const int64_t bytes = ceil_div(s.cols, 2);
+  for (int r = 0; r < s.R; ++r)
+    for (int64_t g = 0; g < s.groups; ++g) {
+      __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+      for (int64_t k = g * s.group; k < std::min(s.cols, (g + 1) * s.group); k += kChunk) {
+        const __m256i w = nibble_chunk(s.w[r] + k / 2, bytes - k / 2, table);
+        for (int t = 0; t < s.NT; ++t) {
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.q[t] + k));
+          acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+        }
+      }
+      for (int t = 0; t < s.NT; ++t) s.sums[(r * s.NT + t) * s.groups + g] = sum_epi32(acc[t]);
+    }
+}
+
+// The same sums with vpdpbusd (four unsigned bytes times four int8 into each int32).
+AVX512_VNNI void group_sums_vnni(const NibbleCodes& codes, const GroupSums& s) {
+  const __m256i table = code_table(codes);
+  const int64_t bytes = ceil_div(s.cols, 2);
+  for (int r = 0; r < s.R; ++r)
+    for (int64_t g = 0; g < s.groups; ++g) {
+      __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+      for (int64_t k = g * s.group; k < std::min(s.cols, (g + 1) * s.group); k += kChunk) {
+        const __m256i w = nibble_chunk(s.w[r] + k / 2, bytes - k / 2, table);
+        for (int t = 0; t < s.NT; ++t)
+          acc[t] = _mm256_dpbusd_epi32(acc[t], w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.q[t] + k)));
+      }
+      for (int t = 0; t < s.NT; ++t) s.sums[(r * s.NT + t) * s.groups + g] = sum_epi32(acc[t]);
+    }
+}
+
+int32_t* thread_sums(int64_t count) {
+  thread_local std::vector<int32_t> sums;
+  if (static_cast<int64_t>(sums.size()) < count) sums.resize(count);
+  return sums.data();
+}
+
+// acc[r * NT + t] = the int8-path dot of matrix m's rows rows[r] and the quantized rows
+// xrows[t] of x: integer group sums, then acc = acc + float(sum) * (s * d) in group order.
+void int8_dots(const MoEHostCall& c, int bank, const QuantMatrix& m, const int64_t* rows, int R, const Int8Rows& x,
+               const int64_t* xrows, int NT, float* acc) {
+  const uint8_t* w[4];
+  const int8_t* q[4];
+  for (int r = 0; r < R; ++r) w[r] = m.weights + rows[r] * m.row_bytes;
+  for (int t = 0; t < NT; ++t) q[t] = x.values(xrows[t]);
+  const GroupSums s{w, R, q, NT, x.cols, x.group, x.groups, thread_sums(R * NT * x.groups)};
+  const NibbleCodes& codes = nibble_codes(c);
+  if (x.group % kChunk == 0 && c.int8_isa == kInt8Vnni)
+    group_sums_vnni(codes, s);
+  else if (x.group % kChunk == 0 && c.int8_isa == kInt8Avx2)
+    group_sums_avx2(codes, s);
+  else
+    group_sums_portable(codes, s);
+  for (int i = 0; i < R * NT; ++i) acc[i] = 0.0f;
+  for (int64_t g = 0; g < x.groups; ++g)
+    for (int r = 0; r < R; ++r) {
+      const float ws = int8_weight_scale(c, m, scale_row_of(c, bank, rows[r]), g);
+      for (int t = 0; t < NT; ++t) {
+        const int32_t sum = s.sums[(r * NT + t) * x.groups + g] - codes.offset * x.sums(xrows[t])[g];
+        acc[r * NT + t] = acc[r * NT + t] + static_cast<float>(sum) * (ws * x.scales(xrows[t])[g]);
+      }
+    }
+}
+
 struct Group {
   int64_t expert, start, count;  // routes order[start .. start + count) go to `expert`
 };
@@ -488,6 +687,60 @@ void down_unit(const MoEHostCall& c, const std::vector<Group>& groups, const int
   }
 }
 
+// Phase A of the int8 path, one unit: as gate_up_unit, the dots against the tokens' int8 rows x.
+void gate_up_unit_int8(const MoEHostCall& c, const Group& g, const int32_t* order, int64_t i0, int64_t i1,
+                       const Int8Rows& x) {
+  const QuantMatrix m = quant_matrix(c, 0, g.expert);
+  for (int64_t t0 = 0; t0 < g.count; t0 += 4) {
+    const int nt = static_cast<int>(std::min<int64_t>(4, g.count - t0));
+    int64_t tokens[4];
+    for (int t = 0; t < nt; ++t) tokens[t] = order[g.start + t0 + t] / c.K;
+    for (int64_t i = i0; i < i1; i += 2) {
+      const int pair = static_cast<int>(std::min<int64_t>(2, i1 - i));
+      int64_t rows[4];
+      for (int p = 0; p < pair; ++p) {
+        rows[p] = i + p;
+        rows[pair + p] = c.I + i + p;
+      }
+      float acc[16];
+      int8_dots(c, 0, m, rows, 2 * pair, x, tokens, nt, acc);
+      for (int p = 0; p < pair; ++p)
+        for (int t = 0; t < nt; ++t)
+          c.act[order[g.start + t0 + t] * c.I + i + p] =
+              activate_into(c, g.expert, i + p, acc[p * nt + t], acc[(pair + p) * nt + t]);
+    }
+  }
+}
+
+// Phase B of the int8 path, one unit: as down_unit, against the routes' int8 act rows.
+void down_unit_int8(const MoEHostCall& c, const std::vector<Group>& groups, const int32_t* order, int64_t n0,
+                    int64_t n1, const Int8Rows& acts) {
+  for (const Group& g : groups) {
+    const QuantMatrix m = quant_matrix(c, 1, g.expert);
+    for (int64_t t0 = 0; t0 < g.count; t0 += 4) {
+      const int nt = static_cast<int>(std::min<int64_t>(4, g.count - t0));
+      int64_t routes[4];
+      for (int t = 0; t < nt; ++t) routes[t] = order[g.start + t0 + t];
+      for (int64_t n = n0; n < n1; n += 4) {
+        const int nr = static_cast<int>(std::min<int64_t>(4, n1 - n));
+        int64_t rows[4];
+        for (int r = 0; r < nr; ++r) rows[r] = n + r;
+        float acc[16];
+        int8_dots(c, 1, m, rows, nr, acts, routes, nt, acc);
+        for (int t = 0; t < nt; ++t)
+          for (int r = 0; r < nr; ++r)
+            c.out[routes[t] * c.H + n + r] =
+                weighted_out(c, g.expert, n + r, c.weights[routes[t]], acc[r * nt + t]);
+      }
+    }
+  }
+}
+
+// Whether a call takes the int8 path: int8 activations asked for, over banks of integer nibbles.
+inline bool int8_path(const MoEHostCall& c) {
+  return c.activations == kActInt8 && (c.format == kInt4 || c.format == kMxfp4);
+}
+
 // Counting sort of the valid routes by expert: `order` lists them, `groups` the runs.
 std::vector<Group> group_routes(const MoEHostCall& c, std::vector<int32_t>& order) {
   const int64_t routes = c.T * c.K;
@@ -540,6 +793,14 @@ void moe_host_timing(int64_t* out) {
   out[5] = g_working_ns.load();
 }
 
+// The best MoEHostInt8Isa this CPU runs.
+int moe_host_int8_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw"))
+    return kInt8Vnni;
+  return __builtin_cpu_supports("avx2") ? kInt8Avx2 : kInt8Portable;
+}
+
 int moe_host_has_avx512_bf16() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
@@ -574,21 +835,42 @@ void moe_host_run(void* arg) {
     omp_set_schedule(omp_sched_dynamic, 1);
   else
     omp_set_schedule(omp_sched_static, 0);
+  const bool int8 = int8_path(c);
+  Int8Rows tokens, acts;  // the int8 path's quantized x rows (by token) and act rows (by route)
+  if (int8) {
+    tokens.reset(c.T, c.H, c.block_k);
+    acts.reset(routes, c.I, c.block_k);
+  }
+  const int64_t valid = static_cast<int64_t>(order.size());
 #pragma omp parallel num_threads(c.threads)
   {
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < routes; ++r)
       if (c.ids[r] < 0 || c.ids[r] >= c.E) std::memset(c.out + r * c.H, 0, c.H * sizeof(uint16_t));
+    if (int8) {
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < c.T; ++t) quantize_row(c.x + t * c.H, tokens, t);
+    }
 #pragma omp for schedule(runtime)
     for (int64_t u = 0; u < units_a; ++u) {
       const Group& g = groups[u / units_per_group];
-      int64_t i0 = (u % units_per_group) * kRowsA;
-      gate_up_unit(c, g, order.data(), i0, std::min(c.I, i0 + kRowsA), avx512);
+      int64_t i0 = (u % units_per_group) * kRowsA, i1 = std::min(c.I, i0 + kRowsA);
+      if (int8)
+        gate_up_unit_int8(c, g, order.data(), i0, i1, tokens);
+      else
+        gate_up_unit(c, g, order.data(), i0, i1, avx512);
+    }
+    if (int8) {
+#pragma omp for schedule(static)
+      for (int64_t j = 0; j < valid; ++j) quantize_row(c.act + order[j] * c.I, acts, order[j]);
     }
 #pragma omp for schedule(runtime)
     for (int64_t u = 0; u < units_b; ++u) {
-      int64_t n0 = u * kRowsB;
-      down_unit(c, groups, order.data(), n0, std::min(c.H, n0 + kRowsB), avx512);
+      int64_t n0 = u * kRowsB, n1 = std::min(c.H, n0 + kRowsB);
+      if (int8)
+        down_unit_int8(c, groups, order.data(), n0, n1, acts);
+      else
+        down_unit(c, groups, order.data(), n0, n1, avx512);
     }
   }
   record_time(start, static_cast<int64_t>(groups.size()));
