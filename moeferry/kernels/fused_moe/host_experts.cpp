@@ -415,31 +415,38 @@ float* thread_tile(int64_t floats) {
 
 // ---- The int8 path: int4 and MXFP4 banks against int8 activations (see the header) ----
 
-constexpr int64_t kChunk = 32;  // values one vector step reads: 16 bytes of nibbles
+// A quantized row holds its values span by span (`span` values, 32 or 64, one vector step of
+// the dots), each span's even-indexed values first, then its odd ones: the order in which the low
+// and the high nibbles of the span's span / 2 weight bytes come out, so no shuffle joins them.
+inline int64_t dot_position(int64_t k, int64_t span) {
+  const int64_t j = k % span;
+  return k - j + (j & 1) * (span / 2) + j / 2;
+}
 
-// Where value k of a quantized row sits: each chunk of 32 values holds its even-indexed values,
-// then its odd ones, the order in which the low and the high nibbles of 16 weight bytes come out.
-inline int64_t dot_position(int64_t k) {
-  return (k & ~(kChunk - 1)) | ((k & 1) << 4) | ((k & (kChunk - 1)) >> 1);
+// The call's span: 64 where a vector path reads groups of a multiple of 64 values, else 32.
+inline int64_t dot_span(const MoEHostCall& c) {
+  return c.int8_isa != kInt8Portable && c.block_k % 64 == 0 ? 64 : 32;
 }
 
 // Rows quantized to int8 per group of `group` values, in the dot layout (zeros past `cols`),
-// with each group's scale d and the sum of its q.
+// with each group's scale d and its sum of q times the weights' code offset (NibbleCodes).
 struct Int8Rows {
-  int64_t cols = 0, group = 1, groups = 0, stride = 0;
+  int64_t cols = 0, group = 1, groups = 0, span = 32, stride = 0;
+  int32_t offset = 0;
   std::vector<int8_t> q;
   std::vector<float> scale;
-  std::vector<int32_t> sum;
+  std::vector<int32_t> offset_sum;
 
-  void reset(int64_t rows, int64_t cols_, int64_t group_) {
-    cols = cols_, group = group_, groups = ceil_div(cols, group), stride = ceil_div(cols, kChunk) * kChunk;
+  void reset(int64_t rows, int64_t cols_, int64_t group_, int64_t span_, int32_t offset_) {
+    cols = cols_, group = group_, groups = ceil_div(cols, group), span = span_, offset = offset_;
+    stride = ceil_div(cols, 64) * 64;
     q.assign(rows * stride, 0);
     scale.assign(rows * groups, 0.0f);
-    sum.assign(rows * groups, 0);
+    offset_sum.assign(rows * groups, 0);
   }
   const int8_t* values(int64_t row) const { return q.data() + row * stride; }
   const float* scales(int64_t row) const { return scale.data() + row * groups; }
-  const int32_t* sums(int64_t row) const { return sum.data() + row * groups; }
+  const int32_t* offset_sums(int64_t row) const { return offset_sum.data() + row * groups; }
 };
 
 // Row `row` of `rows` from bf16 x: per group d = max |x| / 127, q = x / d rounded half to even.
@@ -454,11 +461,11 @@ void quantize_row(const uint16_t* x, Int8Rows& rows, int64_t row) {
     for (int64_t k = k0; k < k1; ++k) {
       const float v = d > 0.0f ? std::nearbyint(bf16_to_f32(x[k]) / d) : 0.0f;
       const int32_t qk = static_cast<int32_t>(std::min(127.0f, std::max(-127.0f, v)));
-      q[dot_position(k)] = static_cast<int8_t>(qk);
+      q[dot_position(k, rows.span)] = static_cast<int8_t>(qk);
       total += qk;
     }
     rows.scale[row * rows.groups + g] = d;
-    rows.sum[row * rows.groups + g] = total;
+    rows.offset_sum[row * rows.groups + g] = rows.offset * total;
   }
 }
 
@@ -467,111 +474,191 @@ void quantize_row(const uint16_t* x, Int8Rows& rows, int64_t row) {
 struct NibbleCodes {
   uint8_t byte[16];
   int32_t offset;
+  bool identity;  // byte[n] = n: the vector paths skip the table
 };
-constexpr NibbleCodes kInt4Codes = {{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, 8};
-constexpr NibbleCodes kMxfp4Codes = {{12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0}, 12};
+constexpr NibbleCodes kInt4Codes = {{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, 8, true};
+constexpr NibbleCodes kMxfp4Codes = {{12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0}, 12, false};
 
 inline const NibbleCodes& nibble_codes(const MoEHostCall& c) { return c.format == kMxfp4 ? kMxfp4Codes : kInt4Codes; }
 
-// The float32 scale s of a weight group in the int8 path (MXFP4: half the E8M0 scale, v being 2 * E2M1).
-inline float int8_weight_scale(const MoEHostCall& c, const QuantMatrix& m, int64_t scale_row, int64_t g) {
-  const int64_t at = scale_row * m.scale_cols + g;
-  return c.format == kMxfp4 ? e8m0_to_f32(m.scales[at]) * 0.5f : reinterpret_cast<const float*>(m.scales)[at];
+// The float32 group scales s of scale row `scale_row` of m in the int8 path: int4's stored floats
+// in place; MXFP4's half E8M0 scales (v being 2 * E2M1) written into `buffer`.
+inline const float* int8_weight_scales(const MoEHostCall& c, const QuantMatrix& m, int64_t scale_row, float* buffer) {
+  if (c.format != kMxfp4) return reinterpret_cast<const float*>(m.scales) + scale_row * m.scale_cols;
+  const uint8_t* e = m.scales + scale_row * m.scale_cols;
+  for (int64_t g = 0; g < m.scale_cols; ++g) buffer[g] = e8m0_to_f32(e[g]) * 0.5f;
+  return buffer;
 }
 
-// One int8 dot call: R <= 4 rows of nibbles against NT <= 4 quantized rows, `groups` groups of
-// `group` values over `cols`; sums[(r * NT + t) * groups + g] = the group's sum of (v + offset) q.
+// One int8 dot call's integer part: R <= 4 rows of nibbles against NT <= 4 quantized rows q of
+// `x`'s layout; sums[(t * groups + g) * 4 + r] = group g's sum of (v + offset) q.
 struct GroupSums {
   const uint8_t* const* w;
   int R;
   const int8_t* const* q;
   int NT;
-  int64_t cols, group, groups;
+  const Int8Rows& x;
   int32_t* sums;
 };
 
 void group_sums_portable(const NibbleCodes& codes, const GroupSums& s) {
-  for (int r = 0; r < s.R; ++r)
-    for (int t = 0; t < s.NT; ++t)
-      for (int64_t g = 0; g < s.groups; ++g) {
-        const int64_t k0 = g * s.group, k1 = std::min(s.cols, k0 + s.group);
+  const Int8Rows& x = s.x;
+  for (int t = 0; t < s.NT; ++t)
+    for (int64_t g = 0; g < x.groups; ++g)
+      for (int r = 0; r < 4; ++r) {  // rows past R: zero sums, as the vector paths leave them
         int32_t total = 0;
-        for (int64_t k = k0; k < k1; ++k) {
+        for (int64_t k = g * x.group; r < s.R && k < std::min(x.cols, (g + 1) * x.group); ++k) {
           const uint32_t code = (s.w[r][k / 2] >> (4 * (k & 1))) & 15u;
-          total += static_cast<int32_t>(codes.byte[code]) * s.q[t][dot_position(k)];
+          total += static_cast<int32_t>(codes.byte[code]) * s.q[t][dot_position(k, x.span)];
         }
-        s.sums[(r * s.NT + t) * s.groups + g] = total;
+        s.sums[(t * x.groups + g) * 4 + r] = total;
       }
 }
 
 #define AVX2 __attribute__((target("avx2,fma")))
 #define AVX512_VNNI __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
 
-// The 16 bytes of nibbles at w (`bytes` of them readable; fewer: zero-filled) as 32 unsigned
-// bytes in the dot layout, the low nibbles' then the high ones', each through the code table.
-AVX2 inline __m256i nibble_chunk(const uint8_t* w, int64_t bytes, __m256i table) {
-  __m128i b;
-  if (bytes >= 16) {
-    b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-  } else {
-    alignas(16) uint8_t tail[16] = {};
+// The S / 2 bytes of nibbles at w (`bytes` of them readable; fewer: zero-filled) as S unsigned
+// bytes in the dot layout, in S / 32 vectors, each nibble through the code table.
+template <int S>
+AVX2 inline void nibble_span(const uint8_t* w, int64_t bytes, const NibbleCodes& codes, __m256i table, __m256i* out) {
+  if (__builtin_expect(bytes < S / 2, 0)) {  // the row's last span: not past its bytes
+    alignas(32) uint8_t tail[32] = {};
     std::memcpy(tail, w, bytes);
-    b = _mm_load_si128(reinterpret_cast<const __m128i*>(tail));
+    return nibble_span<S>(tail, S / 2, codes, table, out);
   }
-  const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(15));
-  return _mm256_shuffle_epi8(table, codes);
+  const __m256i low4 = _mm256_set1_epi8(15);
+  if (S == 64) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    out[0] = _mm256_and_si256(b, low4);
+    out[1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+  } else {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+    out[0] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), low4);
+  }
+  if (!codes.identity)
+    for (int h = 0; h < S / 32; ++h) out[h] = _mm256_shuffle_epi8(table, out[h]);
 }
 
-AVX2 inline int32_t sum_epi32(__m256i v) {
-  __m128i x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  x = _mm_add_epi32(x, _mm_shuffle_epi32(x, _MM_SHUFFLE(1, 0, 3, 2)));
-  x = _mm_add_epi32(x, _mm_shuffle_epi32(x, _MM_SHUFFLE(2, 3, 0, 1)));
-  return _mm_cvtsi128_si32(x);
+// How far ahead of a row's reads the vector paths prefetch it: the rows of a dot call are a few
+// streams far apart, more than the hardware prefetchers keep ahead of at this compute density.
+constexpr int64_t kPrefetchBytes = 512;
+
+// The four int32 sums of the eight lanes of a, b, c and d.
+AVX2 inline __m128i sum_lanes4(__m256i a, __m256i b, __m256i c, __m256i d) {
+  const __m256i all = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+  return _mm_add_epi32(_mm256_castsi256_si128(all), _mm256_extracti128_si256(all, 1));
 }
 
-AVX2 inline __m256i code_table(const NibbleCodes& codes) {
-  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes.byte)));
-}
-
-// The group sums with vpmaddubsw (unsigned bytes times int8 into int16 pairs: at most 2 x 24 x
-// 127, no saturation) and vpmaddwd into int32. Groups of a multiple of 32 values.
-AVX2 void group_sums_avx2(const NibbleCodes& codes, const GroupSums& s) {
-  const __m256i table = code_table(codes), ones = _mm256_set1_epi16(1);
-  const int64_t bytes = ceil_div(s.cols, 2);
-  for (int r = 0; r < s.R; ++r)
-    for (int64_t g = 0; g < s.groups; ++g) {
-      __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
-      for (int64_t k = g * s.group; k < std::min(s.cols, (g + 1) * s.group); k += kChunk) {
-        const __m256i w = nibble_chunk(s.w[r] + k / 2, bytes - k / 2, table);
-        for (int t = 0; t < s.NT; ++t) {
-          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.q[t] + k));
-          acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+// Group sums of R rows against P = 1 or 2 tokens from t0, the rows in lockstep: each span of
+// weights is decoded once for the P tokens, each token's span loaded once for the R rows.
+// vpmaddubsw multiplies unsigned bytes by int8 into int16 pairs (at most 2 x 24 x 127 a pair, two
+// pairs summed: no saturation), vpmaddwd widens them into int32.
+template <int S, int R, int P>
+AVX2 void group_sums_avx2_tile(const NibbleCodes& codes, const GroupSums& s, int t0) {
+  const Int8Rows& x = s.x;
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes.byte)));
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t bytes = ceil_div(x.cols, 2);
+  for (int64_t g = 0; g < x.groups; ++g) {
+    __m256i acc[4][P];
+    for (int r = 0; r < 4; ++r)
+      for (int p = 0; p < P; ++p) acc[r][p] = _mm256_setzero_si256();
+    for (int64_t k = g * x.group; k < std::min(x.cols, (g + 1) * x.group); k += S) {
+      __m256i xs[P][S / 32];
+      for (int p = 0; p < P; ++p)
+        for (int h = 0; h < S / 32; ++h)
+          xs[p][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.q[t0 + p] + k + 32 * h));
+      for (int r = 0; r < R; ++r) {
+        __m256i w[S / 32];
+        _mm_prefetch(reinterpret_cast<const char*>(s.w[r] + k / 2 + kPrefetchBytes), _MM_HINT_T0);
+        nibble_span<S>(s.w[r] + k / 2, bytes - k / 2, codes, table, w);
+        for (int p = 0; p < P; ++p) {
+          __m256i pairs = _mm256_maddubs_epi16(w[0], xs[p][0]);
+          if (S == 64) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[1], xs[p][1]));
+          acc[r][p] = _mm256_add_epi32(acc[r][p], _mm256_madd_epi16(pairs, ones));
         }
       }
-      for (int t = 0; t < s.NT; ++t) s.sums[(r * s.NT + t) * s.groups + g] = sum_epi32(acc[t]);
     }
+    for (int p = 0; p < P; ++p)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(s.sums + ((t0 + p) * x.groups + g) * 4),
+                       sum_lanes4(acc[0][p], acc[1][p], acc[2][p], acc[3][p]));
+  }
 }
 
-// The same sums with vpdpbusd (four unsigned bytes times four int8 into each int32).
-AVX512_VNNI void group_sums_vnni(const NibbleCodes& codes, const GroupSums& s) {
-  const __m256i table = code_table(codes);
-  const int64_t bytes = ceil_div(s.cols, 2);
-  for (int r = 0; r < s.R; ++r)
-    for (int64_t g = 0; g < s.groups; ++g) {
-      __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
-      for (int64_t k = g * s.group; k < std::min(s.cols, (g + 1) * s.group); k += kChunk) {
-        const __m256i w = nibble_chunk(s.w[r] + k / 2, bytes - k / 2, table);
-        for (int t = 0; t < s.NT; ++t)
-          acc[t] = _mm256_dpbusd_epi32(acc[t], w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.q[t] + k)));
+// The same with vpdpbusd (four unsigned bytes times four int8 into each int32 lane).
+template <int S, int R, int P>
+AVX512_VNNI void group_sums_vnni_tile(const NibbleCodes& codes, const GroupSums& s, int t0) {
+  const Int8Rows& x = s.x;
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes.byte)));
+  const int64_t bytes = ceil_div(x.cols, 2);
+  for (int64_t g = 0; g < x.groups; ++g) {
+    __m256i acc[4][P];
+    for (int r = 0; r < 4; ++r)
+      for (int p = 0; p < P; ++p) acc[r][p] = _mm256_setzero_si256();
+    for (int64_t k = g * x.group; k < std::min(x.cols, (g + 1) * x.group); k += S) {
+      __m256i xs[P][S / 32];
+      for (int p = 0; p < P; ++p)
+        for (int h = 0; h < S / 32; ++h)
+          xs[p][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.q[t0 + p] + k + 32 * h));
+      for (int r = 0; r < R; ++r) {
+        __m256i w[S / 32];
+        _mm_prefetch(reinterpret_cast<const char*>(s.w[r] + k / 2 + kPrefetchBytes), _MM_HINT_T0);
+        nibble_span<S>(s.w[r] + k / 2, bytes - k / 2, codes, table, w);
+        for (int p = 0; p < P; ++p)
+          for (int h = 0; h < S / 32; ++h) acc[r][p] = _mm256_dpbusd_epi32(acc[r][p], w[h], xs[p][h]);
       }
-      for (int t = 0; t < s.NT; ++t) s.sums[(r * s.NT + t) * s.groups + g] = sum_epi32(acc[t]);
     }
+    for (int p = 0; p < P; ++p)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(s.sums + ((t0 + p) * x.groups + g) * 4),
+                       sum_lanes4(acc[0][p], acc[1][p], acc[2][p], acc[3][p]));
+  }
 }
 
-int32_t* thread_sums(int64_t count) {
-  thread_local std::vector<int32_t> sums;
-  if (static_cast<int64_t>(sums.size()) < count) sums.resize(count);
-  return sums.data();
+// A tile function by its row count: Tile<R>::run for R = 1 .. 4.
+template <template <int> class Tile>
+inline void by_rows(int R, const NibbleCodes& codes, const GroupSums& s, int t0) {
+  switch (R) {
+    case 1: Tile<1>::run(codes, s, t0); break;
+    case 2: Tile<2>::run(codes, s, t0); break;
+    case 3: Tile<3>::run(codes, s, t0); break;
+    default: Tile<4>::run(codes, s, t0); break;
+  }
+}
+
+template <int S, int P>
+struct Avx2Tiles {
+  template <int R>
+  struct Tile {
+    static void run(const NibbleCodes& codes, const GroupSums& s, int t0) { group_sums_avx2_tile<S, R, P>(codes, s, t0); }
+  };
+};
+
+template <int S, int P>
+struct VnniTiles {
+  template <int R>
+  struct Tile {
+    static void run(const NibbleCodes& codes, const GroupSums& s, int t0) { group_sums_vnni_tile<S, R, P>(codes, s, t0); }
+  };
+};
+
+// The group sums on a vector path (groups of a multiple of 32 values), tokens two at a time.
+template <template <int, int> class Tiles>
+void group_sums_vector(const NibbleCodes& codes, const GroupSums& s) {
+  for (int t0 = 0; t0 < s.NT; t0 += 2) {
+    const bool pair = s.NT - t0 >= 2;
+    if (s.x.span == 64)
+      pair ? by_rows<Tiles<64, 2>::template Tile>(s.R, codes, s, t0) : by_rows<Tiles<64, 1>::template Tile>(s.R, codes, s, t0);
+    else
+      pair ? by_rows<Tiles<32, 2>::template Tile>(s.R, codes, s, t0) : by_rows<Tiles<32, 1>::template Tile>(s.R, codes, s, t0);
+  }
+}
+
+template <typename T>
+T* thread_buffer(int64_t count) {
+  thread_local std::vector<T> buffer;
+  if (static_cast<int64_t>(buffer.size()) < count) buffer.resize(count);
+  return buffer.data();
 }
 
 // acc[r * NT + t] = the int8-path dot of matrix m's rows rows[r] and the quantized rows
@@ -582,23 +669,27 @@ void int8_dots(const MoEHostCall& c, int bank, const QuantMatrix& m, const int64
   const int8_t* q[4];
   for (int r = 0; r < R; ++r) w[r] = m.weights + rows[r] * m.row_bytes;
   for (int t = 0; t < NT; ++t) q[t] = x.values(xrows[t]);
-  const GroupSums s{w, R, q, NT, x.cols, x.group, x.groups, thread_sums(R * NT * x.groups)};
+  int32_t* sums = thread_buffer<int32_t>(NT * x.groups * 4);
+  const GroupSums s{w, R, q, NT, x, sums};
   const NibbleCodes& codes = nibble_codes(c);
-  if (x.group % kChunk == 0 && c.int8_isa == kInt8Vnni)
-    group_sums_vnni(codes, s);
-  else if (x.group % kChunk == 0 && c.int8_isa == kInt8Avx2)
-    group_sums_avx2(codes, s);
+  if (x.group % 32 == 0 && c.int8_isa == kInt8Vnni)
+    group_sums_vector<VnniTiles>(codes, s);
+  else if (x.group % 32 == 0 && c.int8_isa == kInt8Avx2)
+    group_sums_vector<Avx2Tiles>(codes, s);
   else
     group_sums_portable(codes, s);
-  for (int i = 0; i < R * NT; ++i) acc[i] = 0.0f;
-  for (int64_t g = 0; g < x.groups; ++g)
-    for (int r = 0; r < R; ++r) {
-      const float ws = int8_weight_scale(c, m, scale_row_of(c, bank, rows[r]), g);
-      for (int t = 0; t < NT; ++t) {
-        const int32_t sum = s.sums[(r * NT + t) * x.groups + g] - codes.offset * x.sums(xrows[t])[g];
-        acc[r * NT + t] = acc[r * NT + t] + static_cast<float>(sum) * (ws * x.scales(xrows[t])[g]);
-      }
-    }
+  float* buffer = thread_buffer<float>(4 * x.groups);
+  const float* ws[4];
+  for (int r = 0; r < R; ++r) ws[r] = int8_weight_scales(c, m, scale_row_of(c, bank, rows[r]), buffer + r * x.groups);
+  for (int t = 0; t < NT; ++t) {
+    const float* d = x.scales(xrows[t]);
+    const int32_t* offset_sum = x.offset_sums(xrows[t]);
+    const int32_t* sum = sums + t * x.groups * 4;
+    float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t g = 0; g < x.groups; ++g)
+      for (int r = 0; r < R; ++r) a[r] = a[r] + static_cast<float>(sum[g * 4 + r] - offset_sum[g]) * (ws[r][g] * d[g]);
+    for (int r = 0; r < R; ++r) acc[r * NT + t] = a[r];
+  }
 }
 
 struct Group {
@@ -838,8 +929,8 @@ void moe_host_run(void* arg) {
   const bool int8 = int8_path(c);
   Int8Rows tokens, acts;  // the int8 path's quantized x rows (by token) and act rows (by route)
   if (int8) {
-    tokens.reset(c.T, c.H, c.block_k);
-    acts.reset(routes, c.I, c.block_k);
+    tokens.reset(c.T, c.H, c.block_k, dot_span(c), nibble_codes(c).offset);
+    acts.reset(routes, c.I, c.block_k, dot_span(c), nibble_codes(c).offset);
   }
   const int64_t valid = static_cast<int64_t>(order.size());
 #pragma omp parallel num_threads(c.threads)
