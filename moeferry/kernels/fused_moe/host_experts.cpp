@@ -423,9 +423,10 @@ inline int64_t dot_position(int64_t k, int64_t span) {
   return k - j + (j & 1) * (span / 2) + j / 2;
 }
 
-// The call's span: 64 where a vector path reads groups of a multiple of 64 values, else 32.
+// The call's span: 64 where a vector path reads groups of 32 (a span holds two: MXFP4's) or of
+// a multiple of 64 values, else 32.
 inline int64_t dot_span(const MoEHostCall& c) {
-  return c.int8_isa != kInt8Portable && c.block_k % 64 == 0 ? 64 : 32;
+  return c.int8_isa != kInt8Portable && (c.block_k % 64 == 0 || c.block_k == 32) ? 64 : 32;
 }
 
 // Rows quantized to int8 per group of `group` values, in the dot layout (zeros past `cols`),
@@ -481,13 +482,17 @@ constexpr NibbleCodes kMxfp4Codes = {{12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10
 
 inline const NibbleCodes& nibble_codes(const MoEHostCall& c) { return c.format == kMxfp4 ? kMxfp4Codes : kInt4Codes; }
 
-// The float32 group scales s of scale row `scale_row` of m in the int8 path: int4's stored floats
-// in place; MXFP4's half E8M0 scales (v being 2 * E2M1) written into `buffer`.
-inline const float* int8_weight_scales(const MoEHostCall& c, const QuantMatrix& m, int64_t scale_row, float* buffer) {
-  if (c.format != kMxfp4) return reinterpret_cast<const float*>(m.scales) + scale_row * m.scale_cols;
-  const uint8_t* e = m.scales + scale_row * m.scale_cols;
-  for (int64_t g = 0; g < m.scale_cols; ++g) buffer[g] = e8m0_to_f32(e[g]) * 0.5f;
-  return buffer;
+// The float32 group scales s of scale row `scale_row` of m in the int8 path into dst[g * stride]:
+// int4's stored floats, MXFP4's half E8M0 scales (v being 2 * E2M1).
+inline void int8_weight_scales(const MoEHostCall& c, const QuantMatrix& m, int64_t scale_row, float* dst,
+                               int64_t stride) {
+  const int64_t first = scale_row * m.scale_cols;
+  if (c.format == kMxfp4) {
+    for (int64_t g = 0; g < m.scale_cols; ++g) dst[g * stride] = e8m0_to_f32(m.scales[first + g]) * 0.5f;
+  } else {
+    const float* scales = reinterpret_cast<const float*>(m.scales) + first;
+    for (int64_t g = 0; g < m.scale_cols; ++g) dst[g * stride] = scales[g];
+  }
 }
 
 // One int8 dot call's integer part: R <= 4 rows of nibbles against NT <= 4 quantized rows q of
@@ -544,27 +549,45 @@ AVX2 inline void nibble_span(const uint8_t* w, int64_t bytes, const NibbleCodes&
 // streams far apart, more than the hardware prefetchers keep ahead of at this compute density.
 constexpr int64_t kPrefetchBytes = 512;
 
-// The four int32 sums of the eight lanes of a, b, c and d.
-AVX2 inline __m128i sum_lanes4(__m256i a, __m256i b, __m256i c, __m256i d) {
-  const __m256i all = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
-  return _mm_add_epi32(_mm256_castsi256_si128(all), _mm256_extracti128_si256(all, 1));
+// The int32 sums of the four lanes of each 128-bit half of a, b, c and d: [a, b, c, d] of the
+// low halves, then of the high ones.
+AVX2 inline __m256i sum_halves4(__m256i a, __m256i b, __m256i c, __m256i d) {
+  return _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+}
+
+// Group g's sums of four rows' accumulators into s.sums for token t: each accumulator sums one
+// group (the halves added), or two, g in its low half and g + 1 in its high one (groups of 32
+// values in spans of 64: a span's low half holds the even and odd values of its first 32).
+template <bool kTwoGroups>
+AVX2 inline void store_group_sums(__m256i a, __m256i b, __m256i c, __m256i d, int32_t* sums, int64_t groups,
+                                  int t, int64_t g) {
+  const __m256i halves = sum_halves4(a, b, c, d);
+  int32_t* at = sums + (t * groups + g) * 4;
+  if (!kTwoGroups) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(at),
+                     _mm_add_epi32(_mm256_castsi256_si128(halves), _mm256_extracti128_si256(halves, 1)));
+    return;
+  }
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(at), _mm256_castsi256_si128(halves));
+  if (g + 1 < groups) _mm_storeu_si128(reinterpret_cast<__m128i*>(at + 4), _mm256_extracti128_si256(halves, 1));
 }
 
 // Group sums of R rows against P = 1 or 2 tokens from t0, the rows in lockstep: each span of
 // weights is decoded once for the P tokens, each token's span loaded once for the R rows.
 // vpmaddubsw multiplies unsigned bytes by int8 into int16 pairs (at most 2 x 24 x 127 a pair, two
 // pairs summed: no saturation), vpmaddwd widens them into int32.
-template <int S, int R, int P>
+template <int S, bool kTwoGroups, int R, int P>
 AVX2 void group_sums_avx2_tile(const NibbleCodes& codes, const GroupSums& s, int t0) {
   const Int8Rows& x = s.x;
   const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes.byte)));
   const __m256i ones = _mm256_set1_epi16(1);
   const int64_t bytes = ceil_div(x.cols, 2);
-  for (int64_t g = 0; g < x.groups; ++g) {
+  constexpr int64_t kStep = kTwoGroups ? 2 : 1;  // groups an accumulator sums
+  for (int64_t g = 0; g < x.groups; g += kStep) {
     __m256i acc[4][P];
     for (int r = 0; r < 4; ++r)
       for (int p = 0; p < P; ++p) acc[r][p] = _mm256_setzero_si256();
-    for (int64_t k = g * x.group; k < std::min(x.cols, (g + 1) * x.group); k += S) {
+    for (int64_t k = g * x.group; k < std::min(x.cols, (g + kStep) * x.group); k += S) {
       __m256i xs[P][S / 32];
       for (int p = 0; p < P; ++p)
         for (int h = 0; h < S / 32; ++h)
@@ -581,22 +604,22 @@ AVX2 void group_sums_avx2_tile(const NibbleCodes& codes, const GroupSums& s, int
       }
     }
     for (int p = 0; p < P; ++p)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(s.sums + ((t0 + p) * x.groups + g) * 4),
-                       sum_lanes4(acc[0][p], acc[1][p], acc[2][p], acc[3][p]));
+      store_group_sums<kTwoGroups>(acc[0][p], acc[1][p], acc[2][p], acc[3][p], s.sums, x.groups, t0 + p, g);
   }
 }
 
 // The same with vpdpbusd (four unsigned bytes times four int8 into each int32 lane).
-template <int S, int R, int P>
+template <int S, bool kTwoGroups, int R, int P>
 AVX512_VNNI void group_sums_vnni_tile(const NibbleCodes& codes, const GroupSums& s, int t0) {
   const Int8Rows& x = s.x;
   const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes.byte)));
   const int64_t bytes = ceil_div(x.cols, 2);
-  for (int64_t g = 0; g < x.groups; ++g) {
+  constexpr int64_t kStep = kTwoGroups ? 2 : 1;  // groups an accumulator sums
+  for (int64_t g = 0; g < x.groups; g += kStep) {
     __m256i acc[4][P];
     for (int r = 0; r < 4; ++r)
       for (int p = 0; p < P; ++p) acc[r][p] = _mm256_setzero_si256();
-    for (int64_t k = g * x.group; k < std::min(x.cols, (g + 1) * x.group); k += S) {
+    for (int64_t k = g * x.group; k < std::min(x.cols, (g + kStep) * x.group); k += S) {
       __m256i xs[P][S / 32];
       for (int p = 0; p < P; ++p)
         for (int h = 0; h < S / 32; ++h)
@@ -610,8 +633,7 @@ AVX512_VNNI void group_sums_vnni_tile(const NibbleCodes& codes, const GroupSums&
       }
     }
     for (int p = 0; p < P; ++p)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(s.sums + ((t0 + p) * x.groups + g) * 4),
-                       sum_lanes4(acc[0][p], acc[1][p], acc[2][p], acc[3][p]));
+      store_group_sums<kTwoGroups>(acc[0][p], acc[1][p], acc[2][p], acc[3][p], s.sums, x.groups, t0 + p, g);
   }
 }
 
@@ -626,31 +648,46 @@ inline void by_rows(int R, const NibbleCodes& codes, const GroupSums& s, int t0)
   }
 }
 
-template <int S, int P>
+// The tile functions of one span, grouping and token count, by row count: Tile<R>::run.
+template <int S, bool kTwoGroups, int P>
 struct Avx2Tiles {
   template <int R>
   struct Tile {
-    static void run(const NibbleCodes& codes, const GroupSums& s, int t0) { group_sums_avx2_tile<S, R, P>(codes, s, t0); }
+    static void run(const NibbleCodes& codes, const GroupSums& s, int t0) {
+      group_sums_avx2_tile<S, kTwoGroups, R, P>(codes, s, t0);
+    }
   };
 };
 
-template <int S, int P>
+template <int S, bool kTwoGroups, int P>
 struct VnniTiles {
   template <int R>
   struct Tile {
-    static void run(const NibbleCodes& codes, const GroupSums& s, int t0) { group_sums_vnni_tile<S, R, P>(codes, s, t0); }
+    static void run(const NibbleCodes& codes, const GroupSums& s, int t0) {
+      group_sums_vnni_tile<S, kTwoGroups, R, P>(codes, s, t0);
+    }
   };
 };
 
+// The group sums of tokens [t0, t0 + P) on a vector path, by the call's span and group size.
+template <template <int, bool, int> class Tiles, int P>
+void group_sums_tokens(const NibbleCodes& codes, const GroupSums& s, int t0) {
+  if (s.x.span == 32)
+    by_rows<Tiles<32, false, P>::template Tile>(s.R, codes, s, t0);
+  else if (s.x.group == 32)
+    by_rows<Tiles<64, true, P>::template Tile>(s.R, codes, s, t0);
+  else
+    by_rows<Tiles<64, false, P>::template Tile>(s.R, codes, s, t0);
+}
+
 // The group sums on a vector path (groups of a multiple of 32 values), tokens two at a time.
-template <template <int, int> class Tiles>
+template <template <int, bool, int> class Tiles>
 void group_sums_vector(const NibbleCodes& codes, const GroupSums& s) {
   for (int t0 = 0; t0 < s.NT; t0 += 2) {
-    const bool pair = s.NT - t0 >= 2;
-    if (s.x.span == 64)
-      pair ? by_rows<Tiles<64, 2>::template Tile>(s.R, codes, s, t0) : by_rows<Tiles<64, 1>::template Tile>(s.R, codes, s, t0);
+    if (s.NT - t0 >= 2)
+      group_sums_tokens<Tiles, 2>(codes, s, t0);
     else
-      pair ? by_rows<Tiles<32, 2>::template Tile>(s.R, codes, s, t0) : by_rows<Tiles<32, 1>::template Tile>(s.R, codes, s, t0);
+      group_sums_tokens<Tiles, 1>(codes, s, t0);
   }
 }
 
@@ -678,16 +715,15 @@ void int8_dots(const MoEHostCall& c, int bank, const QuantMatrix& m, const int64
     group_sums_vector<Avx2Tiles>(codes, s);
   else
     group_sums_portable(codes, s);
-  float* buffer = thread_buffer<float>(4 * x.groups);
-  const float* ws[4];
-  for (int r = 0; r < R; ++r) ws[r] = int8_weight_scales(c, m, scale_row_of(c, bank, rows[r]), buffer + r * x.groups);
+  float* ws = thread_buffer<float>(4 * x.groups);  // [g][r]: the four rows' scales side by side
+  for (int r = 0; r < 4; ++r) int8_weight_scales(c, m, scale_row_of(c, bank, rows[std::min(r, R - 1)]), ws + r, 4);
   for (int t = 0; t < NT; ++t) {
     const float* d = x.scales(xrows[t]);
     const int32_t* offset_sum = x.offset_sums(xrows[t]);
     const int32_t* sum = sums + t * x.groups * 4;
     float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int64_t g = 0; g < x.groups; ++g)
-      for (int r = 0; r < R; ++r) a[r] = a[r] + static_cast<float>(sum[g * 4 + r] - offset_sum[g]) * (ws[r][g] * d[g]);
+      for (int r = 0; r < 4; ++r) a[r] = a[r] + static_cast<float>(sum[g * 4 + r] - offset_sum[g]) * (ws[g * 4 + r] * d[g]);
     for (int r = 0; r < R; ++r) acc[r * NT + t] = a[r];
   }
 }
