@@ -4,10 +4,14 @@ The arithmetic lives in host_experts.cpp (its header is the contract): bf16 toke
 weights or quantized ones (fp8, int4, mxfp4: dequantized to float32 exactly as the reference
 dequantizes them), float32 dots, optional expert biases (bf16 or float32 banks) added to them,
 silu or gpt-oss's clamped SwiGLU, the activation and each weighted route output rounded to
-bf16, as the Triton kernel rounds them. It is compiled on first use with the system C++
-compiler into a cache folder keyed by the source and the compiler flags (`library()`), and
-called through ctypes with raw pointers, so the same function also runs as a CUDA host
-function inside a stream or a captured graph (moe/host_experts.py) with no Python and no GIL.
+bf16, as the Triton kernel rounds them. Over int4 and mxfp4 banks a call may instead quantize
+the tokens and the activated intermediate to int8 per group and take integer dots (`activations`
+"int8", host_experts.cpp states its numerics; reference.int8_expert_routes is its oracle): the
+weights are then read at the memory's speed rather than dequantized. It is compiled on first
+use with the system C++ compiler into a cache folder keyed by the source and the compiler flags
+(`library()`), and called through ctypes with raw pointers, so the same function also runs as a
+CUDA host function inside a stream or a captured graph (moe/host_experts.py) with no Python and
+no GIL.
 
 `expert_routes` is the primitive: per-route outputs, routes with a negative id skipped (left
 zero) so that another channel may compute them. `fused_moe` is the op's contract

@@ -25,6 +25,21 @@
 // weight rows. No quantized weight is rounded to bf16: an e4m3 or int4 value times a float32
 // scale generally has more significant bits than bf16 holds.
 //
+// The int8 path (activations = kActInt8, int4 and MXFP4 banks; reference.py int8_expert_routes is
+// its oracle): the weights are read as integers, never dequantized. A row of activations (a
+// token's bf16 row for gate and up; a route's bf16 act row for the down projection, quantized
+// after all of phase A) is cut into groups of G = block_k values along K, the weights' scale
+// groups, each quantized symmetrically: d = max |x| / 127 (float32), q = x / d rounded half to
+// even (q = 0 where d = 0), |q| <= 127. A weight is an integer v times its group's float32 scale
+// s: int4 v = nibble - 8 and its stored scale; MXFP4 v = 2 * E2M1 value (an integer in [-12, 12])
+// and s = 2^(e - 128), half the E8M0 scale. Each group's sum of v q is exact in int32, and a dot
+// is, over the groups in order, in float32 with each step rounded (no fused multiply-add):
+//     acc = 0;  acc = acc + float(sum_g v q) * (s_g * d_g)
+// then the epilogue above (biases, activation, bf16 roundings). The integer sums are the same on
+// every vector path, so every path gives the same bits. Against the exact path the outputs move
+// by the activations' rounding to 8 bits, at most d / 2 per element: about 1% of an output's
+// norm for Gaussian tokens (tests/kernels/test_fused_moe_host.py: INT8_TOLERANCE).
+//
 // Work: routes are grouped by expert (counting sort); phase A splits (group, block of I rows)
 // over the threads, so each gate/up row is read once per call and multiplied against all of
 // the group's tokens; after a barrier, phase B splits the H output rows, each thread reading
@@ -34,7 +49,10 @@
 //
 // Dot products: AVX512-BF16 (vdpbf16ps, 4 weight rows x up to 4 tokens in registers; float32
 // weight tiles: AVX-512 fused multiply-adds) when the CPU has it, checked at run time; otherwise
-// a portable float loop the compiler vectorises.
+// a portable float loop the compiler vectorises. The int8 path's integer sums: AVX512-VNNI
+// (vpdpbusd) or AVX2 (vpmaddubsw, vpmaddwd), whichever the CPU has (host.py asks
+// moe_host_int8_isa), else a portable loop; each up to 4 weight rows in lockstep over up to 2
+// tokens, the nibbles as unsigned bytes (v plus an offset, whose sum with q is taken off after).
 //
 // `moe_host_run` is also a CUDA host function (CUhostFn: void(void*)): a stream (and a
 // captured CUDA graph) runs it when the work before it is done; it touches no CUDA API.
@@ -58,7 +76,13 @@
 #include <vector>
 #include <thread>
 #include <omp.h>
+// GCC 12's AVX-512 headers seed some vectors with a self-initialised `__Y = __Y`, which -Wall
+// reports as uninitialised wherever the intrinsics are inlined: not a fault of this file.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
+#pragma GCC diagnostic pop
 
 extern "C" {
 
