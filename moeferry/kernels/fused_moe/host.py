@@ -4,10 +4,14 @@ The arithmetic lives in host_experts.cpp (its header is the contract): bf16 toke
 weights or quantized ones (fp8, int4, mxfp4: dequantized to float32 exactly as the reference
 dequantizes them), float32 dots, optional expert biases (bf16 or float32 banks) added to them,
 silu or gpt-oss's clamped SwiGLU, the activation and each weighted route output rounded to
-bf16, as the Triton kernel rounds them. It is compiled on first use with the system C++
-compiler into a cache folder keyed by the source and the compiler flags (`library()`), and
-called through ctypes with raw pointers, so the same function also runs as a CUDA host
-function inside a stream or a captured graph (moe/host_channel.py) with no Python and no GIL.
+bf16, as the Triton kernel rounds them. Over int4 and mxfp4 banks a call may instead quantize
+the tokens and the activated intermediate to int8 per group and take integer dots (`activations`
+"int8", host_experts.cpp states its numerics; reference.int8_expert_routes is its oracle): the
+weights are then read at the memory's speed rather than dequantized. It is compiled on first
+use with the system C++ compiler into a cache folder keyed by the source and the compiler flags
+(`library()`), and called through ctypes with raw pointers, so the same function also runs as a
+CUDA host function inside a stream or a captured graph (moe/host_channel.py) with no Python and
+no GIL.
 
 `expert_routes` is the primitive: per-route outputs, routes with a negative id skipped (left
 zero) so that another channel may compute them. `fused_moe` is the op's contract
@@ -30,9 +34,9 @@ import torch
 
 from moeferry.kernels.fused_moe import SILU, Activation, check_options, reference
 
-__all__ = ["ACTIVATIONS", "BIAS_FORMATS", "FORMATS", "VECTOR_ISAS", "HostKernelUnavailable", "MoEHostCall", "available",
-           "compiles", "default_threads", "dequantized", "expert_routes", "fused_moe", "has_avx512_bf16", "library",
-           "make_call", "run", "timing"]
+__all__ = ["ACTIVATIONS", "ACTIVATIONS_PRECISIONS", "BIAS_FORMATS", "FORMATS", "INT8_ISAS", "VECTOR_ISAS",
+           "HostKernelUnavailable", "MoEHostCall", "available", "compiles", "default_threads", "dequantized",
+           "expert_routes", "fused_moe", "has_avx512_bf16", "int8_isa", "library", "make_call", "run", "timing"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +60,8 @@ class MoEHostCall(ctypes.Structure):
                 ("block_n", ctypes.c_int32), ("block_k", ctypes.c_int32), ("w13_scale", ctypes.c_void_p),
                 ("w2_scale", ctypes.c_void_p), ("w13_bias", ctypes.c_void_p), ("w2_bias", ctypes.c_void_p),
                 ("bias_format", ctypes.c_int32), ("activation", ctypes.c_int32), ("alpha", ctypes.c_float),
-                ("limit", ctypes.c_float), ("schedule", ctypes.c_int32)]
+                ("limit", ctypes.c_float), ("schedule", ctypes.c_int32), ("activations", ctypes.c_int32),
+                ("int8_isa", ctypes.c_int32)]
 
 
 # host_experts.cpp's MoEHostFormat by the weight banks' dtype: (code, values per stored
@@ -76,6 +81,18 @@ SCHEDULES = {"static": 0, "dynamic": 1}
 # one waits at the barrier for the whole block (faster alone and beside busy processes in
 # RESULTS.md hybrid/preemption).
 DEFAULT_SCHEDULE = "dynamic"
+
+# host_experts.cpp's MoEHostActivations by name: the precision of the tokens (and of the activated
+# intermediate) in the dots of int4 and mxfp4 banks. "bf16": against the weights dequantized to
+# float32, the reference's arithmetic (the exact path); "int8": quantized per token and group of
+# the weights' scale group to int8, integer dots against the weights' integer values (the int8
+# path, reference.int8_expert_routes). bf16 and fp8 banks have no integer weights: both names
+# compute them on the exact path.
+ACTIVATIONS_PRECISIONS = {"bf16": 0, "int8": 1}
+DEFAULT_ACTIVATIONS = "bf16"
+
+# host_experts.cpp's MoEHostInt8Isa by name: the int8 path's integer dots.
+INT8_ISAS = {"portable": 0, "avx2": 1, "avx512_vnni": 2}
 
 
 def _cache_dir() -> Path:
@@ -114,6 +131,7 @@ def library() -> ctypes.CDLL:
     lib.moe_host_run.argtypes = [ctypes.c_void_p]
     lib.moe_host_run.restype = None
     lib.moe_host_has_avx512_bf16.restype = ctypes.c_int
+    lib.moe_host_int8_isa.restype = ctypes.c_int
     lib.moe_host_timing.argtypes = [ctypes.POINTER(ctypes.c_int64)]
     lib.moe_host_timing.restype = None
     lib.moe_host_dequantize.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64,
@@ -158,19 +176,33 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
-VECTOR_ISAS = ("auto", "avx512_bf16", "portable")
+# The vector paths by name: "auto" takes the best this CPU has for each arithmetic; a named one
+# runs the arithmetic that has it on it (AVX512-BF16: the exact path's dots; AVX2 and
+# AVX512-VNNI: the int8 path's) and the other on its portable loop (tests).
+VECTOR_ISAS = ("auto", "avx512_bf16", "avx512_vnni", "avx2", "portable")
 
 
 def has_avx512_bf16() -> bool:
     return bool(library().moe_host_has_avx512_bf16())
 
 
-def _use_avx512(vector_isa: str) -> int:
+def int8_isa() -> str:
+    """The best vector path of the int8 dots this CPU has (a name of `INT8_ISAS`)."""
+    code = library().moe_host_int8_isa()
+    return next(name for name, value in INT8_ISAS.items() if value == code)
+
+
+def _isa_codes(vector_isa: str) -> tuple[int, int]:
+    """(use_avx512, int8_isa) of the call for a name of `VECTOR_ISAS`."""
     if vector_isa not in VECTOR_ISAS:
         raise ValueError(f"vector_isa {vector_isa!r} not in {VECTOR_ISAS}")
     if vector_isa == "avx512_bf16" and not has_avx512_bf16():
         raise HostKernelUnavailable("this CPU has no AVX512-BF16")
-    return int(vector_isa != "portable" and has_avx512_bf16())
+    if vector_isa in INT8_ISAS and INT8_ISAS[vector_isa] > INT8_ISAS[int8_isa()]:
+        raise HostKernelUnavailable(f"this CPU has no {vector_isa.upper().replace('_', '-')}")
+    if vector_isa == "auto":
+        return int(has_avx512_bf16()), INT8_ISAS[int8_isa()]
+    return int(vector_isa == "avx512_bf16"), INT8_ISAS.get(vector_isa, 0)
 
 
 def _ceil(a: int, b: int) -> int:
@@ -182,7 +214,7 @@ def make_call(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ou
               vector_isa: str = "auto", w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
               block_shape: tuple[int, int] | None = None, w13_bias: torch.Tensor | None = None,
               w2_bias: torch.Tensor | None = None, activation: Activation = SILU,
-              schedule: str = DEFAULT_SCHEDULE) -> MoEHostCall:
+              schedule: str = DEFAULT_SCHEDULE, activations: str = DEFAULT_ACTIVATIONS) -> MoEHostCall:
     """The call over these CPU tensors (see host_experts.cpp): hidden [T, H] bf16, ids [T, K]
     int32, weights [T, K] float32, out [T, K, H] bf16, w13 [E, 2I, H], w2 [E, H, I] bf16, act
     scratch [>= T * K, I] bf16; all contiguous. Quantized banks (the dtype says the format,
@@ -194,9 +226,14 @@ def make_call(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ou
     fused_moe). Checks shapes, dtypes and placement once.
     `vector_isa`: auto (AVX512-BF16 where the CPU has it), or one named path (tests).
     `schedule`: how the work units are dealt to the threads (`SCHEDULES`); the outputs are
-    the same bits either way, each unit being computed whole by one thread."""
+    the same bits either way, each unit being computed whole by one thread.
+    `activations`: the tokens' precision in the dots of int4 and mxfp4 banks
+    (`ACTIVATIONS_PRECISIONS`: bf16, the exact path, or int8)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"host expert call: schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if activations not in ACTIVATIONS_PRECISIONS:
+        raise ValueError(f"host expert call: activations {activations!r} is not one of "
+                         f"{', '.join(ACTIVATIONS_PRECISIONS)}")
     if w13.dtype not in FORMATS:
         raise ValueError(f"host expert call: weights of {w13.dtype} are not a format the kernel reads "
                          f"({', '.join(map(str, FORMATS))})")
@@ -237,10 +274,11 @@ def make_call(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ou
         raise ValueError(f"host expert call: threads must be >= 1, got {threads}")
     scales = (0, 0) if block_shape is None else (_ptr(w13_scale), _ptr(w2_scale))
     biases = (0, 0, 0) if w13_bias is None else (_ptr(w13_bias), _ptr(w2_bias), BIAS_FORMATS[w13_bias.dtype])
+    use_avx512, int8 = _isa_codes(vector_isa)
     return MoEHostCall(_ptr(hidden), _ptr(ids), _ptr(weights), _ptr(out), _ptr(w13), _ptr(w2), _ptr(act),
-                       num_tokens, top_k, hidden_size, inter, num_experts, threads, _use_avx512(vector_isa),
+                       num_tokens, top_k, hidden_size, inter, num_experts, threads, use_avx512,
                        code, bn, bk, *scales, *biases, ACTIVATIONS[activation.name], activation.alpha,
-                       activation.limit, SCHEDULES[schedule])
+                       activation.limit, SCHEDULES[schedule], ACTIVATIONS_PRECISIONS[activations], int8)
 
 
 def dequantized(call: MoEHostCall, bank: int, expert: int) -> torch.Tensor:
@@ -262,9 +300,10 @@ def run(call: MoEHostCall) -> None:
 def expert_routes(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, threads: int | None = None, vector_isa: str = "auto",
                   w13_scale=None, w2_scale=None, block_shape=None, w13_bias=None, w2_bias=None,
-                  activation: Activation = SILU, schedule: str = DEFAULT_SCHEDULE) -> torch.Tensor:
+                  activation: Activation = SILU, schedule: str = DEFAULT_SCHEDULE,
+                  activations: str = DEFAULT_ACTIVATIONS) -> torch.Tensor:
     """The weighted per-route outputs [T, K, H] bf16 of the routes whose id is >= 0; routes
-    with a negative id are zero (another channel computes them)."""
+    with a negative id are zero (another channel computes them). `activations`: make_call's."""
     num_tokens, top_k = topk_ids.shape
     hidden = hidden.contiguous()
     ids = topk_ids.to(torch.int32).contiguous()
@@ -272,7 +311,7 @@ def expert_routes(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     out = torch.empty(num_tokens, top_k, hidden.shape[1], dtype=torch.bfloat16)
     act = torch.empty(num_tokens * top_k, w13.shape[1] // 2, dtype=torch.bfloat16)
     run(make_call(hidden, ids, weights, out, w13, w2, act, threads or default_threads(), vector_isa,
-                  w13_scale, w2_scale, block_shape, w13_bias, w2_bias, activation, schedule))
+                  w13_scale, w2_scale, block_shape, w13_bias, w2_bias, activation, schedule, activations))
     return out
 
 

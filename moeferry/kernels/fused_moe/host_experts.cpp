@@ -25,6 +25,21 @@
 // weight rows. No quantized weight is rounded to bf16: an e4m3 or int4 value times a float32
 // scale generally has more significant bits than bf16 holds.
 //
+// The int8 path (activations = kActInt8, int4 and MXFP4 banks; reference.py int8_expert_routes is
+// its oracle): the weights are read as integers, never dequantized. A row of activations (a
+// token's bf16 row for gate and up; a route's bf16 act row for the down projection, quantized
+// after all of phase A) is cut into groups of G = block_k values along K, the weights' scale
+// groups, each quantized symmetrically: d = max |x| / 127 (float32), q = x / d rounded half to
+// even (q = 0 where d = 0), |q| <= 127. A weight is an integer v times its group's float32 scale
+// s: int4 v = nibble - 8 and its stored scale; MXFP4 v = 2 * E2M1 value (an integer in [-12, 12])
+// and s = 2^(e - 128), half the E8M0 scale. Each group's sum of v q is exact in int32, and a dot
+// is, over the groups in order, in float32 with each step rounded (no fused multiply-add):
+//     acc = 0;  acc = acc + float(sum_g v q) * (s_g * d_g)
+// then the epilogue above (biases, activation, bf16 roundings). The integer sums are the same on
+// every vector path, so every path gives the same bits. Against the exact path the outputs move
+// by the activations' rounding to 8 bits, at most d / 2 per element: about 1% of an output's
+// norm for Gaussian tokens (tests/kernels/test_fused_moe_host.py: INT8_TOLERANCE).
+//
 // Work: routes are grouped by expert (counting sort); phase A splits (group, block of I rows)
 // over the threads, so each gate/up row is read once per call and multiplied against all of
 // the group's tokens; after a barrier, phase B splits the H output rows, each thread reading
@@ -34,7 +49,10 @@
 //
 // Dot products: AVX512-BF16 (vdpbf16ps, 4 weight rows x up to 4 tokens in registers; float32
 // weight tiles: AVX-512 fused multiply-adds) when the CPU has it, checked at run time; otherwise
-// a portable float loop the compiler vectorises.
+// a portable float loop the compiler vectorises. The int8 path's integer sums: AVX512-VNNI
+// (vpdpbusd) or AVX2 (vpmaddubsw, vpmaddwd), whichever the CPU has (host.py asks
+// moe_host_int8_isa), else a portable loop; each up to 4 weight rows in lockstep over up to 2
+// tokens, the nibbles as unsigned bytes (v plus an offset, whose sum with q is taken off after).
 //
 // `moe_host_run` is also a CUDA host function (CUhostFn: void(void*)): a stream (and a
 // captured CUDA graph) runs it when the work before it is done; it touches no CUDA API.
@@ -58,7 +76,13 @@
 #include <vector>
 #include <thread>
 #include <omp.h>
+// GCC 12's AVX-512 headers seed some vectors with a self-initialised `__Y = __Y`, which -Wall
+// reports as uninitialised wherever the intrinsics are inlined: not a fault of this file.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
+#pragma GCC diagnostic pop
 
 extern "C" {
 
@@ -84,6 +108,8 @@ struct MoEHostCall {
   int32_t activation;       // MoEHostActivation
   float alpha, limit;       // kClampedSwiglu's constants
   int32_t schedule;         // MoEHostSchedule: how the work units are dealt to the threads
+  int32_t activations;      // MoEHostActivations: the tokens' precision in the dots of int4 and mxfp4 banks
+  int32_t int8_isa;         // MoEHostInt8Isa: the integer dots' vector path (host.py sets it from moe_host_int8_isa)
 };
 
 // How the weight banks are stored (host.py: FORMATS).
@@ -99,6 +125,15 @@ enum MoEHostActivation { kSilu = 0, kClampedSwiglu = 1 };
 // fixed in advance, or one at a time to whichever thread is free, so that a thread the OS
 // preempts holds up only the unit it is on instead of its whole block.
 enum MoEHostSchedule { kStatic = 0, kDynamic = 1 };
+
+// The tokens' (and the activated intermediate's) precision in the dots of int4 and MXFP4 banks
+// (host.py: ACTIVATIONS): bf16 against float32 weights (the exact path), or int8 per group
+// against the weights' integer values (the int8 path; bf16 and fp8 banks have no integer
+// weights and take the exact path whatever it says).
+enum MoEHostActivations { kActBf16 = 0, kActInt8 = 1 };
+
+// The int8 path's integer dots: portable, AVX2 (vpmaddubsw) or AVX512-VNNI (vpdpbusd).
+enum MoEHostInt8Isa { kInt8Portable = 0, kInt8Avx2 = 1, kInt8Vnni = 2 };
 
 }  // extern "C"
 
@@ -402,6 +437,321 @@ float* thread_tile(int64_t floats) {
   return tile.data();
 }
 
+// ---- The int8 path: int4 and MXFP4 banks against int8 activations (see the header) ----
+
+// A quantized row holds its values span by span (`span` values, 32 or 64, one vector step of
+// the dots), each span's even-indexed values first, then its odd ones: the order in which the low
+// and the high nibbles of the span's span / 2 weight bytes come out, so no shuffle joins them.
+inline int64_t dot_position(int64_t k, int64_t span) {
+  const int64_t j = k % span;
+  return k - j + (j & 1) * (span / 2) + j / 2;
+}
+
+// The call's span: 64 where a vector path reads groups of 32 (a span holds two: MXFP4's) or of
+// a multiple of 64 values, else 32.
+inline int64_t dot_span(const MoEHostCall& c) {
+  return c.int8_isa != kInt8Portable && (c.block_k % 64 == 0 || c.block_k == 32) ? 64 : 32;
+}
+
+// Rows quantized to int8 per group of `group` values, in the dot layout (zeros past `cols`),
+// with each group's scale d and its sum of q times the weights' code offset (NibbleCodes).
+struct Int8Rows {
+  int64_t cols = 0, group = 1, groups = 0, span = 32, stride = 0;
+  int32_t offset = 0;
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+  std::vector<int32_t> offset_sum;
+
+  void reset(int64_t rows, int64_t cols_, int64_t group_, int64_t span_, int32_t offset_) {
+    cols = cols_, group = group_, groups = ceil_div(cols, group), span = span_, offset = offset_;
+    stride = ceil_div(cols, 64) * 64;
+    q.assign(rows * stride, 0);
+    scale.assign(rows * groups, 0.0f);
+    offset_sum.assign(rows * groups, 0);
+  }
+  const int8_t* values(int64_t row) const { return q.data() + row * stride; }
+  const float* scales(int64_t row) const { return scale.data() + row * groups; }
+  const int32_t* offset_sums(int64_t row) const { return offset_sum.data() + row * groups; }
+};
+
+// Row `row` of `rows` from bf16 x: per group d = max |x| / 127, q = x / d rounded half to even.
+void quantize_row(const uint16_t* x, Int8Rows& rows, int64_t row) {
+  int8_t* q = rows.q.data() + row * rows.stride;
+  for (int64_t g = 0; g < rows.groups; ++g) {
+    const int64_t k0 = g * rows.group, k1 = std::min(rows.cols, k0 + rows.group);
+    float amax = 0.0f;
+    for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(bf16_to_f32(x[k])));
+    const float d = amax / 127.0f;
+    int32_t total = 0;
+    for (int64_t k = k0; k < k1; ++k) {
+      const float v = d > 0.0f ? std::nearbyint(bf16_to_f32(x[k]) / d) : 0.0f;
+      const int32_t qk = static_cast<int32_t>(std::min(127.0f, std::max(-127.0f, v)));
+      q[dot_position(k, rows.span)] = static_cast<int8_t>(qk);
+      total += qk;
+    }
+    rows.scale[row * rows.groups + g] = d;
+    rows.offset_sum[row * rows.groups + g] = rows.offset * total;
+  }
+}
+
+// A nibble code as the unsigned byte the integer dots multiply, its value v + offset: int4 codes
+// are v + 8 already; an MXFP4 code maps to 2 * E2M1 value + 12 (v = 2 * E2M1 in [-12, 12]).
+struct NibbleCodes {
+  uint8_t byte[16];
+  int32_t offset;
+  bool identity;  // byte[n] = n: the vector paths skip the table
+};
+constexpr NibbleCodes kInt4Codes = {{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, 8, true};
+constexpr NibbleCodes kMxfp4Codes = {{12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0}, 12, false};
+
+inline const NibbleCodes& nibble_codes(const MoEHostCall& c) { return c.format == kMxfp4 ? kMxfp4Codes : kInt4Codes; }
+
+// The float32 group scales s of scale row `scale_row` of m in the int8 path into dst[g * stride]:
+// int4's stored floats, MXFP4's half E8M0 scales (v being 2 * E2M1).
+inline void int8_weight_scales(const MoEHostCall& c, const QuantMatrix& m, int64_t scale_row, float* dst,
+                               int64_t stride) {
+  const int64_t first = scale_row * m.scale_cols;
+  if (c.format == kMxfp4) {
+    for (int64_t g = 0; g < m.scale_cols; ++g) dst[g * stride] = e8m0_to_f32(m.scales[first + g]) * 0.5f;
+  } else {
+    const float* scales = reinterpret_cast<const float*>(m.scales) + first;
+    for (int64_t g = 0; g < m.scale_cols; ++g) dst[g * stride] = scales[g];
+  }
+}
+
+// One int8 dot call's integer part: R <= 4 rows of nibbles against NT <= 4 quantized rows q of
+// `x`'s layout; sums[(t * groups + g) * 4 + r] = group g's sum of (v + offset) q.
+struct GroupSums {
+  const uint8_t* const* w;
+  int R;
+  const int8_t* const* q;
+  int NT;
+  const Int8Rows& x;
+  int32_t* sums;
+};
+
+void group_sums_portable(const NibbleCodes& codes, const GroupSums& s) {
+  const Int8Rows& x = s.x;
+  for (int t = 0; t < s.NT; ++t)
+    for (int64_t g = 0; g < x.groups; ++g)
+      for (int r = 0; r < 4; ++r) {  // rows past R: zero sums, as the vector paths leave them
+        int32_t total = 0;
+        for (int64_t k = g * x.group; r < s.R && k < std::min(x.cols, (g + 1) * x.group); ++k) {
+          const uint32_t code = (s.w[r][k / 2] >> (4 * (k & 1))) & 15u;
+          total += static_cast<int32_t>(codes.byte[code]) * s.q[t][dot_position(k, x.span)];
+        }
+        s.sums[(t * x.groups + g) * 4 + r] = total;
+      }
+}
+
+#define AVX2 __attribute__((target("avx2,fma")))
+#define AVX512_VNNI __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
+
+// The S / 2 bytes of nibbles at w (`bytes` of them readable; fewer: zero-filled) as S unsigned
+// bytes in the dot layout, in S / 32 vectors, each nibble through the code table.
+template <int S>
+AVX2 inline void nibble_span(const uint8_t* w, int64_t bytes, const NibbleCodes& codes, __m256i table, __m256i* out) {
+  if (__builtin_expect(bytes < S / 2, 0)) {  // the row's last span: not past its bytes
+    alignas(32) uint8_t tail[32] = {};
+    std::memcpy(tail, w, bytes);
+    return nibble_span<S>(tail, S / 2, codes, table, out);
+  }
+  const __m256i low4 = _mm256_set1_epi8(15);
+  if (S == 64) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    out[0] = _mm256_and_si256(b, low4);
+    out[1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+  } else {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+    out[0] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), low4);
+  }
+  if (!codes.identity)
+    for (int h = 0; h < S / 32; ++h) out[h] = _mm256_shuffle_epi8(table, out[h]);
+}
+
+// How far ahead of a row's reads the vector paths prefetch it: the rows of a dot call are a few
+// streams far apart, more than the hardware prefetchers keep ahead of at this compute density.
+constexpr int64_t kPrefetchBytes = 512;
+
+// The int32 sums of the four lanes of each 128-bit half of a, b, c and d: [a, b, c, d] of the
+// low halves, then of the high ones.
+AVX2 inline __m256i sum_halves4(__m256i a, __m256i b, __m256i c, __m256i d) {
+  return _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+}
+
+// Group g's sums of four rows' accumulators into s.sums for token t: each accumulator sums one
+// group (the halves added), or two, g in its low half and g + 1 in its high one (groups of 32
+// values in spans of 64: a span's low half holds the even and odd values of its first 32).
+template <bool kTwoGroups>
+AVX2 inline void store_group_sums(__m256i a, __m256i b, __m256i c, __m256i d, int32_t* sums, int64_t groups,
+                                  int t, int64_t g) {
+  const __m256i halves = sum_halves4(a, b, c, d);
+  int32_t* at = sums + (t * groups + g) * 4;
+  if (!kTwoGroups) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(at),
+                     _mm_add_epi32(_mm256_castsi256_si128(halves), _mm256_extracti128_si256(halves, 1)));
+    return;
+  }
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(at), _mm256_castsi256_si128(halves));
+  if (g + 1 < groups) _mm_storeu_si128(reinterpret_cast<__m128i*>(at + 4), _mm256_extracti128_si256(halves, 1));
+}
+
+// Group sums of R rows against P = 1 or 2 tokens from t0, the rows in lockstep: each span of
+// weights is decoded once for the P tokens, each token's span loaded once for the R rows.
+// vpmaddubsw multiplies unsigned bytes by int8 into int16 pairs (at most 2 x 24 x 127 a pair, two
+// pairs summed: no saturation), vpmaddwd widens them into int32.
+template <int S, bool kTwoGroups, int R, int P>
+AVX2 void group_sums_avx2_tile(const NibbleCodes& codes, const GroupSums& s, int t0) {
+  const Int8Rows& x = s.x;
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes.byte)));
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t bytes = ceil_div(x.cols, 2);
+  constexpr int64_t kStep = kTwoGroups ? 2 : 1;  // groups an accumulator sums
+  for (int64_t g = 0; g < x.groups; g += kStep) {
+    __m256i acc[4][P];
+    for (int r = 0; r < 4; ++r)
+      for (int p = 0; p < P; ++p) acc[r][p] = _mm256_setzero_si256();
+    for (int64_t k = g * x.group; k < std::min(x.cols, (g + kStep) * x.group); k += S) {
+      __m256i xs[P][S / 32];
+      for (int p = 0; p < P; ++p)
+        for (int h = 0; h < S / 32; ++h)
+          xs[p][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.q[t0 + p] + k + 32 * h));
+      for (int r = 0; r < R; ++r) {
+        __m256i w[S / 32];
+        _mm_prefetch(reinterpret_cast<const char*>(s.w[r] + k / 2 + kPrefetchBytes), _MM_HINT_T0);
+        nibble_span<S>(s.w[r] + k / 2, bytes - k / 2, codes, table, w);
+        for (int p = 0; p < P; ++p) {
+          __m256i pairs = _mm256_maddubs_epi16(w[0], xs[p][0]);
+          if (S == 64) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[1], xs[p][1]));
+          acc[r][p] = _mm256_add_epi32(acc[r][p], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+    }
+    for (int p = 0; p < P; ++p)
+      store_group_sums<kTwoGroups>(acc[0][p], acc[1][p], acc[2][p], acc[3][p], s.sums, x.groups, t0 + p, g);
+  }
+}
+
+// The same with vpdpbusd (four unsigned bytes times four int8 into each int32 lane).
+template <int S, bool kTwoGroups, int R, int P>
+AVX512_VNNI void group_sums_vnni_tile(const NibbleCodes& codes, const GroupSums& s, int t0) {
+  const Int8Rows& x = s.x;
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes.byte)));
+  const int64_t bytes = ceil_div(x.cols, 2);
+  constexpr int64_t kStep = kTwoGroups ? 2 : 1;  // groups an accumulator sums
+  for (int64_t g = 0; g < x.groups; g += kStep) {
+    __m256i acc[4][P];
+    for (int r = 0; r < 4; ++r)
+      for (int p = 0; p < P; ++p) acc[r][p] = _mm256_setzero_si256();
+    for (int64_t k = g * x.group; k < std::min(x.cols, (g + kStep) * x.group); k += S) {
+      __m256i xs[P][S / 32];
+      for (int p = 0; p < P; ++p)
+        for (int h = 0; h < S / 32; ++h)
+          xs[p][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.q[t0 + p] + k + 32 * h));
+      for (int r = 0; r < R; ++r) {
+        __m256i w[S / 32];
+        _mm_prefetch(reinterpret_cast<const char*>(s.w[r] + k / 2 + kPrefetchBytes), _MM_HINT_T0);
+        nibble_span<S>(s.w[r] + k / 2, bytes - k / 2, codes, table, w);
+        for (int p = 0; p < P; ++p)
+          for (int h = 0; h < S / 32; ++h) acc[r][p] = _mm256_dpbusd_epi32(acc[r][p], w[h], xs[p][h]);
+      }
+    }
+    for (int p = 0; p < P; ++p)
+      store_group_sums<kTwoGroups>(acc[0][p], acc[1][p], acc[2][p], acc[3][p], s.sums, x.groups, t0 + p, g);
+  }
+}
+
+// A tile function by its row count: Tile<R>::run for R = 1 .. 4.
+template <template <int> class Tile>
+inline void by_rows(int R, const NibbleCodes& codes, const GroupSums& s, int t0) {
+  switch (R) {
+    case 1: Tile<1>::run(codes, s, t0); break;
+    case 2: Tile<2>::run(codes, s, t0); break;
+    case 3: Tile<3>::run(codes, s, t0); break;
+    default: Tile<4>::run(codes, s, t0); break;
+  }
+}
+
+// The tile functions of one span, grouping and token count, by row count: Tile<R>::run.
+template <int S, bool kTwoGroups, int P>
+struct Avx2Tiles {
+  template <int R>
+  struct Tile {
+    static void run(const NibbleCodes& codes, const GroupSums& s, int t0) {
+      group_sums_avx2_tile<S, kTwoGroups, R, P>(codes, s, t0);
+    }
+  };
+};
+
+template <int S, bool kTwoGroups, int P>
+struct VnniTiles {
+  template <int R>
+  struct Tile {
+    static void run(const NibbleCodes& codes, const GroupSums& s, int t0) {
+      group_sums_vnni_tile<S, kTwoGroups, R, P>(codes, s, t0);
+    }
+  };
+};
+
+// The group sums of tokens [t0, t0 + P) on a vector path, by the call's span and group size.
+template <template <int, bool, int> class Tiles, int P>
+void group_sums_tokens(const NibbleCodes& codes, const GroupSums& s, int t0) {
+  if (s.x.span == 32)
+    by_rows<Tiles<32, false, P>::template Tile>(s.R, codes, s, t0);
+  else if (s.x.group == 32)
+    by_rows<Tiles<64, true, P>::template Tile>(s.R, codes, s, t0);
+  else
+    by_rows<Tiles<64, false, P>::template Tile>(s.R, codes, s, t0);
+}
+
+// The group sums on a vector path (groups of a multiple of 32 values), tokens two at a time.
+template <template <int, bool, int> class Tiles>
+void group_sums_vector(const NibbleCodes& codes, const GroupSums& s) {
+  for (int t0 = 0; t0 < s.NT; t0 += 2) {
+    if (s.NT - t0 >= 2)
+      group_sums_tokens<Tiles, 2>(codes, s, t0);
+    else
+      group_sums_tokens<Tiles, 1>(codes, s, t0);
+  }
+}
+
+template <typename T>
+T* thread_buffer(int64_t count) {
+  thread_local std::vector<T> buffer;
+  if (static_cast<int64_t>(buffer.size()) < count) buffer.resize(count);
+  return buffer.data();
+}
+
+// acc[r * NT + t] = the int8-path dot of matrix m's rows rows[r] and the quantized rows
+// xrows[t] of x: integer group sums, then acc = acc + float(sum) * (s * d) in group order.
+void int8_dots(const MoEHostCall& c, int bank, const QuantMatrix& m, const int64_t* rows, int R, const Int8Rows& x,
+               const int64_t* xrows, int NT, float* acc) {
+  const uint8_t* w[4];
+  const int8_t* q[4];
+  for (int r = 0; r < R; ++r) w[r] = m.weights + rows[r] * m.row_bytes;
+  for (int t = 0; t < NT; ++t) q[t] = x.values(xrows[t]);
+  int32_t* sums = thread_buffer<int32_t>(NT * x.groups * 4);
+  const GroupSums s{w, R, q, NT, x, sums};
+  const NibbleCodes& codes = nibble_codes(c);
+  if (x.group % 32 == 0 && c.int8_isa == kInt8Vnni)
+    group_sums_vector<VnniTiles>(codes, s);
+  else if (x.group % 32 == 0 && c.int8_isa == kInt8Avx2)
+    group_sums_vector<Avx2Tiles>(codes, s);
+  else
+    group_sums_portable(codes, s);
+  float* ws = thread_buffer<float>(4 * x.groups);  // [g][r]: the four rows' scales side by side
+  for (int r = 0; r < 4; ++r) int8_weight_scales(c, m, scale_row_of(c, bank, rows[std::min(r, R - 1)]), ws + r, 4);
+  for (int t = 0; t < NT; ++t) {
+    const float* d = x.scales(xrows[t]);
+    const int32_t* offset_sum = x.offset_sums(xrows[t]);
+    const int32_t* sum = sums + t * x.groups * 4;
+    float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t g = 0; g < x.groups; ++g)
+      for (int r = 0; r < 4; ++r) a[r] = a[r] + static_cast<float>(sum[g * 4 + r] - offset_sum[g]) * (ws[g * 4 + r] * d[g]);
+    for (int r = 0; r < R; ++r) acc[r * NT + t] = a[r];
+  }
+}
+
 struct Group {
   int64_t expert, start, count;  // routes order[start .. start + count) go to `expert`
 };
@@ -488,6 +838,60 @@ void down_unit(const MoEHostCall& c, const std::vector<Group>& groups, const int
   }
 }
 
+// Phase A of the int8 path, one unit: as gate_up_unit, the dots against the tokens' int8 rows x.
+void gate_up_unit_int8(const MoEHostCall& c, const Group& g, const int32_t* order, int64_t i0, int64_t i1,
+                       const Int8Rows& x) {
+  const QuantMatrix m = quant_matrix(c, 0, g.expert);
+  for (int64_t t0 = 0; t0 < g.count; t0 += 4) {
+    const int nt = static_cast<int>(std::min<int64_t>(4, g.count - t0));
+    int64_t tokens[4];
+    for (int t = 0; t < nt; ++t) tokens[t] = order[g.start + t0 + t] / c.K;
+    for (int64_t i = i0; i < i1; i += 2) {
+      const int pair = static_cast<int>(std::min<int64_t>(2, i1 - i));
+      int64_t rows[4];
+      for (int p = 0; p < pair; ++p) {
+        rows[p] = i + p;
+        rows[pair + p] = c.I + i + p;
+      }
+      float acc[16];
+      int8_dots(c, 0, m, rows, 2 * pair, x, tokens, nt, acc);
+      for (int p = 0; p < pair; ++p)
+        for (int t = 0; t < nt; ++t)
+          c.act[order[g.start + t0 + t] * c.I + i + p] =
+              activate_into(c, g.expert, i + p, acc[p * nt + t], acc[(pair + p) * nt + t]);
+    }
+  }
+}
+
+// Phase B of the int8 path, one unit: as down_unit, against the routes' int8 act rows.
+void down_unit_int8(const MoEHostCall& c, const std::vector<Group>& groups, const int32_t* order, int64_t n0,
+                    int64_t n1, const Int8Rows& acts) {
+  for (const Group& g : groups) {
+    const QuantMatrix m = quant_matrix(c, 1, g.expert);
+    for (int64_t t0 = 0; t0 < g.count; t0 += 4) {
+      const int nt = static_cast<int>(std::min<int64_t>(4, g.count - t0));
+      int64_t routes[4];
+      for (int t = 0; t < nt; ++t) routes[t] = order[g.start + t0 + t];
+      for (int64_t n = n0; n < n1; n += 4) {
+        const int nr = static_cast<int>(std::min<int64_t>(4, n1 - n));
+        int64_t rows[4];
+        for (int r = 0; r < nr; ++r) rows[r] = n + r;
+        float acc[16];
+        int8_dots(c, 1, m, rows, nr, acts, routes, nt, acc);
+        for (int t = 0; t < nt; ++t)
+          for (int r = 0; r < nr; ++r)
+            c.out[routes[t] * c.H + n + r] =
+                weighted_out(c, g.expert, n + r, c.weights[routes[t]], acc[r * nt + t]);
+      }
+    }
+  }
+}
+
+// Whether a call takes the int8 path: int8 activations asked for, over banks of integer nibbles.
+inline bool int8_path(const MoEHostCall& c) {
+  return c.activations == kActInt8 && (c.format == kInt4 || c.format == kMxfp4);
+}
+
 // Counting sort of the valid routes by expert: `order` lists them, `groups` the runs.
 std::vector<Group> group_routes(const MoEHostCall& c, std::vector<int32_t>& order) {
   const int64_t routes = c.T * c.K;
@@ -540,6 +944,14 @@ void moe_host_timing(int64_t* out) {
   out[5] = g_working_ns.load();
 }
 
+// The best MoEHostInt8Isa this CPU runs.
+int moe_host_int8_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw"))
+    return kInt8Vnni;
+  return __builtin_cpu_supports("avx2") ? kInt8Avx2 : kInt8Portable;
+}
+
 int moe_host_has_avx512_bf16() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
@@ -574,21 +986,42 @@ void moe_host_run(void* arg) {
     omp_set_schedule(omp_sched_dynamic, 1);
   else
     omp_set_schedule(omp_sched_static, 0);
+  const bool int8 = int8_path(c);
+  Int8Rows tokens, acts;  // the int8 path's quantized x rows (by token) and act rows (by route)
+  if (int8) {
+    tokens.reset(c.T, c.H, c.block_k, dot_span(c), nibble_codes(c).offset);
+    acts.reset(routes, c.I, c.block_k, dot_span(c), nibble_codes(c).offset);
+  }
+  const int64_t valid = static_cast<int64_t>(order.size());
 #pragma omp parallel num_threads(c.threads)
   {
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < routes; ++r)
       if (c.ids[r] < 0 || c.ids[r] >= c.E) std::memset(c.out + r * c.H, 0, c.H * sizeof(uint16_t));
+    if (int8) {
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < c.T; ++t) quantize_row(c.x + t * c.H, tokens, t);
+    }
 #pragma omp for schedule(runtime)
     for (int64_t u = 0; u < units_a; ++u) {
       const Group& g = groups[u / units_per_group];
-      int64_t i0 = (u % units_per_group) * kRowsA;
-      gate_up_unit(c, g, order.data(), i0, std::min(c.I, i0 + kRowsA), avx512);
+      int64_t i0 = (u % units_per_group) * kRowsA, i1 = std::min(c.I, i0 + kRowsA);
+      if (int8)
+        gate_up_unit_int8(c, g, order.data(), i0, i1, tokens);
+      else
+        gate_up_unit(c, g, order.data(), i0, i1, avx512);
+    }
+    if (int8) {
+#pragma omp for schedule(static)
+      for (int64_t j = 0; j < valid; ++j) quantize_row(c.act + order[j] * c.I, acts, order[j]);
     }
 #pragma omp for schedule(runtime)
     for (int64_t u = 0; u < units_b; ++u) {
-      int64_t n0 = u * kRowsB;
-      down_unit(c, groups, order.data(), n0, std::min(c.H, n0 + kRowsB), avx512);
+      int64_t n0 = u * kRowsB, n1 = std::min(c.H, n0 + kRowsB);
+      if (int8)
+        down_unit_int8(c, groups, order.data(), n0, n1, acts);
+      else
+        down_unit(c, groups, order.data(), n0, n1, avx512);
     }
   }
   record_time(start, static_cast<int64_t>(groups.size()));
