@@ -62,6 +62,7 @@ CHOICES = {"load_format": lambda: LOAD_FORMATS, "device": lambda: DEVICES, "dtyp
            "moe_host_dispatch": _choices("moeferry.moe.host_channel", "DISPATCHES"),
            "moe_host_staging": _choices("moeferry.moe.host_channel", "STAGINGS"),
            "moe_host_schedule": _choices("moeferry.kernels.fused_moe.host", "SCHEDULES"),
+           "moe_host_activations": _choices("moeferry.kernels.fused_moe.host", "ACTIVATIONS_PRECISIONS"),
            "moe_uva_block_assignment": _choices("moeferry.kernels.fused_moe", "BLOCK_ASSIGNMENTS")}
 
 
@@ -119,6 +120,7 @@ READ_BY = {
     "moe_host_dispatch": ("moe_strategy", ("hybrid", "cpu")),
     "moe_host_staging": ("moe_strategy", ("hybrid", "cpu")),
     "moe_host_schedule": ("moe_strategy", ("hybrid", "cpu")),
+    "moe_host_activations": ("moe_strategy", ("hybrid", "cpu")),
     "moe_timeline": ("moe_strategy", ("hybrid",)),
     "moe_tuner_period": ("moe_strategy", ("hybrid",)),
     "moe_tuner_min_experts": ("moe_strategy", ("hybrid",)),
@@ -188,6 +190,10 @@ class EngineConfig:
     moe_host_share: float | None = option(None, "MoE", "hybrid: the share of each step's missed experts computed on "
                                                        "the host (default: from the two channels' speeds, measured "
                                                        "at start-up)")
+    moe_host_activations: str = option("bf16", "MoE", "cpu or hybrid: the tokens' precision in the host kernel's "
+                                                      "dots over int4 and mxfp4 experts: bf16 (exact, the GPU's "
+                                                      "arithmetic) or int8 (quantized per group, integer dots: "
+                                                      "4-bit weights read at memory speed; docs/host_channel.md)")
     moe_prefill_demand_tokens: int | str = option(0, "MoE", "offload, hybrid or cpu: a prefill chunk of at most this many tokens "
                                                             "loads only the experts it routes to, a longer one streams "
                                                             "every expert not resident; 0: always stream; auto: decided "

@@ -53,11 +53,14 @@ class HostChannelOptions:
     thread polling pinned memory; kernel staging only) or "host_function" (a CUDA host function
     on a side stream); `staging` "kernel" (kernels/host_staging on the main stream) or "copy"
     (`copy_` on the side stream); `schedule`, how the kernel deals its work units to its
-    threads (kernels/fused_moe/host.py SCHEDULES)."""
+    threads (kernels/fused_moe/host.py SCHEDULES); `activations`, the tokens' precision in the
+    dots of int4 and mxfp4 banks: "bf16" (the exact path) or "int8" (quantized per group,
+    integer dots; kernels/fused_moe/host.py ACTIVATIONS_PRECISIONS)."""
 
     dispatch: str = "mailbox"
     staging: str = "kernel"
     schedule: str = host_kernel.DEFAULT_SCHEDULE
+    activations: str = host_kernel.DEFAULT_ACTIVATIONS
 
     def __post_init__(self):
         if self.dispatch not in DISPATCHES:
@@ -66,6 +69,9 @@ class HostChannelOptions:
             raise ConfigError(f"--moe-host-staging {self.staging!r}: choose one of {', '.join(STAGINGS)}")
         if self.schedule not in host_kernel.SCHEDULES:
             raise ConfigError(f"--moe-host-schedule {self.schedule!r}: choose one of {', '.join(host_kernel.SCHEDULES)}")
+        if self.activations not in host_kernel.ACTIVATIONS_PRECISIONS:
+            raise ConfigError(f"--moe-host-activations {self.activations!r}: choose one of "
+                              f"{', '.join(host_kernel.ACTIVATIONS_PRECISIONS)}")
         if self.dispatch == "mailbox" and self.staging != "kernel":
             raise ConfigError("--moe-host-dispatch mailbox stages by kernel only: use --moe-host-staging kernel")
 
@@ -167,7 +173,8 @@ class HostExpertChannel:
             bank = self.banks[layer_id]
             self.calls[key] = host_kernel.make_call(
                 self.x[:num_tokens], self.ids[:num_tokens], self.weights[:num_tokens], self.out[:num_tokens],
-                bank.w13, bank.w2, self.act, self.threads, schedule=self.options.schedule, **bank.kernel_args())
+                bank.w13, bank.w2, self.act, self.threads, schedule=self.options.schedule,
+                activations=self.options.activations, **bank.kernel_args())
         return self.calls[key]
 
     def begin(self, layer_id: int, hidden: torch.Tensor, topk_weights: torch.Tensor, host_ids: torch.Tensor) -> None:

@@ -18,9 +18,11 @@ logger = logging.getLogger(__name__)
 
 
 def channel_options(engine_config) -> HostChannelOptions:
-    """The host channel's options from the engine's (--moe-host-dispatch, -staging, -schedule)."""
+    """The host channel's options from the engine's (--moe-host-dispatch, -staging, -schedule,
+    -activations)."""
     ec = engine_config
-    return HostChannelOptions(ec.moe_host_dispatch, ec.moe_host_staging, ec.moe_host_schedule)
+    return HostChannelOptions(ec.moe_host_dispatch, ec.moe_host_staging, ec.moe_host_schedule,
+                              ec.moe_host_activations)
 
 
 class HostCompute:

@@ -105,7 +105,8 @@ def host_call_time(banks: dict, channel: HostExpertChannel, experts: int, repeat
         ids = ((torch.arange(experts) + run * experts) % sample.num_experts).to(torch.int32).reshape(1, experts)
         bank = banks[layer]
         call = host_kernel.make_call(hidden, ids, weights, out, bank.w13, bank.w2, channel.act, channel.threads,
-                                     schedule=channel.options.schedule, **bank.kernel_args())
+                                     schedule=channel.options.schedule,
+                                     activations=channel.options.activations, **bank.kernel_args())
         start = time.perf_counter()
         host_kernel.run(call)
         times.append(time.perf_counter() - start)

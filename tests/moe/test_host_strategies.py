@@ -270,3 +270,25 @@ def test_both_schedules_give_the_same_bits_and_an_unknown_one_is_refused():
     assert torch.equal(outputs["static"], outputs["dynamic"]) and bool((outputs["static"] != 0).any())
     with pytest.raises(ConfigError, match="--moe-host-schedule 'guided': choose one of static, dynamic"):
         HostChannelOptions(schedule="guided")
+
+
+def test_int8_host_activations_run_the_int8_path_and_stay_near_the_exact_one():
+    """--moe-host-activations int8 reaches the host kernel's calls: over int4 experts the host's
+    routes take the int8 path (not the exact bits), and the decode steps' log-probabilities stay
+    near the exact path's (the prefill streams: its token is the GPU path's under both)."""
+    from moeferry.default_model import ensure_default_model
+
+    path = ensure_default_model()
+    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=5, ignore_eos=True)
+    prompts = [list(range(10, 40)), [5, 17, 33, 2, 9, 71, 40]]
+    runs = {}
+    for activations in ("bf16", "int8"):
+        llm = LLM(path, dtype="bfloat16", device="cpu", quantization="int4", moe_strategy="cpu",
+                  moe_host_activations=activations)
+        assert llm.engine.runner.strategy.host.channel.options.activations == activations
+        runs[activations] = [dict(step.top) for o in llm.generate(prompts, params) for step in o.logprobs[1:]]
+    for exact, int8 in zip(runs["bf16"], runs["int8"]):
+        shared = set(exact) & set(int8)
+        assert len(shared) >= 4
+        assert max(abs(exact[t] - int8[t]) for t in shared) < 0.15
+    assert runs["bf16"] != runs["int8"]
