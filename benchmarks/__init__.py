@@ -35,6 +35,8 @@ BENCHMARKS = {
               "hybrid and gpu at 0-100% of the experts on the GPU beside both channels' floors",
     "routing": "expert-cache policies on the built-in model's trained routing at 25/50/75% caches, each simulated "
                "from a recorded trace and measured on the offload engine: decode hit rates and tok/s",
+    "host_kernel": "the host expert kernel alone on the CPU (no GPU needed): GB/s and experts a second per weight "
+                   "format (bf16, fp8, int4, mxfp4), the exact path against the int8 path",
     "predictor": "next-layer expert prediction (layer l+1's router on an earlier hidden state): recall of the true "
                  "top-k and wasted prefetch on the built-in model and every family's tiny checkpoint (CPU)",
 }

@@ -14,7 +14,7 @@ import time
 import torch
 
 from benchmarks.common import add_results_flag, command_line, markdown_table, report
-from moeferry.testing.fixtures import QWEN3_30B_DIR_CONFIG
+from tests.support.fixtures import QWEN3_30B_DIR_CONFIG
 
 FORMATS = ("bf16", "fp8", "int4", "mxfp4")
 INT8_FORMATS = ("int4", "mxfp4")  # the formats the int8 activations apply to
