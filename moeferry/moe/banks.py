@@ -99,8 +99,7 @@ class ExpertBanks:
         args = {} if self.activation == SILU else {"activation": self.activation}
         if self.w13_bias is not None:
             args.update(w13_bias=self.w13_bias, w2_bias=self.w2_bias)
-        if self.format.quantized:
-            args.update(w13_scale=self.w13_scale, w2_scale=self.w2_scale, block_shape=self.format.block_shape)
+        args.update(self.format.kernel_args(self.w13_scale, self.w2_scale))
         return args
 
     @property

@@ -4,9 +4,10 @@ format (bit-level layouts: docs/formats.md).
 An `ExpertFormat` owns everything about its format: reading the checkpoint's
 `quantization_config` (`from_quantization_config`) and its tensor names (`suffixes`), the
 banks' layout and bytes (`weight_dtype`, `pack`, `block_shape`, `scale_dtype`), quantizing a
-float weight into it and dequantizing it back, and what the kernels are told (`kernel_name`,
-the fused MoE's `weight_format`; `host_code`, the host kernel's format number). Kernels receive
-the format from here, never infer it from a dtype.
+float weight into it and dequantizing it back, and the arguments the expert kernels take for it
+(`kernel_args`). The kernels themselves recognise a quantized format by its storage dtype (fp8
+values, int4's int32 words, MXFP4's bytes); a new format stored like another (NVFP4's bytes
+beside MXFP4's) would have them take its name.
 
     unquantized  the compute dtype (bf16 on a GPU)
     fp8          block FP8 e4m3, a float32 scale per block (DeepSeek-V3, Qwen3 FP8)   formats/fp8.py
@@ -51,16 +52,17 @@ class ExpertFormat:
     # shape); the leading "." or "_" is the separator the checkpoints use
     suffixes: ClassVar[dict[str, str]] = {}
     quant_method: ClassVar[str | None] = None  # config.json's quantization_config.quant_method
-    host_code: ClassVar[int] = 0  # the host kernel's format number (kernels/fused_moe/host_experts.cpp)
 
     @property
     def quantized(self) -> bool:
         return self.block_shape is not None
 
-    @property
-    def kernel_name(self) -> str | None:
-        """The fused MoE kernels' `weight_format` (None: the compute dtype)."""
-        return self.name if self.quantized else None
+    def kernel_args(self, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None) -> dict:
+        """The expert kernels' (fused_moe, the host kernel) keyword arguments for banks of this
+        format: their scales and block shape (none for the compute dtype)."""
+        if not self.quantized:
+            return {}
+        return {"w13_scale": w13_scale, "w2_scale": w2_scale, "block_shape": self.block_shape}
 
     def describe(self) -> str:
         """The format for the start-up plan and /v1/stats, e.g. 'fp8 e4m3, 128x128 blocks'."""

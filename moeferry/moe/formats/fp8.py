@@ -23,7 +23,6 @@ class BlockFp8(ExpertFormat):
 
     suffixes = {".weight_scale_inv": "scale"}
     quant_method = "fp8"
-    host_code = 1
 
     def describe(self) -> str:
         return f"fp8 e4m3, {self.block_shape[0]}x{self.block_shape[1]} blocks"

@@ -27,7 +27,6 @@ class Int4Groups(ExpertFormat):
 
     suffixes = {".weight_packed": "weight", ".weight_scale": "scale", ".weight_shape": "shape"}
     quant_method = "compressed-tensors"
-    host_code = 2
 
     def describe(self) -> str:
         return f"int4 W4A16, groups of {self.block_shape[1]}"

@@ -23,7 +23,6 @@ class Mxfp4(ExpertFormat):
 
     suffixes = {"_blocks": "weight", "_scales": "scale"}
     quant_method = "mxfp4"
-    host_code = 3
 
     def describe(self) -> str:
         return f"mxfp4 e2m1, e8m0 scales per {self.block_shape[1]}"
