@@ -87,9 +87,10 @@ def json_schema_constraint(schema: dict | str, param: str = "response_format", p
             raise InvalidRequest(f"the JSON schema is not valid JSON: {exc}", param) from None
     if not isinstance(schema, dict):
         raise InvalidRequest("the JSON schema must be a JSON object", param)
-    check_schema(schema, param)
     # key order kept: the grammar emits an object's properties in the order the schema lists them
-    return Constraint("json_schema", json.dumps(schema, separators=(",", ":")), param, prefix, suffix)
+    constraint = Constraint("json_schema", json.dumps(schema, separators=(",", ":")), param, prefix, suffix)
+    check_schema(schema, param)  # after the size bound
+    return constraint
 
 
 _XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")

@@ -15,8 +15,8 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "address"
           "required": ["name", "address"], "additionalProperties": False,
           "$defs": {"Address": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
                                 "additionalProperties": False}}}
-TREE = {"type": "object", "properties": {"label": {"type": "string"}, "child": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
-        "required": ["label", "child"], "additionalProperties": False}
+TREE = {"type": "object", "required": ["label", "child"], "additionalProperties": False,
+        "properties": {"label": {"type": "string"}, "child": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}}
 
 
 def tool(name: str, parameters: dict) -> dict:
