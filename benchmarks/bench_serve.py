@@ -15,6 +15,11 @@ The checkpoint directory holds config.json plus a synthetic word-level tokenizer
 whole vocabulary (id i <-> "t<i>"): without a tokenizer the server streams no text, hence no
 per-token events; with this one every token decodes to text, so each token is one SSE event.
 
+With --attack, the table is instead the latency of well-behaved clients (each sending short
+streaming completions one after another) alone, then beside attackers that each post one
+kind of abusive body in a loop (a text prompt of millions of characters, a megabyte of
+guided_choice, 60,000 messages): p50 and p99 of time to first token and of the whole request.
+
 GPU only: without CUDA it says so and exits 0.
 """
 
@@ -61,6 +66,10 @@ def parse_args(argv):
     p.add_argument("--skip-no-graph", action="store_true", help="measure with CUDA graphs only")
     p.add_argument("--startup-timeout", type=float, default=420.0, help="seconds to wait for /health")
     add_routing_flag(p, default=MODEL_ROUTING)
+    p.add_argument("--attack", nargs="+", choices=[*ATTACKS, "all"], default=None,
+                   help="measure well-behaved clients' latency alone and beside each of these attackers instead")
+    p.add_argument("--attack-clients", type=int, default=4, help="--attack: well-behaved clients")
+    p.add_argument("--attack-seconds", type=float, default=30.0, help="--attack: seconds of each round")
     add_results_flag(p)
     p.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -229,6 +238,89 @@ def decode_stats(streams: list[Stream]) -> tuple[float, float, float]:
     return tokens / window, busy / tokens, statistics.mean(s.ttft for s in streams)
 
 
+# ---- well-behaved clients beside an attacker ---------------------------------------------------
+def _huge_prompt() -> tuple[str, dict]:
+    return "/v1/completions", {"prompt": "t1 " * 2_500_000, "max_tokens": 1}
+
+
+def _long_choice() -> tuple[str, dict]:
+    return "/v1/completions", {"prompt": "t1 t2", "max_tokens": 4, "guided_choice": ["t3 " * 330_000]}
+
+
+def _many_messages() -> tuple[str, dict]:
+    call = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    return "/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": call}] * 60_000,
+                                    "max_tokens": 2}
+
+
+ATTACKS = {"prompt": _huge_prompt, "choice": _long_choice, "messages": _many_messages}
+_ATTACKERS_PER_KIND = 6
+
+
+async def _attacker(client, path: str, body: bytes, until: float, statuses: list) -> None:
+    while time.perf_counter() < until:
+        resp = await client.post(path, content=body, headers={"content-type": "application/json"})
+        statuses.append(resp.status_code)
+
+
+async def _well_behaved(client, vocab: int, seed: int, max_tokens: int, until: float, out: list) -> None:
+    i = 0
+    while time.perf_counter() < until:
+        stream = await stream_completion(client, random_prompt(seed * 100_000 + i, 32, vocab), max_tokens)
+        out.append((stream.ttft, stream.token_times[-1] - stream.sent))
+        i += 1
+
+
+async def fairness_round(url: str, args, vocab: int, attack: str | None) -> tuple[list, list]:
+    """(ttft, latency) of every well-behaved request and the attackers' statuses of one round."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=args.attack_clients + _ATTACKERS_PER_KIND + 4)
+    async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=httpx.Timeout(600.0), limits=limits) as client:
+        until = time.perf_counter() + args.attack_seconds
+        samples, statuses, tasks = [], [], []
+        if attack is not None:
+            path, body = ATTACKS[attack]()
+            raw = json.dumps(body).encode()
+            tasks += [_attacker(client, path, raw, until, statuses) for _ in range(_ATTACKERS_PER_KIND)]
+        tasks += [_well_behaved(client, vocab, c, 16, until, samples) for c in range(args.attack_clients)]
+        await asyncio.gather(*tasks)
+    return samples, statuses
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def measure_attacks(server: "ServerProcess", args, vocab: int) -> list[list]:
+    asyncio.run(run_concurrent(server.url, [random_prompt(i, 32, vocab) for i in range(args.attack_clients)], 4))
+    kinds = list(ATTACKS) if "all" in args.attack else args.attack
+    rows = []
+    for attack in [None, *kinds]:
+        samples, statuses = asyncio.run(fairness_round(server.url, args, vocab, attack))
+        ttfts, latencies = [t for t, _ in samples], [lat for _, lat in samples]
+        answered = ", ".join(f"{n} x {code}" for code, n in sorted(
+            {c: statuses.count(c) for c in statuses}.items())) or "-"
+        rows.append([attack or "none", len(samples), f"{_quantile(ttfts, 0.5) * 1e3:.0f}",
+                     f"{_quantile(ttfts, 0.99) * 1e3:.0f}", f"{_quantile(latencies, 0.5) * 1e3:.0f}",
+                     f"{_quantile(latencies, 0.99) * 1e3:.0f}", answered])
+        print(rows[-1], flush=True)
+    return rows
+
+
+def report_attacks(args, argv, server: "ServerProcess", rows: list[list]) -> None:
+    table = markdown_table(["attacker (6 connections)", "well-behaved requests", "TTFT p50 ms", "TTFT p99 ms",
+                            "latency p50 ms", "latency p99 ms", "attacker answers"], rows)
+    text = (f"{args.layers} layers, dummy weights, `--moe-strategy gpu`, CUDA graphs. {args.attack_clients} "
+            f"well-behaved clients each stream 32-token completions of 16 tokens one after another for "
+            f"{args.attack_seconds:g} s, alone and beside 6 connections posting one abusive body in a loop: prompt "
+            f"(7.5 MB of text), choice (a 1 MB guided_choice string), messages (60,000 assistant messages with tool "
+            f"calls). Server up in {server.startup_s:.0f} s, exit status {server.exit_code} after SIGINT.")
+    report("serve-attack", "Serving through the HTTP API: well-behaved clients beside an attacker",
+           command_line("benchmarks.bench_serve", argv), table, text, args.results)
+
+
 # ---- one server configuration ------------------------------------------------------------------
 def measure(server: ServerProcess, args, vocab: int) -> tuple[list[list], list[float]]:
     """Decode rows for each concurrency, and the TTFT samples of the long prompt."""
@@ -266,6 +358,17 @@ def main(argv=None) -> int:
         print("bench_serve: no CUDA GPU, nothing measured")
         return 0
     model_dir, config = make_model_dir(args)
+    if args.attack:
+        with ServerProcess(model_dir, args, graphs=True) as server:
+            server.start(args.startup_timeout)
+            try:
+                rows = measure_attacks(server, args, config["vocab_size"])
+            except Exception:
+                print(f"server log, last lines:\n{server.log_tail()}", file=sys.stderr)
+                raise
+            server.stop()
+        report_attacks(args, argv, server, rows)
+        return 0
     decode_rows, ttft_rows, notes = [], [], []
     for graphs in [True] if args.skip_no_graph else [True, False]:
         label = "on" if graphs else "off"

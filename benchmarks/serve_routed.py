@@ -16,7 +16,7 @@ def main(argv: list[str]) -> int:
     from benchmarks.common import force_routing
     from moeferry.cli import build_parser, engine_config_from_args
     from moeferry.engine.engine import Engine
-    from moeferry.server.app import ServerConfig, build_app, log_plan, make_server
+    from moeferry.server.app import ServerConfig, serve_engine
 
     if len(argv) < 2:
         print("usage: python -m benchmarks.serve_routed PROFILE SEED SERVE_FLAGS...", file=sys.stderr)
@@ -26,11 +26,7 @@ def main(argv: list[str]) -> int:
     engine = Engine(engine_config_from_args(args).check())
     if force_routing(engine, routing, seed) is not None:
         engine.runner.recapture_graphs()  # the decode graphs draw the routes
-    config = ServerConfig.from_args(args)
-    app = build_app(engine, config)
-    log_plan(engine, config, app.state.model_info.name)
-    make_server(app, config).run()
-    return 0
+    return serve_engine(engine, ServerConfig.from_args(args))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from moeferry.config import EngineConfig
 from moeferry.sampling import InvalidRequest, SamplingParams
+from moeferry.threads import engine_threads
 
 
 @dataclass
@@ -57,10 +58,11 @@ class LLM:
             for req in reqs:
                 self.engine.abort(req)
             raise
-        while any(not r.finished for r in reqs):
-            for out in self.engine.step():
-                if on_output is not None:
-                    on_output(out)
+        with engine_threads():
+            while any(not r.finished for r in reqs):
+                for out in self.engine.step():
+                    if on_output is not None:
+                        on_output(out)
         return [RequestOutput(r.prompt_ids, list(r.output_ids), r.text, r.finish_reason, list(r.logprobs)) for r in reqs]
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -19,10 +19,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from moeferry.server.engine_loop import EngineLoop
 from moeferry.server.metrics import ActivityLogger, ServerMetrics
-from moeferry.server.openai_api import ModelInfo, OpenAIEndpoints
+from moeferry.config import ConfigError
+from moeferry.server.openai_api import BODY_READ_TIMEOUT_S, ClientGone, ModelInfo, OpenAIEndpoints, Pools
 from moeferry.server.openapi import openapi_schema
 from moeferry.server.protocol import MAX_BODY_BYTES, APIError
 from moeferry.server.responses import ResponsesEndpoint
@@ -30,6 +32,12 @@ from moeferry.tools import family_parser
 
 logger = logging.getLogger("moeferry.server")
 
+CLIENT_GONE = 499  # the status counted for a request whose client left before its answer (nginx's)
+# Shutdown (SIGINT/SIGTERM): open connections get this long to finish once every live request
+# was ended (streams end at once, waiting clients get a 503), then the engine thread this long
+# to stop; the process exits within their sum whatever the load (pool threads are daemons).
+GRACEFUL_SHUTDOWN_S = 5
+ENGINE_STOP_S = 10.0
 _ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/v1/stats", "/health",
               "/metrics")
 
@@ -46,11 +54,15 @@ class ServerConfig:
     served_model_name: str | None = None
     log_interval: float = 10.0
     max_body_bytes: int = MAX_BODY_BYTES
+    body_timeout_s: float = BODY_READ_TIMEOUT_S  # the whole body must arrive within this (408 after)
     tool_call_parser: str | None = None  # None: the model family's (tools.FAMILY_PARSERS)
 
     @classmethod
     def from_args(cls, args) -> "ServerConfig":
-        return cls(host=args.host, port=args.port, api_key=args.api_key or None,
+        if args.api_key is not None and not args.api_key.strip():
+            raise ConfigError("--api-key is empty: give the key clients must send, or leave the flag out to serve "
+                              "without one")
+        return cls(host=args.host, port=args.port, api_key=args.api_key,
                    served_model_name=args.served_model_name, log_interval=args.log_interval,
                    tool_call_parser=args.tool_call_parser)
 
@@ -66,20 +78,23 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     engine_loop = EngineLoop(engine, metrics, ActivityLogger(config.log_interval))
     info = ModelInfo(served_model_name(engine, config), engine.scheduler.context_limit, engine.mc.vocab_size,
                      int(time.time()), family_parser(engine.mc.model_type, config.tool_call_parser))
-    api = OpenAIEndpoints(engine_loop, engine.tokenizer, info, config.max_body_bytes)
+    pools = Pools.create()
+    api = OpenAIEndpoints(engine_loop, engine.tokenizer, info, config.max_body_bytes, pools, config.body_timeout_s)
     responses = ResponsesEndpoint(api)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
         engine_loop.start(asyncio.get_running_loop())
         yield
-        await asyncio.to_thread(engine_loop.stop)
+        pools.close()
+        await asyncio.to_thread(engine_loop.stop, ENGINE_STOP_S)
 
     from moeferry import __version__
 
     app = FastAPI(title="moeferry", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
     app.state.engine_loop, app.state.metrics, app.state.model_info = engine_loop, metrics, info
+    app.state.pools = pools
     app.state.responses = responses
     _add_routes(app, api, engine_loop, metrics)
     app.add_api_route("/v1/responses", responses.create, methods=["POST"])
@@ -126,7 +141,12 @@ def _add_routes(app: FastAPI, api: OpenAIEndpoints, engine_loop: EngineLoop, met
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_request: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(ClientGone)
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(_request: Request, _exc: Exception):
+        return Response(status_code=CLIENT_GONE)  # never read: counted apart from the server's errors
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, exc: StarletteHTTPException):
@@ -197,14 +217,16 @@ def _endpoint_label(path: str) -> str:
 class MoeferryServer(uvicorn.Server):
     """uvicorn's server, plus: on shutdown (SIGINT/SIGTERM), every in-flight request is ended
     first, so each stream gets its final chunk and `data: [DONE]` and its connection closes
-    promptly; and the signal is not re-raised afterwards, so `serve` returns normally."""
+    promptly, and every request waiting on a pool (templating, a grammar compile) gets the
+    shutdown 503 at once; and the signal is not re-raised afterwards, so `serve` returns normally."""
 
-    def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop):
+    def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop, pools: Pools):
         super().__init__(config)
-        self.engine_loop = engine_loop
+        self.engine_loop, self.pools = engine_loop, pools
 
     async def shutdown(self, sockets=None) -> None:
         self.engine_loop.finish_all()
+        self.pools.close()
         await super().shutdown(sockets)
 
     @contextlib.contextmanager
@@ -219,8 +241,8 @@ class MoeferryServer(uvicorn.Server):
 
 def make_server(app: FastAPI, config: ServerConfig) -> MoeferryServer:
     uv = uvicorn.Config(app, host=config.host, port=config.port, log_level="info", access_log=False,
-                        timeout_graceful_shutdown=10, lifespan="on")
-    return MoeferryServer(uv, app.state.engine_loop)
+                        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on")
+    return MoeferryServer(uv, app.state.engine_loop, app.state.pools)
 
 
 def log_plan(engine, config: ServerConfig, name: str) -> None:
@@ -242,7 +264,11 @@ def serve(engine_config, args) -> int:
     from moeferry.engine.engine import Engine
 
     config = ServerConfig.from_args(args)
-    engine = Engine(engine_config)
+    return serve_engine(Engine(engine_config), config)
+
+
+def serve_engine(engine, config: ServerConfig) -> int:
+    """Serve a loaded engine until SIGINT/SIGTERM (`serve`'s second half); returns the exit status."""
     app = build_app(engine, config)
     log_plan(engine, config, app.state.model_info.name)
     make_server(app, config).run()

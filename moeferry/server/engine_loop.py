@@ -21,6 +21,7 @@ from typing import Any, Callable
 from moeferry.engine.engine import Engine, StepOutput
 from moeferry.sampling import InvalidRequest, SamplingParams
 from moeferry.server.protocol import APIError
+from moeferry.threads import engine_threads
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +149,11 @@ class EngineLoop:
     # ---- engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
         logger.debug("engine thread started")
+        with engine_threads():
+            self._serve()
+        logger.debug("engine thread stopped")
+
+    def _serve(self) -> None:
         running = True
         while running:
             running = self._drain_commands(block=not self.engine.has_work)
@@ -156,7 +162,6 @@ class EngineLoop:
             if self.activity is not None:
                 self.activity(self.engine)
         self._end_all(SHUTDOWN, _shutdown_error())
-        logger.debug("engine thread stopped")
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply every queued command (waiting for one when `block`); False after "stop"."""

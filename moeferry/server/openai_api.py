@@ -16,11 +16,14 @@ from functools import partial
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from moeferry.server.engine_loop import SHUTDOWN, EngineLoop, RequestHandle
 from moeferry.sampling import InvalidRequest, SamplingParams
+from moeferry.server.pools import WorkPool
 from moeferry.server.protocol import (APIError, ChatCompletionRequest, ChatFormat, Choice, CompletionFormat,
-                                      CompletionRequest, decode_json, invalid_request, usage, validation_error)
+                                      CompletionRequest, check_counts, decode_json, invalid_request, usage,
+                                      validation_error)
 from moeferry.structured import json_schema_constraint
 from moeferry.tokenizer.tokenizer import apply_chat_template
 from moeferry.tools.plan import ToolPlan, plan_tools
@@ -29,33 +32,93 @@ _DISCONNECT_POLL_S = 0.5
 # The finish_reason a stream cut short by the server's shutdown ends with: OpenAI's values are
 # stop, length, content_filter, tool_calls; "length" is the one that says the text was cut off.
 CUT_SHORT_FINISH = "length"
-_INLINE_PARSE_BYTES = 1 << 16  # a larger body is parsed in a worker thread, off the event loop
+# Work below these sizes runs inline on the event loop (well under a millisecond); above them
+# in the prompt pool, so a big body costs its sender a pool place, not everyone the event loop.
+_INLINE_PARSE_BYTES = 1 << 14
+_INLINE_PROMPT_CHARS = 1 << 13
+BODY_READ_TIMEOUT_S = 30.0  # the whole body must arrive within this (408 after)
+GRAMMAR_COMPILE_BUDGET_S = 10.0  # a structured-output grammar compiles within this, or a 400
 
 
-async def read_json(request: Request, limit: int) -> object:
-    """The request body parsed as JSON (protocol.decode_json); 413 past `limit` bytes
-    (declared or actually sent)."""
+class ClientGone(Exception):
+    """The client closed its connection before its answer was ready: nobody to answer (499)."""
+
+
+@dataclass
+class Pools:
+    """The front end's worker pools (pools.WorkPool): `prompts` parses big bodies, renders
+    chat templates and tokenizes; `grammars` compiles structured-output grammars."""
+
+    prompts: WorkPool
+    grammars: WorkPool
+
+    @classmethod
+    def create(cls, prompt_workers: int = 2, grammar_workers: int = 1, queue_limit: int = 16) -> "Pools":
+        return cls(WorkPool("prompts", prompt_workers, queue_limit), WorkPool("grammars", grammar_workers, queue_limit))
+
+    def close(self) -> None:
+        self.prompts.close()
+        self.grammars.close()
+
+
+async def read_body(request: Request, limit: int, timeout: float = BODY_READ_TIMEOUT_S) -> bytes:
+    """The request body's bytes: 413 past `limit` bytes (declared or actually sent), 408 when
+    it has not all arrived within `timeout` seconds, ClientGone when the client left."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes",
                        code="request_too_large")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+
+    async def receive() -> bytes:
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+        return bytes(body)
+
+    try:
+        return await asyncio.wait_for(receive(), timeout)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="request_timeout") from None
+    except ClientDisconnect:
+        raise ClientGone() from None
+
+
+async def read_request(request: Request, model: type[BaseModel], limit: int, pool: WorkPool,
+                       timeout: float = BODY_READ_TIMEOUT_S) -> BaseModel:
+    """The request body as `model`: read (read_body), parsed (protocol.decode_json) and
+    validated, in `pool` when the body is big."""
+    body = await read_body(request, limit, timeout)
     if len(body) <= _INLINE_PARSE_BYTES:
-        return decode_json(bytes(body))
-    return await asyncio.to_thread(decode_json, bytes(body))
+        return parse(model, decode_json(body))
+    return await pool.run(lambda: parse(model, decode_json(body)))
 
 
 def parse(model: type[BaseModel], payload: object) -> BaseModel:
     if not isinstance(payload, dict):
         raise APIError(400, "the body must be a JSON object")
+    check_counts(payload, model.model_fields)
     try:
         return model.model_validate(payload)
     except ValidationError as exc:
         raise validation_error(exc) from None
+
+
+async def unless_gone(request: Request, work):
+    """The result of the awaitable `work`, or ClientGone as soon as the client disconnects
+    (`work` is then cancelled)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        raise ClientGone()
+    return task.result()
 
 
 @dataclass(frozen=True)
@@ -76,27 +139,41 @@ class OpenAIEndpoints:
     prompt + max_tokens <= the context limit; a stream that ends early aborts its request.
     """
 
-    def __init__(self, engine_loop: EngineLoop, tokenizer, info: ModelInfo, max_body_bytes: int):
+    def __init__(self, engine_loop: EngineLoop, tokenizer, info: ModelInfo, max_body_bytes: int,
+                 pools: Pools | None = None, body_timeout_s: float = BODY_READ_TIMEOUT_S):
         self.loop, self.tokenizer, self.info, self.max_body_bytes = engine_loop, tokenizer, info, max_body_bytes
+        self.body_timeout_s = body_timeout_s
+        self.pools = pools if pools is not None else Pools.create()
+        self._compiler_ready = False
 
     # ---- endpoints ----------------------------------------------------------------------------
     async def chat(self, request: Request):
-        body = parse(ChatCompletionRequest, await read_json(request, self.max_body_bytes))
+        body = await read_request(request, ChatCompletionRequest, self.max_body_bytes, self.pools.prompts,
+                                  self.body_timeout_s)
         self.check_common(body)
         tools = plan_tools(body.tool_dicts, body.tool_choice_value, body.parallel_tool_calls, self.info.tool_parser)
         messages = [m.as_template_input() for m in body.messages]
-        ids = await asyncio.to_thread(self.chat_ids, messages, tools.template_tools)
+        ids = await self.prompt_work(request, body.prompt_chars(), self.chat_ids, messages, tools.template_tools)
         return await self._generate(request, body, ids, body.requested_max_tokens, partial(ChatFormat, tools=tools),
                                     prompt_param="messages", adjust=partial(with_tools, tools))
 
     async def completions(self, request: Request):
-        body = parse(CompletionRequest, await read_json(request, self.max_body_bytes))
+        body = await read_request(request, CompletionRequest, self.max_body_bytes, self.pools.prompts,
+                                  self.body_timeout_s)
         self.check_common(body)
         prompt = body.text_or_ids
-        ids = await asyncio.to_thread(self._encode, prompt) if isinstance(prompt, str) else list(prompt)
+        ids = await self.prompt_work(request, len(prompt), self._encode, prompt) if isinstance(prompt, str) \
+            else list(prompt)
         self._check_vocab(ids)
         return await self._generate(request, body, ids, body.requested_max_tokens, CompletionFormat,
                                     prompt_param="prompt")
+
+    async def prompt_work(self, request: Request, chars: int, fn, *args):
+        """`fn(*args)` (templating, tokenizing) of a prompt of `chars` characters: inline when
+        small, else in the prompt pool, given up (ClientGone) when the client leaves."""
+        if chars <= _INLINE_PROMPT_CHARS:
+            return fn(*args)
+        return await unless_gone(request, self.pools.prompts.run(fn, *args))
 
     def models(self) -> dict:
         return {"object": "list", "data": [self.model_card()]}
@@ -112,7 +189,7 @@ class OpenAIEndpoints:
         if body.model is not None and body.model != self.info.name:
             raise APIError(404, f"The model `{body.model}` does not exist; this server serves `{self.info.name}`.",
                            param="model", code="model_not_found")
-        body.check()
+        body.check(self.info.context_limit)
 
     def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The prompt ids of a conversation through the chat template (tools rendered when given);
@@ -151,13 +228,27 @@ class OpenAIEndpoints:
                            code="context_length_exceeded")
         return requested
 
-    def _compile(self, constraint) -> None:
-        """Compile a structured output constraint off the engine thread: a bad one is a 400
-        before the engine sees the request, a good one is then cached for the engine's matcher."""
+    def _compile_now(self, constraint) -> None:
         try:
             self.loop.engine.grammar_compiler().compile(constraint)
         except InvalidRequest as exc:
             raise invalid_request(exc) from None
+
+    async def compile(self, request: Request, constraint) -> None:
+        """Compile a structured output constraint in the grammar pool, off the engine thread: a
+        bad one is a 400 before the engine sees the request, a good one is then cached for the
+        engine's matcher. One that takes longer than GRAMMAR_COMPILE_BUDGET_S is a 400; a client
+        that leaves meanwhile is not answered (ClientGone)."""
+        grammars = self.pools.grammars
+        if not self._compiler_ready:  # made once (seconds: xgrammar's tokenizer tables), outside the budget
+            await unless_gone(request, grammars.run(self.loop.engine.grammar_compiler))
+            self._compiler_ready = True
+        try:
+            await unless_gone(request, grammars.run(self._compile_now, constraint, timeout=GRAMMAR_COMPILE_BUDGET_S))
+        except asyncio.TimeoutError:
+            raise APIError(400, f"{constraint.param}: the grammar did not compile within "
+                                f"{GRAMMAR_COMPILE_BUDGET_S:g} s; send a simpler one", param=constraint.param,
+                           code="grammar_too_complex") from None
 
     # ---- generation ---------------------------------------------------------------------------
     def _token_text(self, token: int) -> str:
@@ -169,7 +260,7 @@ class OpenAIEndpoints:
         if adjust is not None:
             params = adjust(params)
         if params.structured is not None:
-            await asyncio.to_thread(self._compile, params.structured)
+            await self.compile(request, params.structured)
         fmt = fmt_type(self.info.name, self._token_text, params.logprobs is not None)
         handles = []
         try:

@@ -14,7 +14,7 @@ from fastapi.openapi.utils import get_openapi
 
 from moeferry.sampling import LOGIT_BIAS_RANGE, MAX_N
 from moeferry.server.responses import ResponsesRequest
-from moeferry.server.protocol import (MAX_COMPLETION_LOGPROBS, MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_CHARS,
+from moeferry.server.protocol import (MAX_COMPLETION_LOGPROBS, MAX_LOGIT_BIAS_ENTRIES, MAX_MESSAGES, MAX_STOP_CHARS,
                                       MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, NEUTRAL_UNSUPPORTED,
                                       ChatCompletionRequest, CompletionRequest, ErrorResponse)
 
@@ -23,9 +23,9 @@ _BODIES = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": Com
            "/v1/responses": ResponsesRequest}
 # (path, method) -> the error statuses it answers; /v1 routes also answer 401 with an API key
 _ERRORS = {
-    ("/v1/chat/completions", "post"): (400, 404, 413, 500, 503),
-    ("/v1/completions", "post"): (400, 404, 413, 500, 503),
-    ("/v1/responses", "post"): (400, 404, 413, 500, 503),
+    ("/v1/chat/completions", "post"): (400, 404, 408, 413, 500, 503),
+    ("/v1/completions", "post"): (400, 404, 408, 413, 500, 503),
+    ("/v1/responses", "post"): (400, 404, 408, 413, 500, 503),
     ("/v1/responses/{response_id}", "get"): (404,),
     ("/v1/models", "get"): (),
     ("/v1/models/{model_id}", "get"): (404,),
@@ -70,7 +70,8 @@ def _accepted(model, info) -> dict[str, dict]:
     token_id = {"type": "integer", "minimum": 0, "maximum": info.vocab_size - 1}
     props = {
         "model": {"anyOf": [{"enum": [info.name]}, {"type": "null"}], "description": "the served model"},
-        "n": {"type": "integer", "minimum": 1, "maximum": MAX_N, "description": "samples of the prompt"},
+        "n": {"anyOf": [{"type": "integer", "minimum": 1, "maximum": MAX_N}, {"type": "null"}],
+              "description": "samples of the prompt (null: 1)"},
         "stop": {"anyOf": [text, {"type": "array", "maxItems": MAX_STOP_STRINGS, "items": text}, {"type": "null"}]},
         "stop_token_ids": {"anyOf": [{"type": "array", "maxItems": MAX_STOP_TOKEN_IDS, "items": token_id},
                                      {"type": "null"}]},
@@ -83,7 +84,8 @@ def _accepted(model, info) -> dict[str, dict]:
     for name in NEUTRAL_UNSUPPORTED:
         props[name] = {"type": "null", "description": "not supported yet"}
     if model is ChatCompletionRequest:
-        props["messages"] = {"type": "array", "minItems": 1, "items": {"$ref": _REF.format(model="ChatMessage")}}
+        props["messages"] = {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES,
+                             "items": {"$ref": _REF.format(model="ChatMessage")}}
         props["logprobs"] = {"anyOf": [{"type": "boolean"}, {"type": "null"}]}
     else:
         one = {"type": "string", "minLength": 1}
@@ -92,7 +94,7 @@ def _accepted(model, info) -> dict[str, dict]:
         props["logprobs"] = {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_COMPLETION_LOGPROBS},
                                        {"type": "null"}]}
         props["suffix"] = {"type": "null", "description": "not supported"}
-        props["echo"] = {"const": False, "description": "not supported"}
+        props["echo"] = {"enum": [False, None], "description": "not supported"}
         props["best_of"] = {"enum": [None, 1], "description": "not supported"}
     return props
 

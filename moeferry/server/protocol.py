@@ -15,10 +15,10 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from moeferry.sampling import (LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, PENALTY_RANGE,
                                REPETITION_PENALTY_RANGE, SEED_RANGE, TEMPERATURE_MAX, TOP_K_MAX, InvalidRequest,
@@ -35,18 +35,29 @@ MAX_STOP_TOKEN_IDS = 256  # stop_token_ids (a vLLM extension); a model's end tok
 MAX_LOGIT_BIAS_ENTRIES = MAX_LOGIT_BIAS
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs (OpenAI); chat's top_logprobs go to MAX_LOGPROBS
 MAX_TOOLS = 128  # tools of one request (OpenAI's limit)
+MAX_MESSAGES = 2048  # chat messages, or Responses input items, of one request
+MAX_TOOL_CALLS = 128  # tool calls of one history message
+MAX_CHARS_PER_TOKEN = 16  # a prompt's characters per token of the context, checked before tokenizing:
+# text past context_limit * this cannot fit (tokenizers average 3-5 characters a token; runs of
+# spaces or repeated punctuation reach 16 in code vocabularies)
+MAX_METADATA_KEYS = 16  # `metadata` (OpenAI's limits)
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-                405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error"}
+                405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+                429: "rate_limit_error", 503: "server_error"}
 
 
 class APIError(Exception):
     """An error the client caused or must know about; rendered as OpenAI's error body
-    `{"error": {"message", "type", "param", "code"}}` with `status` as the HTTP status."""
+    `{"error": {"message", "type", "param", "code"}}` with `status` as the HTTP status
+    (and `headers`, e.g. Retry-After, on the response)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
     def body(self) -> dict:
         kind = _ERROR_TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
@@ -72,6 +83,31 @@ def validation_error(exc: ValidationError) -> APIError:
     param = ".".join(str(p) for p in err.get("loc", ()) if not _is_union_tag(p)) or None
     message = err.get("msg", "invalid request").removeprefix("Value error, ")
     return APIError(400, f"{param}: {message}" if param else message, param=param)
+
+
+def check_prompt_chars(chars: int, context_limit: int, param: str) -> None:
+    """A prompt of `chars` characters can fit `context_limit` tokens (MAX_CHARS_PER_TOKEN), or
+    a 400: checked before tokenizing, whose cost grows with the text."""
+    limit = context_limit * MAX_CHARS_PER_TOKEN
+    if chars > limit:
+        raise APIError(400, f"This model's maximum context length is {context_limit} tokens; the prompt has {chars} "
+                            f"characters, more than {limit} ({MAX_CHARS_PER_TOKEN} per token) can fit.",
+                       param=param, code="context_length_exceeded")
+
+
+def check_metadata(metadata: dict[str, str] | None) -> dict[str, str] | None:
+    """`metadata` within OpenAI's limits: MAX_METADATA_KEYS keys of MAX_METADATA_KEY_CHARS
+    characters, values of MAX_METADATA_VALUE_CHARS."""
+    if metadata is None:
+        return None
+    if len(metadata) > MAX_METADATA_KEYS:
+        raise ValueError(f"at most {MAX_METADATA_KEYS} keys, got {len(metadata)}")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise ValueError(f"a key has at most {MAX_METADATA_KEY_CHARS} characters, got one of {len(key)}")
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise ValueError(f"a value has at most {MAX_METADATA_VALUE_CHARS} characters, got one of {len(value)}")
+    return metadata
 
 
 def invalid_request(exc: InvalidRequest) -> APIError:
@@ -113,6 +149,18 @@ def decode_json(body: bytes) -> object:
     if _SURROGATE_ESCAPE.search(body):
         _check_text(payload, ())
     return payload
+
+
+def check_counts(payload: object, fields) -> None:
+    """The lists a body may hold thousands of (messages, input items), among `fields` (the
+    request model's), within MAX_MESSAGES, or a 400 naming the field: checked on the parsed
+    JSON, before validating each entry."""
+    if not isinstance(payload, dict):
+        return
+    for name in ("messages", "input"):
+        items = payload.get(name) if name in fields else None
+        if isinstance(items, list) and len(items) > MAX_MESSAGES:
+            raise APIError(400, f"{name}: at most {MAX_MESSAGES} entries, got {len(items)}", param=name)
 
 
 def _refuse_constant(name: str):
@@ -197,6 +245,17 @@ class SamplingFields(BaseModel):
     prediction: Any = None
     web_search_options: Any = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        """A field sent as null takes its default (OpenAI's API documents n, stream,
+        presence_penalty, echo, ... as nullable)."""
+        if isinstance(data, dict) and None in data.values():
+            fields = cls.model_fields
+            data = {k: v for k, v in data.items()
+                    if v is not None or k not in fields or fields[k].default is None}
+        return data
+
     @field_validator("stop")
     @classmethod
     def _bounded_stop(cls, stop):
@@ -208,11 +267,20 @@ class SamplingFields(BaseModel):
             raise ValueError(f"a stop string has at most {MAX_STOP_CHARS} characters, got one of {longest}")
         return stop
 
-    def check(self) -> None:
+    def check(self, context_limit: int | None = None) -> None:
         """Every check that needs only the body, before any work is done for the request: what
-        the server cannot honour, then each sampling value against its range (SamplingParams)."""
+        the server cannot honour, the prompt's characters against what `context_limit` tokens
+        can hold, then each sampling value against its range (SamplingParams)."""
         self.check_supported()
+        if context_limit is not None:
+            check_prompt_chars(self.prompt_chars(), context_limit, self.prompt_param)
         self.sampling_params(max_tokens=1)
+
+    prompt_param: ClassVar[str] = "prompt"  # the field a prompt-size error names
+
+    def prompt_chars(self) -> int:
+        """The characters of text the prompt is made of (what tokenizing costs)."""
+        return 0
 
     def check_supported(self) -> None:
         for name, neutral in NEUTRAL_UNSUPPORTED.items():
@@ -324,8 +392,14 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOL_CALLS)
     tool_call_id: str | None = None
+
+    def chars(self) -> int:
+        """The characters of text this message renders (content and calls)."""
+        content = self.content
+        text = len(content) if isinstance(content, str) else sum(len(p.text) for p in content or ())
+        return text + sum(len(c.function.name) + len(c.function.arguments) for c in self.tool_calls or ())
 
     def as_template_input(self) -> dict:
         """The message as chat templates take it (transformers' convention): a message without
@@ -357,7 +431,7 @@ class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions. Invariant after `check_supported`: at least one message;
     `max_completion_tokens` wins over the older `max_tokens`."""
 
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, gt=0)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -372,6 +446,11 @@ class ChatCompletionRequest(SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
         check_tool_choice(self.tool_dicts, self.tool_choice_value)
+
+    prompt_param: ClassVar[str] = "messages"
+
+    def prompt_chars(self) -> int:
+        return sum(m.chars() for m in self.messages)
 
     @property
     def tool_dicts(self) -> list[dict] | None:
@@ -436,6 +515,10 @@ class CompletionRequest(SamplingFields):
     @property
     def logprob_count(self) -> int | None:
         return self.logprobs
+
+    def prompt_chars(self) -> int:
+        prompt = self.text_or_ids
+        return len(prompt) if isinstance(prompt, str) else 0
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -10,26 +10,26 @@ server-sent events. `text.format` is the chat path's `response_format`, checked 
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import itertools
 import json
 import time
 import uuid
 from collections import OrderedDict
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 from moeferry.server.engine_loop import SHUTDOWN
-from moeferry.server.openai_api import OpenAIEndpoints, parse, read_json, with_tools
-from moeferry.server.protocol import (MAX_TOOLS, APIError, ChatMessage, FunctionCall, ToolCall, _FunctionName,
-                                      SamplingFields, check_tool_choice)
+from moeferry.server.openai_api import OpenAIEndpoints, read_request, with_tools
+from moeferry.server.protocol import (MAX_MESSAGES, MAX_TOOLS, APIError, ChatMessage, FunctionCall, ToolCall,
+                                      _FunctionName, SamplingFields, check_metadata, check_tool_choice)
 from moeferry.tools.plan import ToolPlan, plan_tools
 
 RESPONSE_STORE_SIZE = 1024  # responses kept for previous_response_id; the oldest go first
+RESPONSE_STORE_BYTES = 64 << 20  # and their conversations' text together (the oldest go first past it)
 RESPONSE_TTL_S = 3600.0  # and none longer than this
 
 
@@ -66,11 +66,25 @@ class FunctionCallOutputItem(BaseModel):
     output: str | list[InputText]
 
 
-class ReasoningItem(BaseModel):
-    """An earlier answer's reasoning: accepted, not rendered (chat templates drop it)."""
+class ReasoningText(BaseModel):
+    """A part of a reasoning item's summary or content."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["summary_text", "reasoning_text"]
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    """An earlier answer's reasoning, in OpenAI's shape and nothing else: accepted, not
+    rendered (chat templates drop it), counted in the prompt's characters all the same."""
+
+    model_config = ConfigDict(extra="forbid")
     type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[ReasoningText] = Field(default_factory=list, max_length=MAX_MESSAGES)
+    content: list[ReasoningText] | None = Field(None, max_length=MAX_MESSAGES)
+    encrypted_content: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
 def _item_type(value) -> str:
@@ -104,7 +118,7 @@ class ResponsesRequest(SamplingFields):
     names are distinct and tool_choice names one of them; `text.format` is checked as chat's
     `response_format` (`response_format` holds it in chat's shape)."""
 
-    input: str | list[InputItem]
+    input: str | Annotated[list[InputItem], Field(max_length=MAX_MESSAGES)]
     instructions: str | None = None
     tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
@@ -114,6 +128,16 @@ class ResponsesRequest(SamplingFields):
     previous_response_id: str | None = None
     store: bool = True
     metadata: dict[str, str] | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _bounded_metadata(cls, metadata):
+        return check_metadata(metadata)
+
+    prompt_param: ClassVar[str] = "input"
+
+    def prompt_chars(self) -> int:
+        return len(self.instructions or "") + sum(_chars(item) for item in self.input_items())
 
     def check_supported(self) -> None:
         self.response_format = chat_response_format(self.text)
@@ -176,34 +200,64 @@ def _text_of(content) -> str:
     return content if isinstance(content, str) else "".join(part.text for part in content)
 
 
+def _chars(item) -> int:
+    """The characters of text an input item holds (what storing and rendering it cost)."""
+    if isinstance(item, InputMessage):
+        return len(_text_of(item.content))
+    if isinstance(item, FunctionCallItem):
+        return len(item.call_id) + len(item.name) + len(item.arguments)
+    if isinstance(item, FunctionCallOutputItem):
+        return len(item.call_id) + len(_text_of(item.output))
+    if isinstance(item, ReasoningItem):
+        return len(item.encrypted_content or "") + sum(len(p.text) for p in [*item.summary, *(item.content or [])])
+    return 0
+
+
 # ---- previous responses ----------------------------------------------------------------------
 class ResponseStore:
     """The responses `previous_response_id` can name, in memory: each one's body and the whole
     conversation it ended (input items, then its output items).
 
-    Invariants: at most `size` entries (storing one more drops the oldest); an entry older
-    than `ttl_s` is never returned (it is dropped when met); `get` of an unknown or expired id
-    raises a 404 naming the parameter."""
+    Invariants: at most `size` entries, and their sizes (characters of text: the
+    conversation's and the body's output and instructions) sum to at most `max_bytes`: storing
+    one more drops the oldest until both hold (an entry larger than `max_bytes` alone is not
+    kept); an entry older than `ttl_s` is never returned (it is dropped when met); `get` of
+    an unknown or expired id raises a 404 naming the parameter."""
 
-    def __init__(self, size: int = RESPONSE_STORE_SIZE, ttl_s: float = RESPONSE_TTL_S, clock=time.monotonic):
-        self.size, self.ttl_s, self.clock = size, ttl_s, clock
-        self.entries: OrderedDict[str, tuple[float, dict, list]] = OrderedDict()
+    def __init__(self, size: int = RESPONSE_STORE_SIZE, ttl_s: float = RESPONSE_TTL_S, clock=time.monotonic,
+                 max_bytes: int = RESPONSE_STORE_BYTES):
+        self.size, self.ttl_s, self.clock, self.max_bytes = size, ttl_s, clock, max_bytes
+        self.entries: OrderedDict[str, tuple[float, dict, list, int]] = OrderedDict()
+        self.bytes = 0
 
     def put(self, body: dict, conversation: list) -> None:
-        self.entries[body["id"]] = (self.clock(), body, conversation)
-        while len(self.entries) > self.size:
-            self.entries.popitem(last=False)
+        cost = _entry_size(body, conversation)
+        if cost > self.max_bytes:
+            return
+        self.entries[body["id"]] = (self.clock(), body, conversation, cost)
+        self.bytes += cost
+        while len(self.entries) > self.size or self.bytes > self.max_bytes:
+            self.bytes -= self.entries.popitem(last=False)[1][3]
 
     def get(self, response_id: str, param: str) -> tuple[dict, list]:
         """(the body, the conversation) of a stored response."""
         entry = self.entries.get(response_id)
         if entry is not None and self.clock() - entry[0] > self.ttl_s:
-            del self.entries[response_id]
+            self.bytes -= self.entries.pop(response_id)[3]
             entry = None
         if entry is None:
             raise APIError(404, f"Response with id '{response_id}' not found (unknown, not stored, or older than "
                                 f"{self.ttl_s:g} s).", param=param, code="response_not_found")
         return entry[1], entry[2]
+
+
+def _entry_size(body: dict, conversation: list) -> int:
+    """A stored response's size: its conversation's characters, its output items' text and its
+    echoed fields (instructions, metadata), plus a fixed cost per item."""
+    output = sum(len(item.get("arguments", "")) + sum(len(p.get("text", "")) for p in item.get("content", []))
+                 for item in body.get("output", []))
+    echoed = len(body.get("instructions") or "") + sum(len(k) + len(v) for k, v in (body.get("metadata") or {}).items())
+    return sum(_chars(item) for item in conversation) + output + echoed + 256 * (len(conversation) + 1)
 
 
 # ---- the answer as output items -----------------------------------------------------------------
@@ -319,16 +373,21 @@ class ResponsesEndpoint:
         self.chat, self.store = chat, store if store is not None else ResponseStore()
 
     async def create(self, request: Request):
-        body = parse(ResponsesRequest, await read_json(request, self.chat.max_body_bytes))
-        self.chat.check_common(body)
+        chat = self.chat
+        body = await read_request(request, ResponsesRequest, chat.max_body_bytes, chat.pools.prompts,
+                                  chat.body_timeout_s)
+        chat.check_common(body)
         previous = self.store.get(body.previous_response_id, "previous_response_id")[1] \
             if body.previous_response_id is not None else []
         conversation = previous + body.input_items()
-        tools = plan_tools(body.tool_dicts, body.tool_choice_value, body.parallel_tool_calls,
-                           self.chat.info.tool_parser)
-        ids = await asyncio.to_thread(self.chat.chat_ids, self._messages(body, conversation), tools.template_tools)
-        params = with_tools(tools, body.sampling_params(self.chat.max_tokens_for(ids, body.requested_max_tokens, "input")))
-        handle = await self.chat.loop.submit(ids, params)
+        tools = plan_tools(body.tool_dicts, body.tool_choice_value, body.parallel_tool_calls, chat.info.tool_parser)
+        chars = len(body.instructions or "") + sum(_chars(item) for item in conversation)
+        ids = await chat.prompt_work(request, chars, chat.chat_ids, self._messages(body, conversation),
+                                     tools.template_tools)
+        params = with_tools(tools, body.sampling_params(chat.max_tokens_for(ids, body.requested_max_tokens, "input")))
+        if params.structured is not None:
+            await chat.compile(request, params.structured)
+        handle = await chat.loop.submit(ids, params)
         answer = _Answer(self, body, tools, conversation)
         if body.stream:
             return StreamingResponse(answer.events(handle), media_type="text/event-stream",

@@ -24,11 +24,14 @@ from dataclasses import dataclass
 import torch
 
 from moeferry.errors import InvalidRequest
+from moeferry.structured.schema_check import check_regex, check_schema
 
 __all__ = ["KINDS", "Constraint", "json_schema_constraint", "GrammarCompiler", "GrammarMatcher", "TokenMasks"]
 
 KINDS = ("json_schema", "json_object", "regex", "choice")
 MAX_CHOICES = 256  # strings of one choice constraint
+MAX_CHOICE_CHARS = 4096  # one of them
+MAX_CHOICES_CHARS = 1 << 14  # all of them: the compile's time grows with the square of this
 MAX_SPEC_CHARS = 1 << 16  # a schema's JSON text, or a regex
 GRAMMAR_CACHE_BYTES = 256 << 20  # compiled grammars kept for reuse (xgrammar's LRU); distinct schemas are unbounded
 
@@ -57,9 +60,15 @@ class Constraint:
         if self.kind == "choice":
             if not self.spec or len(self.spec) > MAX_CHOICES or not all(isinstance(c, str) and c for c in self.spec):
                 raise InvalidRequest(f"a choice needs 1 to {MAX_CHOICES} non-empty strings", self.param)
+            longest, total = max(map(len, self.spec)), sum(map(len, self.spec))
+            if longest > MAX_CHOICE_CHARS or total > MAX_CHOICES_CHARS:
+                raise InvalidRequest(f"a choice string has at most {MAX_CHOICE_CHARS} characters and all of them "
+                                     f"{MAX_CHOICES_CHARS} together; got {longest} and {total}", self.param)
         elif not isinstance(self.spec, str) or len(self.spec) > MAX_SPEC_CHARS:
             raise InvalidRequest(f"the {self.kind} must be a string of at most {MAX_SPEC_CHARS} characters",
                                  self.param)
+        elif self.kind == "regex":
+            check_regex(self.spec, self.param)
         if (self.prefix or self.suffix) and self.kind != "json_schema":
             raise InvalidRequest("only a json_schema constraint takes a prefix or a suffix", self.param)
 
@@ -79,7 +88,9 @@ def json_schema_constraint(schema: dict | str, param: str = "response_format", p
     if not isinstance(schema, dict):
         raise InvalidRequest("the JSON schema must be a JSON object", param)
     # key order kept: the grammar emits an object's properties in the order the schema lists them
-    return Constraint("json_schema", json.dumps(schema, separators=(",", ":")), param, prefix, suffix)
+    constraint = Constraint("json_schema", json.dumps(schema, separators=(",", ":")), param, prefix, suffix)
+    check_schema(schema, param)  # after the size bound
+    return constraint
 
 
 _XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")

@@ -17,13 +17,30 @@ def function_parameters(tool: dict) -> dict:
 
 
 def required_schema(tools: list[dict], parallel: bool) -> dict:
-    """The JSON schema of one or more calls of `tools` (at most one unless `parallel`)."""
+    """The JSON schema of one or more calls of `tools` (at most one unless `parallel`). Each
+    tool's parameters are a definition of the root (`#/$defs/tool<i>`), their own local
+    references ("#", "#/$defs/...") rewritten to point inside it, so they resolve as they would
+    with the parameters at the root (a named tool_choice's schema, or the client's validator)."""
+    defs = {f"tool{i}": _rebased(function_parameters(t), f"#/$defs/tool{i}") for i, t in enumerate(tools)}
     calls = [{"type": "object",
               "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                             "parameters": function_parameters(t)},
-              "required": ["name", "parameters"]} for t in tools]
-    schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+                             "parameters": {"$ref": f"#/$defs/tool{i}"}},
+              "required": ["name", "parameters"]} for i, t in enumerate(tools)]
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, "$defs": defs}
     return schema if parallel else {**schema, "maxItems": 1}
+
+
+def _rebased(schema, root: str):
+    """`schema` with every local `$ref` ("#" or "#/...") made relative to `root` instead."""
+    if isinstance(schema, list):
+        return [_rebased(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _rebased(value, root) for key, value in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = root + ref[1:]
+    return out
 
 
 def named_schema(tools: list[dict], name: str) -> dict:

@@ -29,6 +29,7 @@ class ToolPlan:
     schema: dict | None = None
     max_calls: int | None = None
     new_id: object = openai_call_id
+    declared: frozenset[str] | None = None  # the functions offered: calls of any other are dropped
 
     @property
     def keeps_special_tokens(self) -> bool:
@@ -38,7 +39,7 @@ class ToolPlan:
         """A fresh reader of one choice's answer, or None when the text is the content."""
         if self.parser is None:
             return None
-        return OutputStream(self.parser, self.new_id, self.max_calls)
+        return OutputStream(self.parser, self.new_id, self.max_calls, self.declared)
 
 
 def plan_tools(tools: list[dict] | None, tool_choice, parallel: bool | None, parser_name: str | None) -> ToolPlan:
@@ -50,7 +51,8 @@ def plan_tools(tools: list[dict] | None, tool_choice, parallel: bool | None, par
     if not tools or tool_choice == "none":
         return ToolPlan(parser=HarmonyParser(calls=False)) if family is HarmonyParser else ToolPlan()
     max_calls = 1 if parallel is False else None
-    base = partial(ToolPlan, template_tools=tools, max_calls=max_calls, new_id=new_id)
+    declared = frozenset(t["function"]["name"] for t in tools)
+    base = partial(ToolPlan, template_tools=tools, max_calls=max_calls, new_id=new_id, declared=declared)
     if tool_choice == "required":
         return base(parser=RequiredCallsParser(), schema=required_schema(tools, parallel is not False))
     if isinstance(tool_choice, dict):

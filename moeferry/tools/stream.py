@@ -29,11 +29,13 @@ class OutputStream:
     Invariants: content and reasoning deltas are the new ends of the parse's content and
     reasoning; a call appears first with its index, id, type and name (arguments ""), then
     only its argument fragments, in order; at most `max_calls` calls are reported (the first
-    ones); `message` of the whole text gives the same content, reasoning and calls (ids
-    included) as the deltas sent joined."""
+    ones); with `declared` given, a call of a function not among those names is never
+    reported (the request did not offer it); `message` of the whole text gives the same
+    content, reasoning and calls (ids included) as the deltas sent joined."""
 
-    def __init__(self, parser: OutputParser, new_id=openai_call_id, max_calls: int | None = None):
-        self.parser, self.new_id, self.max_calls = parser, new_id, max_calls
+    def __init__(self, parser: OutputParser, new_id=openai_call_id, max_calls: int | None = None,
+                 declared: frozenset[str] | None = None):
+        self.parser, self.new_id, self.max_calls, self.declared = parser, new_id, max_calls, declared
         self.text = ""
         self.sent = ParsedOutput()
         self.ids: list[str] = []
@@ -53,10 +55,11 @@ class OutputStream:
                                  ("reasoning_content", parsed.reasoning, self.sent.reasoning)):
             if len(now) > len(before):
                 delta[key] = now[len(before):]
-        calls = self._call_deltas(parsed.named_calls()[:self.max_calls])
+        named = [c for c in parsed.named_calls() if self.declared is None or c.name in self.declared]
+        calls = self._call_deltas(named[:self.max_calls])
         if calls:
             delta["tool_calls"] = calls
-        self.sent = ParsedOutput(parsed.content, parsed.reasoning, parsed.named_calls()[:self.max_calls])
+        self.sent = ParsedOutput(parsed.content, parsed.reasoning, named[:self.max_calls])
         return delta
 
     def _call_deltas(self, calls) -> list[dict]:

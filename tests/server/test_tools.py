@@ -259,3 +259,21 @@ def test_an_agent_loop_on_the_model_itself_under_tool_choice_required(client):
                                            tool_choice="none", max_tokens=16)
     assert final.choices[0].message.tool_calls is None
     assert isinstance(final.choices[0].message.content, str) and final.choices[0].message.content
+
+
+DEFS_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now.",
+    "parameters": {"type": "object", "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"],
+                   "$defs": {"City": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}}}}}
+
+
+def test_tool_choice_required_keeps_a_tools_own_defs(client):
+    """A tool schema with $defs (as pydantic writes them) under tool_choice "required": its
+    references resolve inside the tool, and the call validates against the tool's schema."""
+    import jsonschema
+
+    out = client.chat.completions.create(model="moeferry-tiny-moe", messages=ASK, tools=[DEFS_TOOL],
+                                         tool_choice="required", parallel_tool_calls=False, seed=3, max_tokens=96)
+    assert out.choices[0].finish_reason == "tool_calls"
+    (call,) = out.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), DEFS_TOOL["function"]["parameters"])

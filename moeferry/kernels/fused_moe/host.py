@@ -165,10 +165,13 @@ def available() -> bool:
 
 
 def default_threads() -> int:
-    """torch's intra-op thread count (one per physical core unless the user set it), less one
+    """torch's intra-op thread count when moeferry loaded (threads.HOST_THREADS: one per
+    physical core unless the user set it; the engine's own steps run with fewer), less one
     above two cores: the thread that launches and waits for the GPU's work keeps a core, so a
     descheduled worker never holds up a kernel's barrier."""
-    threads = torch.get_num_threads()
+    from moeferry.threads import HOST_THREADS
+
+    threads = HOST_THREADS
     return threads - 1 if threads > 2 else threads
 
 
