@@ -68,12 +68,7 @@ def make_engine(config_dir, args, strategy, slots=None, policy="lru"):
 def set_statistics(engine, on: bool) -> None:
     """The offload cache's admission statistics on or off (as --moe-collect-stats would set
     them), the decode graphs recaptured: the admission kernel compiles its counters in."""
-    from moeferry.moe.stats import MoEStats
-
-    strategy = engine.runner.strategy
-    cache = strategy.store.cache
-    cache.stats = MoEStats(cache.num_layers, cache.num_experts, cache.slot_of.device,
-                           strategy.expert_bytes) if on else None
+    engine.runner.strategy.store.cache.set_statistics(on)
     engine.runner.recapture_graphs()
 
 

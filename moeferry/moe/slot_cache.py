@@ -62,6 +62,7 @@ class SlotCache:
         device = torch.device(device)
         self.state = SlotState.allocate(num_layers, num_experts, num_slots, max_routes,
                                         device, eviction_policy, lrfu_decay)
+        self.expert_bytes = expert_bytes
         self.stats = (MoEStats(num_layers, num_experts, device, expert_bytes)
                       if collect_stats else None)
         self.impl, self.tuning = impl, tuning
@@ -126,6 +127,12 @@ class SlotCache:
         s.last_used[:filled] = -1
         s.score[:filled] = 0.0
         return filled
+
+    def set_statistics(self, on: bool) -> None:
+        """Count admissions from now on (fresh counters) or stop counting. The admission kernel
+        compiles the counters in: recapture any decode graph after this."""
+        self.stats = MoEStats(self.num_layers, self.num_experts, self.state.slot_of.device,
+                              self.expert_bytes) if on else None
 
     def reset(self) -> None:
         """Empty the cache and zero the statistics, in place."""

@@ -419,3 +419,18 @@ def test_48_admissions_and_copies_replay_as_one_cuda_graph(policy):
     assert_slots_hold_their_owners(graphed, [[b.cuda() for b in layer] for layer in host], graph_banks)
     # slot ids of the last layer (its buffer is shared, so only the last call survives)
     assert torch.equal(graph_out[-1], expected[-1])
+
+
+def test_statistics_switch_on_and_off_with_fresh_counters():
+    from moeferry.moe.slot_cache import SlotCache
+
+    cache = SlotCache(2, 4, 8, collect_stats=False, expert_bytes=100)
+    ids = torch.tensor([[0, 1]], dtype=torch.int32)
+    cache.admit(0, ids)
+    assert cache.stats is None
+    cache.set_statistics(True)
+    cache.admit(1, ids)
+    snap = cache.stats.snapshot()
+    assert snap["decode"]["total"]["misses"] == 2 and snap["expert_bytes"] == 100
+    cache.set_statistics(False)
+    assert cache.stats is None
