@@ -29,6 +29,8 @@ def parse_args(argv):
     p.add_argument("--experts", type=int, default=QWEN3_30B_DIR_CONFIG["num_experts"],
                    help="experts of the layer (fewer: less memory, but a bank that fits a cache reads faster)")
     p.add_argument("--int4-group", type=int, default=128)
+    p.add_argument("--shape", type=int, nargs=2, metavar=("HIDDEN", "INTER"),
+                   default=[QWEN3_30B_DIR_CONFIG["hidden_size"], QWEN3_30B_DIR_CONFIG["moe_intermediate_size"]])
     add_results_flag(p)
     return p.parse_args(argv)
 
@@ -93,11 +95,10 @@ def timed_calls(banks: dict, threads: int, batch: int, activations: str, calls: 
 def rows(args) -> list[list]:
     from moeferry.kernels.fused_moe import host
 
-    cfg = QWEN3_30B_DIR_CONFIG
     gen = torch.Generator().manual_seed(0)
     table, bf16_rate = [], {}
     for fmt in args.formats:
-        banks = stored_banks(fmt, args.experts, cfg["hidden_size"], cfg["moe_intermediate_size"], args.int4_group, gen)
+        banks = stored_banks(fmt, args.experts, *args.shape, args.int4_group, gen)
         for threads in args.threads:
             for batch in args.batch:
                 figures = {a: timed_calls(banks, threads, batch, a, args.calls, gen)

@@ -22,7 +22,8 @@
 // per row and bk = 32 values). A work unit first dequantizes its rows into a thread-local float32
 // tile, weight = float(value) * scale: one float32 multiply of the exact value of the code, the
 // bits of the reference's dequantize_blocks (reference.py). Then the same dots run with float32
-// weight rows. No quantized weight is rounded to bf16: an e4m3 or int4 value times a float32
+// weight rows. On a CPU with AVX2 and no AVX-512 path, fp8 rows are decoded in registers instead
+// (Fp8Avx2Dots): the same float32 weights fused into the dots, no tile. No quantized weight is rounded to bf16: an e4m3 or int4 value times a float32
 // scale generally has more significant bits than bf16 holds.
 //
 // The int8 path (activations = kActInt8, int4 and MXFP4 banks; reference.py int8_expert_routes is
@@ -838,9 +839,12 @@ void down_unit(const MoEHostCall& c, const std::vector<Group>& groups, const int
   }
 }
 
-// Phase A of the int8 path, one unit: as gate_up_unit, the dots against the tokens' int8 rows x.
-void gate_up_unit_int8(const MoEHostCall& c, const Group& g, const int32_t* order, int64_t i0, int64_t i1,
-                       const Int8Rows& x) {
+// Phase A, one unit, on a path that reads the bank's stored rows itself: act rows [i0, i1) of
+// every route of group g. dots(bank, m, rows, R, tokens, NT, acc) computes acc[r * NT + t], the
+// dot of stored row rows[r] of m and token tokens[t].
+template <typename Dots>
+void gate_up_unit_stored(const MoEHostCall& c, const Group& g, const int32_t* order, int64_t i0, int64_t i1,
+                         Dots dots) {
   const QuantMatrix m = quant_matrix(c, 0, g.expert);
   for (int64_t t0 = 0; t0 < g.count; t0 += 4) {
     const int nt = static_cast<int>(std::min<int64_t>(4, g.count - t0));
@@ -854,7 +858,7 @@ void gate_up_unit_int8(const MoEHostCall& c, const Group& g, const int32_t* orde
         rows[pair + p] = c.I + i + p;
       }
       float acc[16];
-      int8_dots(c, 0, m, rows, 2 * pair, x, tokens, nt, acc);
+      dots(0, m, rows, 2 * pair, tokens, nt, acc);
       for (int p = 0; p < pair; ++p)
         for (int t = 0; t < nt; ++t)
           c.act[order[g.start + t0 + t] * c.I + i + p] =
@@ -863,9 +867,11 @@ void gate_up_unit_int8(const MoEHostCall& c, const Group& g, const int32_t* orde
   }
 }
 
-// Phase B of the int8 path, one unit: as down_unit, against the routes' int8 act rows.
-void down_unit_int8(const MoEHostCall& c, const std::vector<Group>& groups, const int32_t* order, int64_t n0,
-                    int64_t n1, const Int8Rows& acts) {
+// Phase B, one unit, likewise: output rows [n0, n1) of every route of every group; dots' tokens
+// are routes (their act rows).
+template <typename Dots>
+void down_unit_stored(const MoEHostCall& c, const std::vector<Group>& groups, const int32_t* order, int64_t n0,
+                      int64_t n1, Dots dots) {
   for (const Group& g : groups) {
     const QuantMatrix m = quant_matrix(c, 1, g.expert);
     for (int64_t t0 = 0; t0 < g.count; t0 += 4) {
@@ -877,7 +883,7 @@ void down_unit_int8(const MoEHostCall& c, const std::vector<Group>& groups, cons
         int64_t rows[4];
         for (int r = 0; r < nr; ++r) rows[r] = n + r;
         float acc[16];
-        int8_dots(c, 1, m, rows, nr, acts, routes, nt, acc);
+        dots(1, m, rows, nr, routes, nt, acc);
         for (int t = 0; t < nt; ++t)
           for (int r = 0; r < nr; ++r)
             c.out[routes[t] * c.H + n + r] =
@@ -885,6 +891,117 @@ void down_unit_int8(const MoEHostCall& c, const std::vector<Group>& groups, cons
       }
     }
   }
+}
+
+// The int8 path's dots against the quantized rows x (tokens' for bank 0, routes' acts for bank 1).
+struct Int8Dots {
+  const MoEHostCall& c;
+  const Int8Rows& x;
+  void operator()(int bank, const QuantMatrix& m, const int64_t* rows, int R, const int64_t* xrows, int NT,
+                  float* acc) const {
+    int8_dots(c, bank, m, rows, R, x, xrows, NT, acc);
+  }
+};
+
+// ---- fp8 on AVX2 without AVX-512: weights decoded in registers, the exact path's numerics ----
+// Each weight is fp8_value(code) * its block's scale, one float32 multiply, then fused
+// multiply-adds with the float tokens: the arithmetic over a dequantized tile, without the tile.
+
+// Eight e4m3 codes at w as fp8_value gives them: normal codes from their bits, subnormal ones
+// (exponent 0) as m * 2^-9, 0x7f (and 0xff) a quiet NaN, the sign bit moved to float's.
+AVX2 inline __m256 fp8x8_values(const uint8_t* w) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
+  const __m256i em = _mm256_and_si256(b, _mm256_set1_epi32(0x7f));
+  const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(em, 20), _mm256_set1_epi32(120 << 23)));
+  const __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(em), _mm256_set1_ps(0.001953125f));
+  __m256 v = _mm256_blendv_ps(normal, subnormal, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), em)));
+  v = _mm256_blendv_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)),
+                       _mm256_castsi256_ps(_mm256_cmpeq_epi32(em, _mm256_set1_epi32(0x7f))));
+  return _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24)));
+}
+
+AVX2 inline __m256 bf16x8_to_f32(const uint16_t* x) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))), 16));
+}
+
+AVX2 inline float sum_lanes(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+// acc[r * P + p] = the dots of R fp8 rows w (scales: each row's block scales along K, a block
+// bk values, bk % 8 == 0) with P bf16 tokens x over L values; the last 8 past L zero-filled.
+template <int R, int P>
+AVX2 void fp8_dots_avx2_tile(const uint8_t* const* w, const float* const* scales, const uint16_t* const* x, int64_t L,
+                             int64_t bk, float* acc) {
+  __m256 a[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) a[r][p] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < L; k += 8) {
+    const uint8_t* wk[R];
+    __m256 xv[P];
+    alignas(32) uint8_t wtail[R][8] = {};
+    alignas(32) uint16_t xtail[P][8] = {};
+    const bool tail = k + 8 > L;
+    for (int r = 0; r < R; ++r) {
+      wk[r] = w[r] + k;
+      if (tail) wk[r] = static_cast<const uint8_t*>(std::memcpy(wtail[r], wk[r], L - k));
+      _mm_prefetch(reinterpret_cast<const char*>(wk[r] + kPrefetchBytes), _MM_HINT_T0);
+    }
+    for (int p = 0; p < P; ++p)
+      xv[p] = bf16x8_to_f32(tail ? static_cast<const uint16_t*>(std::memcpy(xtail[p], x[p] + k, 2 * (L - k))) : x[p] + k);
+    for (int r = 0; r < R; ++r) {
+      const __m256 wv = _mm256_mul_ps(fp8x8_values(wk[r]), _mm256_broadcast_ss(scales[r] + k / bk));
+      for (int p = 0; p < P; ++p) a[r][p] = _mm256_fmadd_ps(wv, xv[p], a[r][p]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) acc[r * P + p] = sum_lanes(a[r][p]);
+}
+
+template <int P>
+void fp8_dots_avx2_rows(int R, const uint8_t* const* w, const float* const* scales, const uint16_t* const* x, int64_t L,
+                        int64_t bk, float* acc) {
+  switch (R) {
+    case 1: fp8_dots_avx2_tile<1, P>(w, scales, x, L, bk, acc); break;
+    case 2: fp8_dots_avx2_tile<2, P>(w, scales, x, L, bk, acc); break;
+    case 3: fp8_dots_avx2_tile<3, P>(w, scales, x, L, bk, acc); break;
+    default: fp8_dots_avx2_tile<4, P>(w, scales, x, L, bk, acc); break;
+  }
+}
+
+// The fp8 dots on AVX2 (gate_up_unit_stored's and down_unit_stored's Dots): bank 0's tokens are
+// rows of x, bank 1's routes rows of act.
+struct Fp8Avx2Dots {
+  const MoEHostCall& c;
+  void operator()(int bank, const QuantMatrix& m, const int64_t* rows, int R, const int64_t* tokens, int NT,
+                  float* acc) const {
+    const uint8_t* w[4];
+    const float* scales[4];
+    for (int r = 0; r < R; ++r) {
+      w[r] = m.weights + rows[r] * m.row_bytes;
+      scales[r] = reinterpret_cast<const float*>(m.scales) + scale_row_of(c, bank, rows[r]) * m.scale_cols;
+    }
+    for (int t0 = 0; t0 < NT; t0 += 2) {
+      const int P = std::min(2, NT - t0);
+      const uint16_t* x[2];
+      for (int p = 0; p < P; ++p) x[p] = bank == 0 ? c.x + tokens[t0 + p] * c.H : c.act + tokens[t0 + p] * c.I;
+      float part[8];
+      if (P == 2)
+        fp8_dots_avx2_rows<2>(R, w, scales, x, m.cols, c.block_k, part);
+      else
+        fp8_dots_avx2_rows<1>(R, w, scales, x, m.cols, c.block_k, part);
+      for (int r = 0; r < R; ++r)
+        for (int p = 0; p < P; ++p) acc[r * NT + t0 + p] = part[r * P + p];
+    }
+  }
+};
+
+// Whether a call's fp8 banks are read on AVX2 in registers: no AVX-512 path asked for, blocks of
+// a multiple of 8 values along K.
+inline bool fp8_avx2_path(const MoEHostCall& c) {
+  return c.format == kFp8 && c.use_avx512 == 0 && c.int8_isa != kInt8Portable && c.block_k % 8 == 0;
 }
 
 // Whether a call takes the int8 path: int8 activations asked for, over banks of integer nibbles.
@@ -986,7 +1103,7 @@ void moe_host_run(void* arg) {
     omp_set_schedule(omp_sched_dynamic, 1);
   else
     omp_set_schedule(omp_sched_static, 0);
-  const bool int8 = int8_path(c);
+  const bool int8 = int8_path(c), fp8_avx2 = fp8_avx2_path(c);
   Int8Rows tokens, acts;  // the int8 path's quantized x rows (by token) and act rows (by route)
   if (int8) {
     tokens.reset(c.T, c.H, c.block_k, dot_span(c), nibble_codes(c).offset);
@@ -1007,7 +1124,9 @@ void moe_host_run(void* arg) {
       const Group& g = groups[u / units_per_group];
       int64_t i0 = (u % units_per_group) * kRowsA, i1 = std::min(c.I, i0 + kRowsA);
       if (int8)
-        gate_up_unit_int8(c, g, order.data(), i0, i1, tokens);
+        gate_up_unit_stored(c, g, order.data(), i0, i1, Int8Dots{c, tokens});
+      else if (fp8_avx2)
+        gate_up_unit_stored(c, g, order.data(), i0, i1, Fp8Avx2Dots{c});
       else
         gate_up_unit(c, g, order.data(), i0, i1, avx512);
     }
@@ -1019,7 +1138,9 @@ void moe_host_run(void* arg) {
     for (int64_t u = 0; u < units_b; ++u) {
       int64_t n0 = u * kRowsB, n1 = std::min(c.H, n0 + kRowsB);
       if (int8)
-        down_unit_int8(c, groups, order.data(), n0, n1, acts);
+        down_unit_stored(c, groups, order.data(), n0, n1, Int8Dots{c, acts});
+      else if (fp8_avx2)
+        down_unit_stored(c, groups, order.data(), n0, n1, Fp8Avx2Dots{c});
       else
         down_unit(c, groups, order.data(), n0, n1, avx512);
     }
