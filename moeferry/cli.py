@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import logging
 import sys
 import types
 import typing
 
-from moeferry.config import CHOICES, ConfigError, EngineConfig
+from moeferry.config import CHOICES, Alias, ConfigError, EngineConfig
 from moeferry.sampling import InvalidRequest
 
 
@@ -88,25 +89,52 @@ class ListingFormatter(argparse.RawDescriptionHelpFormatter, HelpFormatter):
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field, with the help text and in the argument group that
-    the field declares (config.option)."""
+    the field declares (config.option); vLLM's name of a flag is another option string of it,
+    and a vLLM flag whose value is converted follows it in the same group."""
     groups: dict[str, argparse._ArgumentGroup] = {}
     for f in dataclasses.fields(EngineConfig):
         name = f.metadata.get("group", "engine")
         group = groups.get(name) or groups.setdefault(name, parser.add_argument_group(name))
         flag, kind, text = "--" + f.name.replace("_", "-"), _flag_type(f), f.metadata.get("help")
+        aliases = f.metadata.get("aliases", ())
+        same = [a for a in aliases if isinstance(a, str)]
         if kind is bool:  # a flag on by default also gets its way off: --no-<flag>
             action = argparse.BooleanOptionalAction if f.default else "store_true"
-            group.add_argument(flag, action=action, default=f.default, help=text)
-            continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        choices = CHOICES[f.name]() if f.name in CHOICES else None
-        group.add_argument(flag, type=kind, default=default, choices=choices, help=text,
-                           metavar=None if choices else f.name.upper())
+            group.add_argument(flag, *same, action=action, default=f.default, help=text)
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            choices = CHOICES[f.name]() if f.name in CHOICES else None
+            group.add_argument(flag, *same, dest=f.name, type=kind, default=default, choices=choices, help=text,
+                               metavar=None if choices else f.name.upper())
+        for alias in aliases:
+            if isinstance(alias, Alias):
+                group.add_argument(alias.flag, dest=_alias_dest(f.name), type=alias.kind, default=None,
+                                   metavar=alias.flag[2:].replace("-", "_").upper(),
+                                   help=f"{alias.text} (default: --{f.name.replace('_', '-')}'s)")
+
+
+def _alias_dest(name: str) -> str:
+    return f"alias_of_{name}"
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The engine options of the parsed flags (the commands `check()` them before loading)."""
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+    """The engine options of the parsed flags (the commands `check()` them before loading): a
+    converted vLLM flag gives its option's value, the positional MODEL gives --model's."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    for f in dataclasses.fields(EngineConfig):
+        for alias in f.metadata.get("aliases", ()):
+            given = getattr(args, _alias_dest(f.name), None) if isinstance(alias, Alias) else None
+            if given is None:
+                continue
+            if values[f.name] != f.default:
+                raise UsageError(f"{alias.flag} and --{f.name.replace('_', '-')} both set {f.name}: give one of them")
+            values[f.name] = alias.convert(given, args)
+    positional = getattr(args, "model_tag", None)
+    if positional is not None:
+        if values["model"] not in (None, positional):
+            raise UsageError(f"the model is given twice: {positional} and --model {values['model']}")
+        values["model"] = positional
+    return EngineConfig(**values)
 
 
 def _sampling_params(args):
@@ -173,6 +201,12 @@ def _cmd_serve(args) -> int:
         print(f"moeferry serve needs the server extras (pip install 'moeferry[serve]'): {exc}", file=sys.stderr)
         return 2
     return serve(engine_config_from_args(args).check(), args)
+
+
+def add_model_positional(parser: argparse.ArgumentParser) -> None:
+    """`moeferry serve MODEL`, as `vllm serve MODEL`: the same as --model."""
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model, as --model (default: --model's)")
 
 
 # What each benchmarks/bench_<name>.py measures (its docstring says how).
@@ -264,7 +298,7 @@ def add_routing_commands(sub) -> None:
                      help="host-to-device GB/s (default: measured on this GPU, else 55, an H200's pinned H2D)")
     sim.add_argument("--step-ms", type=bounded(float, 0.0), default=None,
                      help="compute ms per decode step (default: the trace's own times if recorded under gpu)")
-    sim.set_defaults(func=_cmd_routing_simulate)
+    sim.set_defaults(func=_cmd_routing_simulate, command_parser=sim)
 
 
 _DESCRIPTION = """Serve Mixture-of-Experts language models larger than the GPU's memory (experts in
@@ -310,11 +344,13 @@ def _add_generate(sub) -> None:
                           help="keep generating past the end-of-sequence token, up to --max-tokens")
     sampling.add_argument("--stop", action="append", default=None,
                           help="end the text before this string; repeat the flag for several (default: none)")
+    add_model_positional(gen)
     add_engine_flags(gen)
-    gen.set_defaults(func=_cmd_generate)
+    gen.set_defaults(func=_cmd_generate, command_parser=gen)
 
 
 def _add_serve(sub) -> None:
+    from moeferry.reasoning import reasoning_parser_names
     from moeferry.tools import parser_names
 
     srv = sub.add_parser("serve", help="serve the OpenAI API over HTTP",
@@ -326,7 +362,8 @@ def _add_serve(sub) -> None:
     server.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     server.add_argument("--port", type=bounded(int, 0, 65535), default=8000, help="the TCP port to listen on")
     server.add_argument("--api-key", default=None,
-                        help="require `Authorization: Bearer KEY` on /v1 requests (default: no key)")
+                        help="require `Authorization: Bearer KEY` on /v1 requests (default: $MOEFERRY_API_KEY, "
+                             "else $VLLM_API_KEY, else no key)")
     server.add_argument("--served-model-name", default=None,
                         help="the model's name in the API (default: the Hugging Face id, the directory's name, or "
                              "the built-in model's name)")
@@ -335,8 +372,14 @@ def _add_serve(sub) -> None:
     server.add_argument("--tool-call-parser", default=None, choices=parser_names(),
                         help="how the model writes tool calls (default: its family's: hermes for Qwen and OLMoE, "
                              "mistral for Mixtral, deepseek_v3, openai for gpt-oss's harmony)")
+    server.add_argument("--reasoning-parser", default=None, choices=reasoning_parser_names(),
+                        help="how the model writes its reasoning (default: its family's: qwen3 for Qwen3, "
+                             "deepseek_r1 for DeepSeek with <think> in its vocabulary, openai for gpt-oss)")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="accepted for vLLM's command lines: tool_choice auto is always served")
+    add_model_positional(srv)
     add_engine_flags(srv)
-    srv.set_defaults(func=_cmd_serve)
+    srv.set_defaults(func=_cmd_serve, command_parser=srv)
 
 
 def _bench_description(columns: int = 100) -> str:
@@ -357,11 +400,25 @@ def _add_bench(sub) -> None:
     bench.add_argument("which", choices=list(_BENCHMARKS), metavar="NAME", help="the benchmark (listed above)")
     bench.add_argument("rest", nargs=argparse.REMAINDER, metavar="...",
                        help="the benchmark's own flags (moeferry bench NAME --help)")
-    bench.set_defaults(func=_cmd_bench)
+    bench.set_defaults(func=_cmd_bench, command_parser=bench)
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """`parser.parse_args`, but an unknown flag is refused by its command's parser (its usage
+    printed), naming the closest flag that command knows."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command = getattr(args, "command_parser", parser)
+        known = [s for action in command._actions for s in action.option_strings]
+        flag = next((u for u in unknown if u.startswith("-")), unknown[0]).split("=")[0]
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        command.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)

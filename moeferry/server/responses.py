@@ -17,7 +17,7 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -104,6 +104,8 @@ class ResponsesRequest(SamplingFields):
     names are distinct and tool_choice names one of them; `text.format` is checked as chat's
     `response_format` (`response_format` holds it in chat's shape)."""
 
+    honoured: ClassVar[frozenset[str]] = frozenset({"store", "metadata"})
+
     input: str | list[InputItem]
     instructions: str | None = None
     tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
@@ -187,12 +189,22 @@ class ResponseStore:
 
     def __init__(self, size: int = RESPONSE_STORE_SIZE, ttl_s: float = RESPONSE_TTL_S, clock=time.monotonic):
         self.size, self.ttl_s, self.clock = size, ttl_s, clock
-        self.entries: OrderedDict[str, tuple[float, dict, list]] = OrderedDict()
+        self.entries: OrderedDict[str, tuple[float, dict, list, list]] = OrderedDict()
 
-    def put(self, body: dict, conversation: list) -> None:
-        self.entries[body["id"]] = (self.clock(), body, conversation)
+    def put(self, body: dict, conversation: list, inputs: list | None = None) -> None:
+        """Store a response: its body, the conversation it ended, and its own input items
+        (as /input_items lists them)."""
+        self.entries[body["id"]] = (self.clock(), body, conversation, list(inputs or []))
         while len(self.entries) > self.size:
             self.entries.popitem(last=False)
+
+    def delete(self, response_id: str) -> None:
+        self.get(response_id, "response_id")
+        del self.entries[response_id]
+
+    def inputs(self, response_id: str) -> list:
+        self.get(response_id, "response_id")
+        return self.entries[response_id][3]
 
     def get(self, response_id: str, param: str) -> tuple[dict, list]:
         """(the body, the conversation) of a stored response."""
@@ -327,6 +339,7 @@ class ResponsesEndpoint:
         tools = plan_tools(body.tool_dicts, body.tool_choice_value, body.parallel_tool_calls,
                            self.chat.info.tool_parser)
         ids = await asyncio.to_thread(self.chat.chat_ids, self._messages(body, conversation), tools.template_tools)
+        tools = self.chat.with_reasoning(tools, ids)
         params = with_tools(tools, body.sampling_params(self.chat.max_tokens_for(ids, body.requested_max_tokens, "input")))
         handle = await self.chat.loop.submit(ids, params)
         answer = _Answer(self, body, tools, conversation)
@@ -342,6 +355,25 @@ class ResponsesEndpoint:
 
     async def retrieve(self, response_id: str) -> dict:
         return self.store.get(response_id, "response_id")[0]
+
+    async def delete(self, response_id: str) -> dict:
+        self.store.delete(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    async def input_items(self, response_id: str, order: Literal["asc", "desc"] = "desc", limit: int = 20,
+                          after: str | None = None) -> dict:
+        """OpenAI's list of a stored response's input items (newest first unless order=asc)."""
+        items = list(self.store.inputs(response_id))
+        if order == "desc":
+            items.reverse()
+        if after is not None:
+            at = next((i for i, item in enumerate(items) if item["id"] == after), None)
+            if at is None:
+                raise APIError(404, f"no input item {after!r} in response {response_id}", param="after")
+            items = items[at + 1:]
+        page = items[:max(1, min(limit, 100))]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}
 
     @staticmethod
     def _messages(body: ResponsesRequest, conversation: list) -> list[dict]:
@@ -388,7 +420,8 @@ class _Answer:
         done = self.response(status, usage, incomplete)
         if self.body.store:
             outputs = [_as_input_item(item) for item in self.output.items]
-            self.endpoint.store.put(done, self.conversation + [item for item in outputs if item is not None])
+            inputs = [_input_item_body(item) for item in self.body.input_items()]
+            self.endpoint.store.put(done, self.conversation + [item for item in outputs if item is not None], inputs)
         return done
 
     async def events(self, handle):
@@ -413,6 +446,17 @@ class _Answer:
                 done = self.finish(delta)
                 kind = "response.completed" if done["status"] == "completed" else "response.incomplete"
                 yield sse({"type": kind, "response": done})
+
+
+def _input_item_body(item) -> dict:
+    """An input item as GET /v1/responses/{id}/input_items lists it: with an id, and a message's
+    text as content parts."""
+    body = item.model_dump(exclude_none=True)
+    if body.get("type", "message") == "message":
+        body["type"] = "message"
+        if isinstance(body["content"], str):
+            body["content"] = [{"type": "input_text", "text": body["content"]}]
+    return {"id": _new_id("msg" if body["type"] == "message" else "fc"), **body}
 
 
 def _echo(value):

@@ -50,7 +50,11 @@ CASES = [
     ("unknown model", CHAT, chat(model="gpt-9"), 404, "model", "model_not_found"),
     ("unknown model (completions)", COMPLETIONS, completion(model="gpt-9"), 404, "model", "model_not_found"),
     ("n zero", CHAT, chat(n=0), 400, "n", None),
-    ("batched prompts", COMPLETIONS, completion(prompt=["a", "b"]), 400, "prompt", None),
+    ("an empty prompt in a batch", COMPLETIONS, completion(prompt=["a", ""]), 400, "prompt", None),
+    ("a field neither OpenAI nor vLLM has", CHAT, chat(frobnicate=1), 400, "frobnicate", None),
+    ("prompt_logprobs", COMPLETIONS, completion(prompt_logprobs=1), 400, "prompt_logprobs", None),
+    ("beam search", CHAT, chat(use_beam_search=True), 400, "use_beam_search", None),
+    ("min_tokens over max_tokens", CHAT, chat(min_tokens=9), 400, "min_tokens", None),
     ("logprobs of the wrong type", CHAT, chat(logprobs="yes please"), 400, "logprobs", None),
     ("body not an object", CHAT, [1, 2], 400, None, None),
     # the limits of protocol.py and the ranges of sampling.py, each refused naming its field
