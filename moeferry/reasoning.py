@@ -54,6 +54,12 @@ def prompt_opens_thinking(tokenizer, prompt_ids: list[int]) -> bool:
     return tail.rstrip().endswith(THINK_START)
 
 
+def is_think_parser(name: str | None) -> bool:
+    """Whether the parser reads <think> tags (the constraint of structured output then waits
+    for the end tag: structured.ReasoningGate)."""
+    return name in _THINK_PARSERS
+
+
 def reasoning_parser(name: str | None, inner: OutputParser | None, opens_thinking: bool) -> OutputParser | None:
     """The parser of a choice's text under reasoning parser `name`: a ThinkParser over `inner`
     (the tool-call parser, None: the answer is content) for the <think> syntaxes; `inner`

@@ -62,6 +62,8 @@ class SamplingParams:
     tokenizers read it). `min_tokens`: no end token, stop token or stop string ends the request
     before that many tokens (the sampler cannot draw the end and stop tokens until then).
     `include_stop_str_in_output`: the stop string that ended the text stays at its end.
+    `reasoning_tags`: a moeferry.structured.ReasoningTags; `structured` then applies to the
+    answer after the model's reasoning (structured.ReasoningGate).
 
     Invariant after construction: every value is unset (MODEL_DEFAULTED's fields only) or in
     its range (else InvalidRequest naming the field), finite, and normalised (tiny temperature
@@ -88,6 +90,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    reasoning_tags: "ReasoningTags | None" = None  # noqa: F821 - moeferry.structured imports this module
 
     def __post_init__(self):
         if isinstance(self.stop, str):

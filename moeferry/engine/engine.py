@@ -130,6 +130,10 @@ class Engine:
         grammar = None
         if params.structured is not None:
             grammar = self.grammar_compiler().matcher(params.structured)
+            if params.reasoning_tags is not None:
+                from moeferry.structured import ReasoningGate
+
+                grammar = ReasoningGate(grammar, params.reasoning_tags)
         req = Request(ids, params, grammar=grammar)
         if params.min_tokens:
             req.params_after_min, req.params = req.params, self._ends_blocked(req.params)

@@ -24,7 +24,9 @@ from moeferry.server.protocol import (APIError, ChatCompletionRequest, ChatForma
                                       invalid_request, usage, validation_error)
 from moeferry.structured import json_schema_constraint
 from moeferry.tokenizer.tokenizer import apply_chat_template
-from moeferry.reasoning import WithoutReasoning, prompt_opens_thinking, reasoning_parser
+from moeferry.reasoning import (THINK_END, THINK_START, WithoutReasoning, is_think_parser, prompt_opens_thinking,
+                                reasoning_parser)
+from moeferry.structured import ReasoningTags
 from moeferry.tools.plan import ToolPlan, plan_tools
 
 _DISCONNECT_POLL_S = 0.5
@@ -92,8 +94,8 @@ class OpenAIEndpoints:
         ids = self.shaped_prompt(body, ids, add_special_tokens=bool(body.add_special_tokens))
         tools = self.with_reasoning(tools, ids, body.include_reasoning)
         fmt = partial(ChatFormat, tools=tools, request_id=body.request_id)
-        return await self._generate(request, body, [ids], body.requested_max_tokens, fmt,
-                                    prompt_param="messages", adjust=partial(with_tools, tools))
+        return await self._generate(request, body, [ids], body.requested_max_tokens, fmt, prompt_param="messages",
+                                    adjust=lambda params: self.structured_after_reasoning(ids, with_tools(tools, params)))
 
     async def completions(self, request: Request):
         body = parse(CompletionRequest, await read_json(request, self.max_body_bytes))
@@ -177,6 +179,17 @@ class OpenAIEndpoints:
         if keep is not None:
             ids = ids[-keep:]
         return ids
+
+    def structured_after_reasoning(self, ids: list[int], params: SamplingParams) -> SamplingParams:
+        """A constrained request's params, its constraint applying after the reasoning when the
+        model reasons in <think> tags that are single tokens of its vocabulary."""
+        if params.structured is None or not is_think_parser(self.info.reasoning_parser):
+            return params
+        vocab = self.tokenizer.get_vocab()
+        if THINK_START not in vocab or THINK_END not in vocab:
+            return params
+        tags = ReasoningTags(vocab[THINK_START], vocab[THINK_END], prompt_opens_thinking(self.tokenizer, ids))
+        return dataclasses.replace(params, reasoning_tags=tags)
 
     def with_reasoning(self, tools: ToolPlan, ids: list[int], include: bool = True) -> ToolPlan:
         """The tool plan with the model's reasoning parser over the answer (reasoning.py), whose

@@ -341,6 +341,7 @@ class ResponsesEndpoint:
         ids = await asyncio.to_thread(self.chat.chat_ids, self._messages(body, conversation), tools.template_tools)
         tools = self.chat.with_reasoning(tools, ids)
         params = with_tools(tools, body.sampling_params(self.chat.max_tokens_for(ids, body.requested_max_tokens, "input")))
+        params = self.chat.structured_after_reasoning(ids, params)
         handle = await self.chat.loop.submit(ids, params)
         answer = _Answer(self, body, tools, conversation)
         if body.stream:

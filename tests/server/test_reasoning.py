@@ -25,6 +25,9 @@ ANSWERS = {
     "greet me": "<think>The user wants a greeting.</think>\n\nHello there.",
     "be brief": "Brief.",
     "opened": "Thinking inside.</think>The answer.",
+    "pick after thinking": "<think>Weighing it.</think>yes",
+    "pick at once": "no",
+    "json after thinking": '<think>Plan.</think>{"a": "x"}',
     "call f": '<think>f fits.</think>\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>',
 }
 
@@ -153,3 +156,43 @@ def test_the_openai_client_reads_reasoning_content(server):
                                            messages=[{"role": "user", "content": "greet me"}])
     assert reply.choices[0].message.content == "Hello there."
     assert reply.choices[0].message.model_extra["reasoning_content"] == "The user wants a greeting."
+
+
+def test_structured_output_applies_to_the_answer_after_the_reasoning(http):
+    choices = {"structured_outputs": {"choice": ["yes", "no"]}}
+    message = chat(http, "pick after thinking", **choices)["message"]
+    assert message["reasoning_content"] == "Weighing it." and message["content"] == "yes"
+    assert chat(http, "pick at once", **choices)["message"]["content"] == "no"
+    schema = {"type": "object", "properties": {"a": {"enum": ["x"]}}, "required": ["a"], "additionalProperties": False}
+    message = chat(http, "json after thinking", max_tokens=60,
+                   response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})["message"]
+    assert message["reasoning_content"] == "Plan." and json.loads(message["content"]) == {"a": "x"}
+
+
+def test_the_gate_masks_nothing_while_reasoning_and_the_grammar_after():
+    import torch
+
+    from moeferry.structured import ReasoningGate, ReasoningTags
+
+    class Grammar:
+        xgrammar_matcher, fed = None, []
+
+        def accept(self, token):
+            self.fed.append(token)
+            return True
+
+        def fill(self, masks, row):
+            masks[row] = 0
+
+        finished = property(lambda self: len(self.fed) == 2)
+
+    inner = Grammar()
+    gate = ReasoningGate(inner, ReasoningTags(start=33, end=34))
+    masks = torch.zeros((1, 2), dtype=torch.int32)
+    gate.fill(masks, 0)
+    assert gate.constrains and masks[0, 1].item() == 2  # undecided: the grammar's tokens and <think> (33)
+    for token in (33, 5, 6, 34):
+        assert gate.accept(token) and not gate.constrains or token == 34
+    assert gate.constrains and inner.fed == [] and not gate.finished
+    gate.accept(7), gate.accept(8)
+    assert inner.fed == [7, 8] and gate.finished
