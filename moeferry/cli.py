@@ -269,10 +269,20 @@ def _cmd_routing_simulate(args) -> int:
     try:
         trace = RoutingTrace.read(args.trace)
         sizes = cache_sizes(trace.header, args.cache_gb, args.cache_slots, args.cache_fraction)
+        results = []
         print(report(trace, sizes, args.policy, h2d=h2d_bandwidth(args.h2d_gbps), step_ms=args.step_ms,
-                     lrfu_decay=args.lrfu_decay, prefill_demand_tokens=args.prefill_demand_tokens))
+                     lrfu_decay=args.lrfu_decay, prefill_demand_tokens=args.prefill_demand_tokens, results=results))
     except (TraceError, SimulationError) as exc:
         raise UsageError(str(exc)) from None
+    if args.plot:
+        from moeferry.routing.plot import plot_hit_rates
+
+        try:
+            plot_hit_rates(results, trace.header.num_moe_layers * trace.header.num_experts, args.plot,
+                           title=trace.header.model or "")
+        except ImportError as exc:
+            raise UsageError(str(exc)) from None
+        print(f"hit-rate curve written to {args.plot}")
     return 0
 
 
@@ -298,6 +308,9 @@ def add_routing_commands(sub) -> None:
                      help="host-to-device GB/s (default: measured on this GPU, else 55, an H200's pinned H2D)")
     sim.add_argument("--step-ms", type=bounded(float, 0.0), default=None,
                      help="compute ms per decode step (default: the trace's own times if recorded under gpu)")
+    sim.add_argument("--plot", default=None, metavar="PNG",
+                     help="also write the decode hit rate by cache size, one curve per policy, to this PNG "
+                          "(needs matplotlib; default: none)")
     sim.set_defaults(func=_cmd_routing_simulate, command_parser=sim)
 
 
