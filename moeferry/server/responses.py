@@ -99,6 +99,16 @@ class NamedFunction(BaseModel):
     name: _FunctionName
 
 
+class ReasoningOptions(BaseModel):
+    """`reasoning`: its effort reaches the chat template; a summary is refused (none is written)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    effort: Literal["minimal", "low", "medium", "high"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
 class ResponsesRequest(SamplingFields):
     """POST /v1/responses. Invariants after `check_supported`: one answer (n 1); the tools'
     names are distinct and tool_choice names one of them; `text.format` is checked as chat's
@@ -116,10 +126,28 @@ class ResponsesRequest(SamplingFields):
     previous_response_id: str | None = None
     store: bool = True
     metadata: dict[str, str] | None = None
+    reasoning: ReasoningOptions | None = None
+    truncation: Literal["disabled", "auto"] | None = None
+    include: list[str] | None = None
+    background: bool | None = None
+    max_tool_calls: int | None = None
+    top_logprobs: int | None = None
+    prompt: Any = None
+    conversation: Any = None
 
     def check_supported(self) -> None:
         self.response_format = chat_response_format(self.text)
         super().check_supported()
+        for name, neutral in (("truncation", (None, "disabled")), ("background", (None, False)),
+                              ("max_tool_calls", (None,)), ("top_logprobs", (None, 0)), ("prompt", (None,)),
+                              ("conversation", (None,))):
+            if getattr(self, name) not in neutral:
+                raise APIError(400, f"{name} is not supported by this server yet", param=name)
+        if self.include:
+            raise APIError(400, "include is not supported by this server yet", param="include")
+        if self.reasoning is not None and (self.reasoning.summary or self.reasoning.generate_summary):
+            raise APIError(400, "reasoning summaries are not written by this server: the reasoning itself is "
+                                "returned as a reasoning item", param="reasoning.summary")
         if self.n != 1:
             raise APIError(400, "a response has one answer: n must be 1", param="n")
         if isinstance(self.input, list) and not self.input and self.previous_response_id is None:
@@ -141,6 +169,12 @@ class ResponsesRequest(SamplingFields):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_output_tokens
+
+    @property
+    def template_options(self) -> dict:
+        """`reasoning.effort` as the chat template's reasoning_effort (gpt-oss's reads it)."""
+        effort = self.reasoning.effort if self.reasoning is not None else None
+        return {"template_kwargs": {"reasoning_effort": effort}} if effort is not None else {}
 
     def input_items(self) -> list:
         return [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else list(self.input)
@@ -338,7 +372,8 @@ class ResponsesEndpoint:
         conversation = previous + body.input_items()
         tools = plan_tools(body.tool_dicts, body.tool_choice_value, body.parallel_tool_calls,
                            self.chat.info.tool_parser)
-        ids = await asyncio.to_thread(self.chat.chat_ids, self._messages(body, conversation), tools.template_tools)
+        ids = await asyncio.to_thread(self.chat.chat_ids, self._messages(body, conversation), tools.template_tools,
+                                      body.template_options)
         tools = self.chat.with_reasoning(tools, ids)
         params = with_tools(tools, body.sampling_params(self.chat.max_tokens_for(ids, body.requested_max_tokens, "input")))
         params = self.chat.structured_after_reasoning(ids, params)

@@ -250,3 +250,18 @@ def test_add_special_tokens_is_the_tokenizers_choice_for_a_prompt(http):
     without = http.post("/tokenize", json={"prompt": PROMPT, "add_special_tokens": False}).json()["tokens"]
     assert without == with_special[len(with_special) - len(without):]  # the built-in tokenizer adds none
     assert complete(http, add_special_tokens=False)["usage"]["prompt_tokens"] == len(without)
+
+
+def test_responses_reasoning_effort_is_accepted_and_a_neutral_truncation_too(http):
+    body = {"input": "Tell me of Mr. Darcy.", "max_output_tokens": 2, "reasoning": {"effort": "low"},
+            "truncation": "disabled", "include": [], "background": False}
+    response = http.post("/v1/responses", json=body)
+    assert response.status_code == 200, response.text
+
+
+def test_responses_reasoning_effort_reaches_the_template():
+    from moeferry.server.responses import ResponsesRequest
+
+    body = ResponsesRequest.model_validate({"input": "x", "reasoning": {"effort": "high"}})
+    assert body.template_options == {"template_kwargs": {"reasoning_effort": "high"}}
+    assert ResponsesRequest.model_validate({"input": "x"}).template_options == {}
