@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import logging
 import sys
 import types
 import typing
 
-from moeferry.config import CHOICES, ConfigError, EngineConfig
+from moeferry.config import CHOICES, Alias, ConfigError, EngineConfig
 from moeferry.sampling import InvalidRequest
 
 
@@ -84,25 +85,52 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field, with the help text and in the argument group that
-    the field declares (config.option)."""
+    the field declares (config.option); vLLM's name of a flag is another option string of it,
+    and a vLLM flag whose value is converted follows it in the same group."""
     groups: dict[str, argparse._ArgumentGroup] = {}
     for f in dataclasses.fields(EngineConfig):
         name = f.metadata.get("group", "engine")
         group = groups.get(name) or groups.setdefault(name, parser.add_argument_group(name))
         flag, kind, text = "--" + f.name.replace("_", "-"), _flag_type(f), f.metadata.get("help")
+        aliases = f.metadata.get("aliases", ())
+        same = [a for a in aliases if isinstance(a, str)]
         if kind is bool:  # a flag on by default also gets its way off: --no-<flag>
             action = argparse.BooleanOptionalAction if f.default else "store_true"
-            group.add_argument(flag, action=action, default=f.default, help=text)
-            continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        choices = CHOICES[f.name]() if f.name in CHOICES else None
-        group.add_argument(flag, type=kind, default=default, choices=choices, help=text,
-                           metavar=None if choices else f.name.upper())
+            group.add_argument(flag, *same, action=action, default=f.default, help=text)
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            choices = CHOICES[f.name]() if f.name in CHOICES else None
+            group.add_argument(flag, *same, dest=f.name, type=kind, default=default, choices=choices, help=text,
+                               metavar=None if choices else f.name.upper())
+        for alias in aliases:
+            if isinstance(alias, Alias):
+                group.add_argument(alias.flag, dest=_alias_dest(f.name), type=alias.kind, default=None,
+                                   metavar=alias.flag[2:].replace("-", "_").upper(),
+                                   help=f"{alias.text} (default: --{f.name.replace('_', '-')}'s)")
+
+
+def _alias_dest(name: str) -> str:
+    return f"alias_of_{name}"
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The engine options of the parsed flags (the commands `check()` them before loading)."""
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+    """The engine options of the parsed flags (the commands `check()` them before loading): a
+    converted vLLM flag gives its option's value, the positional MODEL gives --model's."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    for f in dataclasses.fields(EngineConfig):
+        for alias in f.metadata.get("aliases", ()):
+            given = getattr(args, _alias_dest(f.name), None) if isinstance(alias, Alias) else None
+            if given is None:
+                continue
+            if values[f.name] != f.default:
+                raise UsageError(f"{alias.flag} and --{f.name.replace('_', '-')} both set {f.name}: give one of them")
+            values[f.name] = alias.convert(given, args)
+    positional = getattr(args, "model_tag", None)
+    if positional is not None:
+        if values["model"] not in (None, positional):
+            raise UsageError(f"the model is given twice: {positional} and --model {values['model']}")
+        values["model"] = positional
+    return EngineConfig(**values)
 
 
 def _sampling_params(args):
@@ -171,6 +199,12 @@ def _cmd_serve(args) -> int:
     return serve(engine_config_from_args(args).check(), args)
 
 
+def add_model_positional(parser: argparse.ArgumentParser) -> None:
+    """`moeferry serve MODEL`, as `vllm serve MODEL`: the same as --model."""
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model, as --model (default: --model's)")
+
+
 def _cmd_routing_simulate(args) -> int:
     """A recorded trace replayed through the slot cache at each size and policy (routing/simulate.py)."""
     from moeferry.routing.simulate import SimulationError, cache_sizes, h2d_bandwidth, report
@@ -181,10 +215,20 @@ def _cmd_routing_simulate(args) -> int:
     try:
         trace = RoutingTrace.read(args.trace)
         sizes = cache_sizes(trace.header, args.cache_gb, args.cache_slots, args.cache_fraction)
+        results = []
         print(report(trace, sizes, args.policy, h2d=h2d_bandwidth(args.h2d_gbps), step_ms=args.step_ms,
-                     lrfu_decay=args.lrfu_decay, prefill_demand_tokens=args.prefill_demand_tokens))
+                     lrfu_decay=args.lrfu_decay, prefill_demand_tokens=args.prefill_demand_tokens, results=results))
     except (TraceError, SimulationError) as exc:
         raise UsageError(str(exc)) from None
+    if args.plot:
+        from moeferry.routing.plot import plot_hit_rates
+
+        try:
+            plot_hit_rates(results, trace.header.num_moe_layers * trace.header.num_experts, args.plot,
+                           title=trace.header.model or "")
+        except ImportError as exc:
+            raise UsageError(str(exc)) from None
+        print(f"hit-rate curve written to {args.plot}")
     return 0
 
 
@@ -246,7 +290,10 @@ def add_routing_commands(sub) -> None:
                      help="host-to-device GB/s (default: measured on this GPU, else 55, an H200's pinned H2D)")
     sim.add_argument("--step-ms", type=bounded(float, 0.0), default=None,
                      help="compute ms per decode step (default: the trace's own times if recorded under gpu)")
-    sim.set_defaults(func=_cmd_routing_simulate)
+    sim.add_argument("--plot", default=None, metavar="PNG",
+                     help="also write the decode hit rate by cache size, one curve per policy, to this PNG "
+                          "(needs matplotlib; default: none)")
+    sim.set_defaults(func=_cmd_routing_simulate, command_parser=sim)
 
 
 _DESCRIPTION = """Serve Mixture-of-Experts language models larger than the GPU's memory (experts in
@@ -291,11 +338,13 @@ def _add_generate(sub) -> None:
                           help="keep generating past the end-of-sequence token, up to --max-tokens")
     sampling.add_argument("--stop", action="append", default=None,
                           help="end the text before this string; repeat the flag for several (default: none)")
+    add_model_positional(gen)
     add_engine_flags(gen)
-    gen.set_defaults(func=_cmd_generate)
+    gen.set_defaults(func=_cmd_generate, command_parser=gen)
 
 
 def _add_serve(sub) -> None:
+    from moeferry.reasoning import reasoning_parser_names
     from moeferry.tools import parser_names
 
     srv = sub.add_parser("serve", help="serve the OpenAI API over HTTP",
@@ -307,7 +356,8 @@ def _add_serve(sub) -> None:
     server.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     server.add_argument("--port", type=bounded(int, 0, 65535), default=8000, help="the TCP port to listen on")
     server.add_argument("--api-key", default=None,
-                        help="require `Authorization: Bearer KEY` on /v1 requests (default: no key)")
+                        help="require `Authorization: Bearer KEY` on /v1 requests (default: $MOEFERRY_API_KEY, "
+                             "else $VLLM_API_KEY, else no key)")
     server.add_argument("--served-model-name", default=None,
                         help="the model's name in the API (default: the Hugging Face id, the directory's name, or "
                              "the built-in model's name)")
@@ -316,12 +366,32 @@ def _add_serve(sub) -> None:
     server.add_argument("--tool-call-parser", default=None, choices=parser_names(),
                         help="how the model writes tool calls (default: its family's: hermes for Qwen and OLMoE, "
                              "mistral for Mixtral, deepseek_v3, openai for gpt-oss's harmony)")
+    server.add_argument("--reasoning-parser", default=None, choices=reasoning_parser_names(),
+                        help="how the model writes its reasoning (default: its family's: qwen3 for Qwen3, "
+                             "deepseek_r1 for DeepSeek with <think> in its vocabulary, openai for gpt-oss)")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="accepted for vLLM's command lines: tool_choice auto is always served")
+    add_model_positional(srv)
     add_engine_flags(srv)
-    srv.set_defaults(func=_cmd_serve)
+    srv.set_defaults(func=_cmd_serve, command_parser=srv)
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """`parser.parse_args`, but an unknown flag is refused by its command's parser (its usage
+    printed), naming the closest flag that command knows."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command = getattr(args, "command_parser", parser)
+        known = [s for action in command._actions for s in action.option_strings]
+        flag = next((u for u in unknown if u.startswith("-")), unknown[0]).split("=")[0]
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        command.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)

@@ -15,7 +15,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from moeferry.errors import ConfigError
 
@@ -56,7 +56,9 @@ def _choices(module: str, name: str):
     return names
 
 
+KV_CACHE_DTYPES = ("auto",)  # the KV cache is held in --dtype
 CHOICES = {"load_format": lambda: LOAD_FORMATS, "device": lambda: DEVICES, "dtype": lambda: DTYPES,
+           "kv_cache_dtype": lambda: KV_CACHE_DTYPES,
            "quantization": quantizations,
            "moe_strategy": strategy_names, "moe_cache_policy": cache_policies,
            "moe_host_dispatch": _choices("moeferry.moe.host_channel", "DISPATCHES"),
@@ -90,6 +92,8 @@ class Bound(NamedTuple):
 RANGES = {
     "seed": Bound(0, 2**32 - 1),  # the dummy weights' generators take seed * 1000 + layer: keep it in 64 bits
     "memory_ratio": Bound(0, 1, low_open=True),
+    "gpu_memory_utilization": Bound(0, 1, low_open=True),
+    "cpu_offload_gb": Bound(0, low_open=True),
     "vram_reserve_mb": Bound(0),
     "kv_reserve_tokens": Bound(1),
     "page_size": Bound(1),
@@ -125,16 +129,30 @@ READ_BY = {
     "moe_tuner_period": ("moe_strategy", ("hybrid",)),
     "moe_tuner_min_experts": ("moe_strategy", ("hybrid",)),
     "moe_uva_block_assignment": ("moe_strategy", ("uva",)),
+    "cpu_offload_gb": ("moe_strategy", ("offload", "hybrid")),
 }
 
 
 DEVELOPER = "MoE (developer)"  # the group of options that tune how MoE parts run, not what they compute
 
 
-def option(default, group: str, text: str):
+@dataclass(frozen=True)
+class Alias:
+    """Another engine's flag (vLLM's) for an option, whose value means something else here:
+    `convert(value, options)` is the option's value, `options` the other parsed options (an
+    argparse Namespace); `kind` parses the flag's text."""
+
+    flag: str
+    kind: Callable
+    convert: Callable[[Any, Any], Any]
+    text: str
+
+
+def option(default, group: str, text: str, aliases: tuple[str | Alias, ...] = ()):
     """An EngineConfig field with its CLI help `text` and argument `group` beside it (the CLI
-    builds its flags from them); a callable `default` is a default factory."""
-    metadata = {"help": text, "group": group}
+    builds its flags from them); a callable `default` is a default factory. `aliases`: vLLM's
+    names of the same flag (a string: the same value; an Alias: a value converted)."""
+    metadata = {"help": text, "group": group, "aliases": aliases}
     if callable(default):
         return field(default_factory=default, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -157,6 +175,17 @@ class EngineConfig:
                                                "weights of config.json's shape (benchmarks, no weights needed)")
     hf_overrides: dict[str, Any] = option(dict, "model", "a JSON object merged into config.json, e.g. "
                                                          "'{\"num_hidden_layers\": 4}'")
+    tokenizer: str | None = option(None, "model", "the tokenizer's directory or cached Hugging Face id (default: "
+                                                  "the model's)")
+    revision: str | None = option(None, "model", "the snapshot of a Hugging Face model id to serve from the local "
+                                                 "cache: a branch, tag or commit (default: main)")
+    trust_remote_code: bool = option(False, "model", "accepted for vLLM's command lines; no checkpoint code is ever "
+                                                     "run (every family is built in)")
+    generation_config: str = option("auto", "model", "sampling defaults: auto reads the model's "
+                                                     "generation_config.json, vllm uses none, a directory reads its "
+                                                     "generation_config.json")
+    override_generation_config: dict[str, Any] = option(dict, "model", "a JSON object over those defaults, e.g. "
+                                                                       "'{\"temperature\": 0.6}'")
     chat_template: str | None = option(None, "model", "a Jinja chat template file used instead of the tokenizer's by "
                                                       "the chat endpoint, generate --chat and LLM.chat (default: the "
                                                       "tokenizer's)")
@@ -203,6 +232,14 @@ class EngineConfig:
                                                          "simulate` (docs/offload.md; at most 1 GiB)")
     memory_ratio: float = option(0.9, "memory", "share of the GPU memory free after the weights that the plan may "
                                                 "use (expert slots, KV cache, buffers)")
+    gpu_memory_utilization: float | None = option(None, "memory", "vLLM's: share of the GPU's whole memory this "
+                                                                  "engine may hold, weights included, instead of "
+                                                                  "--memory-ratio (default: --memory-ratio's plan)")
+    cpu_offload_gb: float | None = option(None, "memory", "vLLM's: GiB of experts kept in host memory instead of on "
+                                                          "the GPU; the expert cache holds the rest (--moe-strategy "
+                                                          "offload unless hybrid is given; default: "
+                                                          "--moe-cache-gb's plan)")
+    kv_cache_dtype: str = option("auto", "memory", "the KV cache's dtype; auto: --dtype's (the only choice)")
     vram_reserve_mb: int = option(1024, "memory", "MiB of GPU memory the plan leaves free, for CUDA graphs and "
                                                   "allocator slack")
     kv_reserve_tokens: int | None = option(None, "memory", "KV cache tokens reserved before the expert cache is sized "
@@ -210,18 +247,21 @@ class EngineConfig:
                                                            "--max-model-len; of at most 8192 tokens when not given)")
     page_size: int = option(16, "memory", "tokens per KV cache page")
     num_tokens: int | None = option(None, "memory", "the KV cache's size in tokens (default: from the memory plan; "
-                                                    "16384 on the CPU)")
+                                                    "16384 on the CPU)",
+                                    aliases=(Alias("--num-gpu-blocks-override", int, lambda n, o: n * o.page_size,
+                                                   "vLLM's: the KV cache's size in pages of --page-size tokens, "
+                                                   "as --num-tokens pages x --page-size"),))
     max_running_requests: int = option(8, "scheduling", "requests decoded together in one step (and the largest "
-                                                        "CUDA graph's batch)")
+                                                        "CUDA graph's batch)", aliases=("--max-num-seqs",))
     max_prefill_tokens: int = option(2048, "scheduling", "prompt tokens prefilled in one step; a longer prompt is "
-                                                         "prefilled in chunks")
+                                                         "prefilled in chunks", aliases=("--max-num-batched-tokens",))
     max_model_len: int | None = option(None, "scheduling", "the most tokens (prompt + output) one request may hold "
                                                            "(default: the model's max_position_embeddings, lowered "
                                                            "with a warning to what the KV cache holds)")
     enable_prefix_caching: bool = option(True, "scheduling", "reuse the KV pages of a prompt prefix another "
-                                                             "request computed (docs/serving.md)")
+                                                             "request computed (docs/requests.md)")
     disable_cuda_graph: bool = option(False, "runtime", "decode eagerly instead of replaying captured CUDA graphs "
-                                                        "(to debug or compare)")
+                                                        "(to debug or compare)", aliases=("--enforce-eager",))
 
     # developer options: how the MoE parts run, for benchmarks and debugging (--help shows them apart)
     moe_host_dispatch: str = option("mailbox", DEVELOPER, "cpu or hybrid on a GPU: how the host kernel is run: "
@@ -255,11 +295,15 @@ class EngineConfig:
         range, and the options together (a flag the chosen strategy would ignore is refused).
         With the model's config also: a dense model drops its MoE options (with a warning), the
         context is capped at the model's and said so, an expert cache under one layer's
-        experts is refused. Returns the config to run with."""
+        experts is refused. Returns the config to run with: --cpu-offload-gb under the default
+        strategy chooses offload, as it does in vLLM."""
         for f in dataclasses.fields(self):
             _check_option(f.name, getattr(self, f.name))
-        _check_together(self)
-        return self if mc is None else _fit_to_model(self, mc)
+        ec = self
+        if ec.cpu_offload_gb is not None and ec.moe_strategy == _DEFAULTS["moe_strategy"]:
+            ec = ec.replace(moe_strategy="offload")
+        _check_together(ec)
+        return ec if mc is None else _fit_to_model(ec, mc)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -341,8 +385,13 @@ def _check_together(ec: EngineConfig) -> None:
                           f"(--page-size): give at least {ec.page_size}")
     if ec.chat_template is not None and not os.path.isfile(ec.chat_template):
         raise ConfigError(f"--chat-template {ec.chat_template}: no such file")
-    if ec.moe_cache_slots is not None and ec.moe_cache_gb is not None:
-        raise ConfigError("--moe-cache-slots and --moe-cache-gb both size the expert cache: give one of them")
+    sizes = [flag(n) for n in ("moe_cache_slots", "moe_cache_gb", "cpu_offload_gb") if getattr(ec, n) is not None]
+    if len(sizes) > 1:
+        raise ConfigError(f"{' and '.join(sizes)} each size the expert cache: give one of them")
+    if ec.gpu_memory_utilization is not None and ec.memory_ratio != _DEFAULTS["memory_ratio"]:
+        raise ConfigError("--gpu-memory-utilization and --memory-ratio both size the memory plan: give one of them")
+    if ec.generation_config not in ("auto", "vllm") and not os.path.isdir(ec.generation_config):
+        raise ConfigError(f"--generation-config {ec.generation_config!r}: give auto, vllm or a directory")
     for name, (chooser, readers) in READ_BY.items():
         if getattr(ec, name) != _DEFAULTS[name] and getattr(ec, chooser) not in readers:
             raise ConfigError(f"{flag(name)} is read only by {flag(chooser)} {' or '.join(readers)}; under "

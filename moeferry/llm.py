@@ -8,20 +8,33 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moeferry.config import EngineConfig
-from moeferry.sampling import InvalidRequest, SamplingParams
+from moeferry.sampling import InvalidRequest, SamplingParams, choice_params
 from moeferry.threads import engine_threads
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a prompt: its index among the prompt's n, as RequestOutput's fields."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list = field(default_factory=list)
 
 
 @dataclass
 class RequestOutput:
     """One prompt's result: the generated token ids, their text, why generation stopped, and
-    (with SamplingParams.logprobs) each token's TokenLogprobs (engine/sampler.py)."""
+    (with SamplingParams.logprobs) each token's TokenLogprobs (engine/sampler.py), of its first
+    sample; `outputs` holds every sample (SamplingParams.n of them), as vLLM's does."""
 
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
     finish_reason: str
     logprobs: list = field(default_factory=list)
+    outputs: list[CompletionOutput] = field(default_factory=list)
 
 
 class LLM:
@@ -47,23 +60,24 @@ class LLM:
         if single:
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
-        if any(sp.n != 1 for sp in params):
-            raise InvalidRequest("n > 1 is served by the OpenAI server; offline, pass the prompt n times "
-                                 "with seeds of their own", "n")
-        reqs = []
+        if len(params) != len(prompts):
+            raise InvalidRequest(f"{len(params)} SamplingParams for {len(prompts)} prompts", "sampling_params")
+        reqs = []  # per prompt, its n samples (each with a seed of its own, as the server's choices)
         try:
             for prompt, sp in zip(prompts, params):
-                reqs.append(self.engine.add_request(prompt, sp))
+                reqs.append([])
+                for choice in range(sp.n):
+                    reqs[-1].append(self.engine.add_request(prompt, choice_params(sp, choice)))
         except ValueError:  # one refused prompt refuses the call: drop the ones already queued
-            for req in reqs:
+            for req in (r for samples in reqs for r in samples):
                 self.engine.abort(req)
             raise
         with engine_threads():
-            while any(not r.finished for r in reqs):
+            while any(not r.finished for samples in reqs for r in samples):
                 for out in self.engine.step():
                     if on_output is not None:
                         on_output(out)
-        return [RequestOutput(r.prompt_ids, list(r.output_ids), r.text, r.finish_reason, list(r.logprobs)) for r in reqs]
+        return [_output(samples) for samples in reqs]
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              on_output=None) -> list[RequestOutput]:
@@ -83,3 +97,11 @@ class LLM:
         except ValueError as exc:
             raise InvalidRequest(str(exc), "messages") from None
         return self.generate(prompts, sampling_params, on_output)
+
+
+def _output(samples) -> RequestOutput:
+    outputs = [CompletionOutput(i, list(r.output_ids), r.text, r.finish_reason, list(r.logprobs))
+               for i, r in enumerate(samples)]
+    first = outputs[0]
+    return RequestOutput(samples[0].prompt_ids, first.token_ids, first.text, first.finish_reason, first.logprobs,
+                         outputs)

@@ -22,19 +22,22 @@ class ModelSource:
     name: str
 
 
-def resolve_model(model: str | None) -> ModelSource:
+def resolve_model(model: str | None, revision: str | None = None) -> ModelSource:
     """The checkpoint `model` names: None, "" or a built-in name give a built-in model (the
     random one made on first use); a directory is taken as it is; anything else is looked up as
-    a model id in the local Hugging Face cache. ConfigError (one line) when it is none of these."""
+    a model id in the local Hugging Face cache, at `revision` (None: main). ConfigError (one
+    line) when it is none of these, or a revision is given for anything but a model id."""
     from moeferry import default_model
 
     builtin = default_model.builtin_model_dir(model)
+    if builtin is None and not os.path.isdir(model):
+        return ModelSource(cached_snapshot(model, revision), model)
+    if revision is not None:
+        raise ConfigError(f"--revision {revision}: only a Hugging Face model id has revisions, not {model or 'the built-in model'!r}")
     if builtin is not None:
         return ModelSource(builtin, model or default_model.DEFAULT_MODEL_NAME)
-    if os.path.isdir(model):
-        name = default_model.builtin_model_name(model)
-        return ModelSource(model, name or os.path.basename(os.path.realpath(model)))
-    return ModelSource(cached_snapshot(model), model)
+    name = default_model.builtin_model_name(model)
+    return ModelSource(model, name or os.path.basename(os.path.realpath(model)))
 
 
 def hub_cache_dir() -> str:
@@ -49,17 +52,20 @@ def hub_cache_dir() -> str:
     return os.path.join(os.path.expanduser(os.path.expandvars(home)), "hub")
 
 
-def cached_snapshot(model_id: str) -> str:
-    """The directory of `model_id`'s snapshot at its `main` ref in the local cache, found
-    without the network (huggingface_hub's snapshot_download with local_files_only)."""
+def cached_snapshot(model_id: str, revision: str | None = None) -> str:
+    """The directory of `model_id`'s snapshot at `revision` (a ref or commit; None: main) in
+    the local cache, found without the network (huggingface_hub's snapshot_download with
+    local_files_only)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
     cache = hub_cache_dir()
     try:
-        return snapshot_download(model_id, local_files_only=True, cache_dir=cache)
+        return snapshot_download(model_id, revision=revision, local_files_only=True, cache_dir=cache)
     except HFValidationError:  # a path, not an id: "org/name" or "name" is the only id shape
         raise ConfigError(f"model directory {model_id!r} does not exist") from None
     except LocalEntryNotFoundError:
-        raise ConfigError(f"--model {model_id}: not a directory and not in the local Hugging Face cache ({cache}): "
-                          f"download it with `hf download {model_id}` or pass a directory") from None
+        at = f" at revision {revision}" if revision else ""
+        raise ConfigError(f"--model {model_id}: not a directory and not in the local Hugging Face cache ({cache}){at}: "
+                          f"download it with `hf download {model_id}{f' --revision {revision}' if revision else ''}` "
+                          f"or pass a directory") from None

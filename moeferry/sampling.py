@@ -14,6 +14,7 @@ import math
 import numbers
 import os
 from collections.abc import Mapping
+import dataclasses
 from dataclasses import dataclass, field
 
 from moeferry.errors import ConfigError, InvalidRequest
@@ -56,7 +57,13 @@ class SamplingParams:
     regex, a choice of strings): the sampler only draws tokens that keep the text inside it,
     and the request stops once the text is complete.
     `skip_special_tokens` False keeps special tokens in the text (a tool-call syntax made of
-    them is read from it), all but the end or stop token that finishes the request.
+    them is read from it), all but the end or stop token that finishes the request;
+    `spaces_between_special_tokens` is the tokenizer's decode option of that name (slow
+    tokenizers read it). `min_tokens`: no end token, stop token or stop string ends the request
+    before that many tokens (the sampler cannot draw the end and stop tokens until then).
+    `include_stop_str_in_output`: the stop string that ended the text stays at its end.
+    `reasoning_tags`: a moeferry.structured.ReasoningTags; `structured` then applies to the
+    answer after the model's reasoning (structured.ReasoningGate).
 
     Invariant after construction: every value is unset (MODEL_DEFAULTED's fields only) or in
     its range (else InvalidRequest naming the field), finite, and normalised (tiny temperature
@@ -80,6 +87,10 @@ class SamplingParams:
     n: int = 1
     structured: "Constraint | None" = None  # noqa: F821 - moeferry.structured imports this module
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    reasoning_tags: "ReasoningTags | None" = None  # noqa: F821 - moeferry.structured imports this module
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -116,6 +127,7 @@ class SamplingParams:
         if self.seed is not None:
             _integer("seed", self.seed, *SEED_RANGE)
         _integer("max_tokens", self.max_tokens, 1, None)
+        _integer("min_tokens", self.min_tokens, 0, self.max_tokens)
         if not all(isinstance(s, str) for s in self.stop):
             raise InvalidRequest("stop must be a string or a list of strings", "stop")
         for token in self.stop_token_ids:
@@ -161,6 +173,24 @@ class GenerationDefaults:
     sampling: Mapping[str, float] = field(default_factory=dict)
 
     @classmethod
+    def load(cls, model_dir: str, source: str = "auto", overrides: Mapping | None = None) -> "GenerationDefaults":
+        """The defaults --generation-config `source` names (auto: the model's file; vllm: none;
+        else the directory's file), with --override-generation-config's values over them
+        (checked as the file's)."""
+        base = cls() if source == "vllm" else cls.from_dir(model_dir if source == "auto" else source)
+        if not overrides:
+            return base
+        unknown = sorted(set(overrides) - set(MODEL_DEFAULTED))
+        if unknown:
+            raise ConfigError(f"--override-generation-config: {', '.join(unknown)} not among "
+                              f"{', '.join(MODEL_DEFAULTED)}")
+        try:
+            checked = SamplingParams(**overrides)
+        except (InvalidRequest, TypeError) as exc:
+            raise ConfigError(f"--override-generation-config: {exc}") from None
+        return cls(base.eos_token_ids, {**base.sampling, **{name: getattr(checked, name) for name in overrides}})
+
+    @classmethod
     def from_dir(cls, path: str) -> "GenerationDefaults":
         """Read `path`/generation_config.json (none: no defaults); ConfigError naming the file
         and the field when a value is not one a request could have."""
@@ -184,6 +214,18 @@ class GenerationDefaults:
         if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
             raise ConfigError(f"{file}: eos_token_id must be a token id or a list of them, got {eos!r}")
         return cls(tuple(ids), {name: getattr(checked, name) for name in given})
+
+
+def choice_params(params: SamplingParams, choice: int) -> SamplingParams:
+    """The params of choice `choice` of an n-sample request: the same, but a seed of its own
+    (derived from the request's, so a seeded request still gives the same n answers)."""
+    if choice == 0:
+        return params
+    seed = None if params.seed is None else (params.seed + choice * _SEED_STRIDE + 2**63) % 2**64 - 2**63
+    return dataclasses.replace(params, seed=seed)
+
+
+_SEED_STRIDE = 0x9E3779B97F4A7C15  # the golden ratio in 64 bits: choices' seeds far apart
 
 
 def _number(name: str, value, low: float, high: float | None, low_open: bool = False) -> None:

@@ -7,6 +7,7 @@ Not thread-safe: one thread drives it (the server runs it in its own thread).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from moeferry.config import EngineConfig, ModelConfig
 from moeferry.engine.runner import ModelRunner
 from moeferry.engine.sampler import TokenLogprobs
-from moeferry.sampling import GenerationDefaults, InvalidRequest, SamplingParams
+from moeferry.sampling import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, GenerationDefaults, InvalidRequest, SamplingParams
 from moeferry.scheduler.request import Request, Status
 from moeferry.scheduler.scheduler import Scheduler
 from moeferry.tokenizer.tokenizer import IncrementalDetokenizer, load_tokenizer, use_chat_template
@@ -50,6 +51,17 @@ def log_finished(req: Request) -> None:
                 req.rid, len(req.prompt_ids), n, req.finish_reason, ttft, speed)
 
 
+def _stop_prefix_len(text: str, stops: list[str]) -> int:
+    """The length of the longest end of `text` that is a proper prefix of a stop string."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest
+
+
 class Engine:
     """Invariants: every request `add_request` accepted ends finished (EOS, stop string or
     token, max_tokens), aborted, or failed, and its KV pages go back to the pool when it does.
@@ -61,13 +73,13 @@ class Engine:
         from moeferry.model_source import resolve_model
 
         ec.check()  # every option alone, before even the default model is made
-        source = resolve_model(ec.model)
+        source = resolve_model(ec.model, ec.revision)
         model_dir, self.model_name = source.path, source.name
         mc = ModelConfig.from_dir(model_dir, ec.hf_overrides)
         ec = ec.replace(model=model_dir).check(mc)
-        self.generation = GenerationDefaults.from_dir(model_dir)
+        self.generation = GenerationDefaults.load(model_dir, ec.generation_config, ec.override_generation_config)
         self.ec, self.mc = ec, mc
-        self.tokenizer = load_tokenizer(model_dir)
+        self.tokenizer = load_tokenizer(resolve_model(ec.tokenizer).path if ec.tokenizer else model_dir)
         if ec.chat_template is not None:  # before the weights: a template that fails costs no loading
             use_chat_template(self.tokenizer, ec.chat_template)
         t0 = time.monotonic()
@@ -118,11 +130,27 @@ class Engine:
         grammar = None
         if params.structured is not None:
             grammar = self.grammar_compiler().matcher(params.structured)
+            if params.reasoning_tags is not None:
+                from moeferry.structured import ReasoningGate
+
+                grammar = ReasoningGate(grammar, params.reasoning_tags)
         req = Request(ids, params, grammar=grammar)
+        if params.min_tokens:
+            req.params_after_min, req.params = req.params, self._ends_blocked(req.params)
         self.scheduler.add(req)
-        self._detok[req.rid] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        self._detok[req.rid] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
+                                                      params.spaces_between_special_tokens)
         self.counters["prompt_tokens"] += len(ids)
         return req
+
+    def _ends_blocked(self, params: SamplingParams) -> SamplingParams:
+        """`params` whose logit_bias keeps the sampler off the end and stop tokens (min_tokens)."""
+        ends = self.eos_ids | set(params.stop_token_ids)
+        bias = {**(params.logit_bias or {}), **{t: LOGIT_BIAS_RANGE[0] for t in ends}}
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequest(f"min_tokens blocks {len(bias)} tokens with logit_bias's, at most {MAX_LOGIT_BIAS}: "
+                                 f"give fewer stop_token_ids or logit_bias entries", "min_tokens")
+        return dataclasses.replace(params, logit_bias=bias)
 
     def _check_token_ids(self, param: str, ids: list[int]) -> None:
         vocab_size = self.mc.vocab_size  # read once: each read goes through the transformers config
@@ -184,25 +212,35 @@ class Engine:
         req.num_computed = req.num_tokens - 1
         self.counters["generation_tokens"] += 1
         p = req.params
+        if req.params_after_min is not None and len(req.output_ids) >= req.params_after_min.min_tokens:
+            req.params, req.params_after_min = req.params_after_min, None
+            self.runner.sampler.release(req)  # the next bind writes the params without the block
         reason = self._advance_grammar(req, token)
         # An ending token: a stop token id, an end token unless ignore_eos, or an end token
-        # that finished the grammar. Its own text is never output, special or not (a grammar
-        # that finishes on ordinary text, such as a closing brace, keeps that text).
-        ending = token in p.stop_token_ids or (token in self.eos_ids and (not p.ignore_eos or reason == "stop"))
+        # that finished the grammar; none before min_tokens. Its own text is never output,
+        # special or not (a grammar that finishes on ordinary text, such as a closing brace,
+        # keeps that text).
+        may_end = len(req.output_ids) > p.min_tokens
+        ending = may_end and (token in p.stop_token_ids
+                              or (token in self.eos_ids and (not p.ignore_eos or reason == "stop")))
         if ending:
             reason = "stop"
         delta = "" if ending else self._detok[req.rid].push(token)
         text = req.text + delta
-        for s in p.stop:
+        for s in p.stop if may_end else ():
             cut = text.find(s, max(0, len(req.text) - len(s)))
             if cut >= 0:
-                text, reason = text[:cut], "stop"
+                text, reason = text[:cut + len(s) if p.include_stop_str_in_output else cut], "stop"
                 break
-        delta, req.text = text[len(req.text):], text
+        req.text = text
         # The scheduler admitted prompt + max_tokens within the context limit, so max_tokens
         # is the only length bound a request can reach.
         if reason is None and len(req.output_ids) >= p.max_tokens:
             reason = "length"
+        # Text that may be a stop string's start is held back until the next tokens say (a
+        # stop string spanning tokens is never partly sent); all is sent once finished.
+        shown = len(text) if reason is not None else len(text) - _stop_prefix_len(text, p.stop)
+        delta, req.sent_chars = text[req.sent_chars:shown], max(req.sent_chars, shown)
         if reason is not None:
             self._finish(req, reason)
         return StepOutput(req, [token], delta, reason is not None, logprobs=[logprobs] if logprobs else [])

@@ -96,6 +96,8 @@ def expert_slots(ec, needs: ExpertNeeds, room_bytes: int | None) -> int:
         slots = ec.moe_cache_slots
     elif ec.moe_cache_gb is not None:
         slots = slots_for_gb(ec.moe_cache_gb, needs.expert_bytes)
+    elif ec.cpu_offload_gb is not None:  # vLLM's sense: the experts left on the host
+        slots = needs.total_experts - -(-int(ec.cpu_offload_gb * _GIB) // needs.expert_bytes)
     elif room_bytes is None:
         slots = needs.total_experts
     else:
@@ -142,7 +144,9 @@ def served_context(ec, model_len: int, plan: MemoryPlan) -> int:
 def _device_budget(ec, device: torch.device) -> tuple[int | None, int | None]:
     if device.type != "cuda":
         return None, None
-    free, _total = torch.cuda.mem_get_info(device)
+    free, total = torch.cuda.mem_get_info(device)
+    if ec.gpu_memory_utilization is not None:  # vLLM's sense: a share of the whole GPU, weights included
+        return free, int(free - (1 - ec.gpu_memory_utilization) * total - ec.vram_reserve_mb * 2**20)
     return free, int(free * ec.memory_ratio - ec.vram_reserve_mb * 2**20)
 
 

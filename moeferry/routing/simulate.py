@@ -179,8 +179,10 @@ def compute_seconds(header: TraceHeader, result: SimResult, step_ms: float | Non
 
 # ---- the table --------------------------------------------------------------------------------
 def report(trace: RoutingTrace, sizes: list[CacheSize], policies: list[str], *, h2d: tuple[float, str],
-           step_ms: float | None = None, lrfu_decay: float = 0.5, prefill_demand_tokens: int | None = None) -> str:
-    """The table `moeferry routing simulate` prints: one row per (cache size, policy)."""
+           step_ms: float | None = None, lrfu_decay: float = 0.5, prefill_demand_tokens: int | None = None,
+           results: list | None = None) -> str:
+    """The table `moeferry routing simulate` prints: one row per (cache size, policy); each
+    (CacheSize, policy, SimResult) is also appended to `results` when given (for --plot)."""
     h, bandwidth = trace.header, h2d[0]
     rows, compute_note = [], None
     for size in sorted(sizes, key=lambda s: s.slots):
@@ -191,6 +193,8 @@ def report(trace: RoutingTrace, sizes: list[CacheSize], policies: list[str], *, 
             logger.info("simulated %s under %s in %.1fs", size.label, policy, time.perf_counter() - start)
             compute, compute_note = compute_seconds(h, result, step_ms)
             rows.append(_row(h, size, result, bandwidth, compute))
+            if results is not None:
+                results.append((size, policy, result))
     header = ["cache", "slots", "GiB", "% experts", "policy", "decode hit", "prefill hit", "MB copied/decode token",
               "copy floor ms/step", "predicted decode tok/s"]
     return "\n".join([_summary(trace), f"H2D bandwidth: {bandwidth / 1e9:.1f} GB/s ({h2d[1]})",

@@ -46,6 +46,7 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     text: str = ""
+    sent_chars: int = 0  # characters of `text` handed out as deltas (the rest may start a stop string)
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     seed: int | None = None
@@ -54,6 +55,9 @@ class Request:
     # structured output: the grammar state (moeferry.structured.GrammarMatcher) of the tokens in
     # output_ids, fed once per generated token; kept through preemption, never fed the recompute
     grammar: Any = None
+    # min_tokens: the params to sample with once min_tokens are out (`params` block the end and
+    # stop tokens until then); None when there is no such phase, or it is over
+    params_after_min: SamplingParams | None = None
 
     def __post_init__(self):
         if not self.prompt_ids:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import os
 import logging
 import time
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from moeferry.server.openai_api import BODY_READ_TIMEOUT_S, ClientGone, ModelInf
 from moeferry.server.openapi import openapi_schema
 from moeferry.server.protocol import MAX_BODY_BYTES, APIError
 from moeferry.server.responses import ResponsesEndpoint
+from moeferry.reasoning import family_reasoning
 from moeferry.tools import family_parser
 
 logger = logging.getLogger("moeferry.server")
@@ -39,7 +41,7 @@ CLIENT_GONE = 499  # the status counted for a request whose client left before i
 GRACEFUL_SHUTDOWN_S = 5
 ENGINE_STOP_S = 10.0
 _ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/v1/stats", "/health",
-              "/metrics")
+              "/metrics", "/tokenize", "/detokenize", "/version", "/ping")
 
 
 @dataclass(frozen=True)
@@ -56,15 +58,19 @@ class ServerConfig:
     max_body_bytes: int = MAX_BODY_BYTES
     body_timeout_s: float = BODY_READ_TIMEOUT_S  # the whole body must arrive within this (408 after)
     tool_call_parser: str | None = None  # None: the model family's (tools.FAMILY_PARSERS)
+    reasoning_parser: str | None = None  # None: the model family's (reasoning.FAMILY_REASONING)
 
     @classmethod
-    def from_args(cls, args) -> "ServerConfig":
+    def from_args(cls, args, environ=os.environ) -> "ServerConfig":
+        """The serve command's flags; the API key, when --api-key is not given, from
+        MOEFERRY_API_KEY, else VLLM_API_KEY (vLLM's). An empty key is refused."""
         if args.api_key is not None and not args.api_key.strip():
             raise ConfigError("--api-key is empty: give the key clients must send, or leave the flag out to serve "
                               "without one")
-        return cls(host=args.host, port=args.port, api_key=args.api_key,
+        api_key = args.api_key or environ.get("MOEFERRY_API_KEY") or environ.get("VLLM_API_KEY") or None
+        return cls(host=args.host, port=args.port, api_key=api_key,
                    served_model_name=args.served_model_name, log_interval=args.log_interval,
-                   tool_call_parser=args.tool_call_parser)
+                   tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
 
 
 def served_model_name(engine, config: ServerConfig) -> str:
@@ -77,7 +83,8 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     metrics = ServerMetrics()
     engine_loop = EngineLoop(engine, metrics, ActivityLogger(config.log_interval))
     info = ModelInfo(served_model_name(engine, config), engine.scheduler.context_limit, engine.mc.vocab_size,
-                     int(time.time()), family_parser(engine.mc.model_type, config.tool_call_parser))
+                     int(time.time()), family_parser(engine.mc.model_type, config.tool_call_parser),
+                     family_reasoning(engine.mc.model_type, engine.tokenizer, config.reasoning_parser))
     pools = Pools.create()
     api = OpenAIEndpoints(engine_loop, engine.tokenizer, info, config.max_body_bytes, pools, config.body_timeout_s)
     responses = ResponsesEndpoint(api)
@@ -99,6 +106,8 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     _add_routes(app, api, engine_loop, metrics)
     app.add_api_route("/v1/responses", responses.create, methods=["POST"])
     app.add_api_route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"])
+    app.add_api_route("/v1/responses/{response_id}/input_items", responses.input_items, methods=["GET"])
     _add_error_handlers(app)
     app.openapi = lambda: openapi_schema(app, secured=config.api_key is not None)
     app.add_middleware(AccessMiddleware, api_key=config.api_key, metrics=metrics)
@@ -118,6 +127,23 @@ def _add_routes(app: FastAPI, api: OpenAIEndpoints, engine_loop: EngineLoop, met
         if model_id != api.info.name:
             raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
         return api.model_card()
+
+    app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
+
+    @app.get("/version")
+    async def version():
+        from moeferry import __version__
+
+        return {"version": __version__}
+
+    async def ping():  # vLLM's (and SageMaker's) liveness probe: /health under another name
+        if not engine_loop.alive:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    app.add_api_route("/ping", ping, methods=["GET"], operation_id="ping_get")
+    app.add_api_route("/ping", ping, methods=["POST"], operation_id="ping_post")
 
     @app.get("/health")
     async def health():

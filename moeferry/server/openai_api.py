@@ -19,13 +19,16 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from moeferry.server.engine_loop import SHUTDOWN, EngineLoop, RequestHandle
-from moeferry.sampling import InvalidRequest, SamplingParams
+from moeferry.sampling import InvalidRequest, SamplingParams, choice_params
 from moeferry.server.pools import WorkPool
 from moeferry.server.protocol import (APIError, ChatCompletionRequest, ChatFormat, Choice, CompletionFormat,
-                                      CompletionRequest, check_counts, decode_json, invalid_request, usage,
-                                      validation_error)
+                                      CompletionRequest, DetokenizeRequest, TokenizeRequest, check_counts,
+                                      decode_json, invalid_request, usage, validation_error)
 from moeferry.structured import json_schema_constraint
 from moeferry.tokenizer.tokenizer import apply_chat_template
+from moeferry.reasoning import (THINK_END, THINK_START, WithoutReasoning, is_think_parser, prompt_opens_thinking,
+                                reasoning_parser)
+from moeferry.structured import ReasoningTags
 from moeferry.tools.plan import ToolPlan, plan_tools
 
 _DISCONNECT_POLL_S = 0.5
@@ -130,6 +133,7 @@ class ModelInfo:
     vocab_size: int
     created: int
     tool_parser: str | None = None  # the tools registry's parser of the model's tool-call syntax
+    reasoning_parser: str | None = None  # reasoning.py's parser of the model's reasoning syntax
 
 
 class OpenAIEndpoints:
@@ -153,20 +157,59 @@ class OpenAIEndpoints:
         self.check_common(body)
         tools = plan_tools(body.tool_dicts, body.tool_choice_value, body.parallel_tool_calls, self.info.tool_parser)
         messages = [m.as_template_input() for m in body.messages]
-        ids = await self.prompt_work(request, body.prompt_chars(), self.chat_ids, messages, tools.template_tools)
-        return await self._generate(request, body, ids, body.requested_max_tokens, partial(ChatFormat, tools=tools),
-                                    prompt_param="messages", adjust=partial(with_tools, tools))
+        ids = await self.prompt_work(request, body.prompt_chars(), self.chat_ids, messages, tools.template_tools,
+                                     body.template_options)
+        ids = self.shaped_prompt(body, ids, add_special_tokens=bool(body.add_special_tokens))
+        tools = self.with_reasoning(tools, ids, body.include_reasoning)
+        fmt = partial(ChatFormat, tools=tools, request_id=body.request_id)
+        return await self._generate(request, body, [ids], body.requested_max_tokens, fmt, prompt_param="messages",
+                                    adjust=lambda params: self.structured_after_reasoning(ids, with_tools(tools, params)))
 
     async def completions(self, request: Request):
         body = await read_request(request, CompletionRequest, self.max_body_bytes, self.pools.prompts,
                                   self.body_timeout_s)
         self.check_common(body)
-        prompt = body.text_or_ids
-        ids = await self.prompt_work(request, len(prompt), self._encode, prompt) if isinstance(prompt, str) \
-            else list(prompt)
-        self._check_vocab(ids)
-        return await self._generate(request, body, ids, body.requested_max_tokens, CompletionFormat,
-                                    prompt_param="prompt")
+        add_special = body.add_special_tokens is not False
+        prompts = []
+        for prompt in body.prompts:
+            ids = await self.prompt_work(request, len(prompt), self._encode, prompt, add_special) \
+                if isinstance(prompt, str) else list(prompt)
+            self._check_vocab(ids)
+            prompts.append(self.shaped_prompt(body, ids, add_special_tokens=False))
+        echo = [self.tokenizer.decode(ids) if self.tokenizer is not None else "" for ids in prompts] \
+            if body.echo else None
+        fmt = partial(CompletionFormat, request_id=body.request_id, echo=echo, n=body.n)
+        return await self._generate(request, body, prompts, body.requested_max_tokens, fmt, prompt_param="prompt")
+
+    async def tokenize(self, request: Request):
+        """vLLM's /tokenize: the ids a prompt or a conversation becomes, as the generating
+        endpoints make them."""
+        body = await read_request(request, TokenizeRequest, self.max_body_bytes, self.pools.prompts,
+                                  self.body_timeout_s)
+        self._check_model(body.model)
+        body.check()
+        if body.messages is not None:
+            messages = [m.as_template_input() for m in body.messages]
+            chars = sum(len(str(m.get("content") or "")) for m in messages)
+            ids = await self.prompt_work(request, chars, self.chat_ids, messages, body.tool_dicts, body.template_options)
+            ids = self.shaped_prompt(body, ids, add_special_tokens=bool(body.add_special_tokens))
+        else:
+            ids = await self.prompt_work(request, len(body.prompt), self._encode, body.prompt,
+                                         body.add_special_tokens is not False)
+        out = {"count": len(ids), "max_model_len": self.info.context_limit, "tokens": ids, "token_strs": None}
+        if body.return_token_strs and self.tokenizer is not None:
+            out["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
+        return out
+
+    async def detokenize(self, request: Request):
+        """vLLM's /detokenize: the text of token ids."""
+        body = await read_request(request, DetokenizeRequest, self.max_body_bytes, self.pools.prompts,
+                                  self.body_timeout_s)
+        self._check_model(body.model)
+        self._check_vocab(body.tokens, "tokens")
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", param="tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
 
     async def prompt_work(self, request: Request, chars: int, fn, *args):
         """`fn(*args)` (templating, tokenizing) of a prompt of `chars` characters: inline when
@@ -186,29 +229,63 @@ class OpenAIEndpoints:
     def check_common(self, body) -> None:
         """What every generating endpoint checks first (chat, completions, responses): the model
         named is the one served."""
-        if body.model is not None and body.model != self.info.name:
-            raise APIError(404, f"The model `{body.model}` does not exist; this server serves `{self.info.name}`.",
-                           param="model", code="model_not_found")
+        self._check_model(body.model)
         body.check(self.info.context_limit)
 
-    def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """The prompt ids of a conversation through the chat template (tools rendered when given);
-        a template error is a 400."""
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.info.name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.info.name}`.",
+                           param="model", code="model_not_found")
+
+    def chat_ids(self, messages: list[dict], tools: list[dict] | None = None, options: dict | None = None) -> list[int]:
+        """The prompt ids of a conversation through the chat template (tools rendered when given,
+        `options`: ChatCompletionRequest.template_options); a template error is a 400."""
         try:
-            return apply_chat_template(self.tokenizer, messages, tools)
+            return apply_chat_template(self.tokenizer, messages, tools, **(options or {}))
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from None
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
-        return list(self.tokenizer.encode(text))
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def _check_vocab(self, ids: list[int]) -> None:
+    def shaped_prompt(self, body, ids: list[int], add_special_tokens: bool) -> list[int]:
+        """The prompt ids as the request asks: the tokenizer's start token put before them
+        (add_special_tokens, for a rendered chat), then only the last truncate_prompt_tokens."""
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        if add_special_tokens and bos is not None and ids[:1] != [bos]:
+            ids = [bos, *ids]
+        keep = getattr(body, "truncate_prompt_tokens", None)
+        if keep is not None:
+            ids = ids[-keep:]
+        return ids
+
+    def structured_after_reasoning(self, ids: list[int], params: SamplingParams) -> SamplingParams:
+        """A constrained request's params, its constraint applying after the reasoning when the
+        model reasons in <think> tags that are single tokens of its vocabulary."""
+        if params.structured is None or not is_think_parser(self.info.reasoning_parser):
+            return params
+        vocab = self.tokenizer.get_vocab()
+        if THINK_START not in vocab or THINK_END not in vocab:
+            return params
+        tags = ReasoningTags(vocab[THINK_START], vocab[THINK_END], prompt_opens_thinking(self.tokenizer, ids))
+        return dataclasses.replace(params, reasoning_tags=tags)
+
+    def with_reasoning(self, tools: ToolPlan, ids: list[int], include: bool = True) -> ToolPlan:
+        """The tool plan with the model's reasoning parser over the answer (reasoning.py), whose
+        reasoning is dropped from the answer when `include` is false."""
+        opens = prompt_opens_thinking(self.tokenizer, ids)
+        parser = reasoning_parser(self.info.reasoning_parser, tools.parser, opens)
+        if parser is not None and not include:
+            parser = WithoutReasoning(parser)
+        return dataclasses.replace(tools, parser=parser)
+
+    def _check_vocab(self, ids: list[int], param: str = "prompt") -> None:
         bad = next((t for t in ids if not 0 <= t < self.info.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is outside the vocabulary [0, {self.info.vocab_size})",
-                           param="prompt")
+                           param=param)
 
     def max_tokens_for(self, ids: list[int], requested: int | None, prompt_param: str) -> int:
         """The tokens a prompt of `ids` may generate: `requested`, or all the room the context
@@ -254,28 +331,30 @@ class OpenAIEndpoints:
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
 
-    async def _generate(self, request: Request, body, ids: list[int], requested: int | None, fmt_type,
+    async def _generate(self, request: Request, body, prompts: list[list[int]], requested: int | None, fmt_type,
                         prompt_param: str, adjust=None):
-        params = body.sampling_params(self.max_tokens_for(ids, requested, prompt_param))
+        """Submit n choices of each prompt (choice i*n+j: sample j of prompt i) and answer."""
+        params = [body.sampling_params(self.max_tokens_for(ids, requested, prompt_param)) for ids in prompts]
         if adjust is not None:
-            params = adjust(params)
-        if params.structured is not None:
-            await self.compile(request, params.structured)
-        fmt = fmt_type(self.info.name, self._token_text, params.logprobs is not None)
+            params = [adjust(p) for p in params]
+        if params[0].structured is not None:
+            await self.compile(request, params[0].structured)
+        fmt = fmt_type(self.info.name, self._token_text, params[0].logprobs is not None)
         handles = []
         try:
-            for choice in range(params.n):
-                handles.append(await self.loop.submit(ids, choice_params(params, choice)))
+            for ids, prompt_params in zip(prompts, params):
+                for choice in range(prompt_params.n):
+                    handles.append(await self.loop.submit(ids, choice_params(prompt_params, choice)))
         except BaseException:
             for handle in handles:
                 self.loop.abort(handle)
             raise
         if body.stream:
-            return StreamingResponse(self._sse(handles, fmt, body.include_usage), media_type="text/event-stream",
+            return StreamingResponse(self._sse(handles, fmt, body.include_usage, body.n), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._collect(request, handles, fmt)
+        return await self._collect(request, handles, fmt, body.n)
 
-    async def _sse(self, handles: list[RequestHandle], fmt: ChatFormat, include_usage: bool):
+    async def _sse(self, handles: list[RequestHandle], fmt: ChatFormat, include_usage: bool, n: int = 1):
         for index in range(len(handles)):
             opening = fmt.opening(index)
             if opening is not None:
@@ -293,15 +372,15 @@ class OpenAIEndpoints:
                 if chunk is not None:
                     yield _event(chunk)
         if include_usage and last:
-            yield _event(fmt.usage_chunk(_usage(last.values())))
+            yield _event(fmt.usage_chunk(_usage([last[i] for i in sorted(last)], n)))
         yield "data: [DONE]\n\n"
 
-    async def _collect(self, request: Request, handles: list[RequestHandle], fmt: ChatFormat) -> Response:
+    async def _collect(self, request: Request, handles: list[RequestHandle], fmt: ChatFormat, n: int = 1) -> Response:
         answers = await self.gather_answers(request, handles)
         if answers is None:
             return Response(status_code=499)
         choices, lasts = answers
-        return JSONResponse(fmt.full(choices, _usage(lasts)))
+        return JSONResponse(fmt.full(choices, _usage(lasts, n)))
 
     async def gather_answers(self, request: Request, handles: list[RequestHandle]) -> tuple[list[Choice], list] | None:
         """Every choice's whole answer and last Delta, or None when the client went away
@@ -343,22 +422,15 @@ def constrain_to_json_schema(params: SamplingParams, schema: dict) -> SamplingPa
     return dataclasses.replace(params, structured=json_schema_constraint(schema, param="tool_choice"))
 
 
-def choice_params(params: SamplingParams, choice: int) -> SamplingParams:
-    """The params of choice `choice` of an n-sample request: the same, but a seed of its own
-    (derived from the request's, so a seeded request still gives the same n answers)."""
-    if choice == 0:
-        return params
-    seed = None if params.seed is None else (params.seed + choice * _SEED_STRIDE + 2**63) % 2**64 - 2**63
-    return dataclasses.replace(params, seed=seed)
 
 
-_SEED_STRIDE = 0x9E3779B97F4A7C15  # the golden ratio in 64 bits: choices' seeds far apart
-
-
-def _usage(lasts) -> dict:
-    """The usage of a request's choices: the prompt once, every choice's completion tokens."""
+def _usage(lasts, n: int = 1) -> dict:
+    """The usage of a request's choices (n per prompt, in order): each prompt once, every
+    choice's completion tokens."""
     lasts = list(lasts)
-    return usage(lasts[0].prompt_tokens, sum(last.completion_tokens for last in lasts), lasts[0].cached_tokens)
+    firsts = lasts[::n]
+    return usage(sum(last.prompt_tokens for last in firsts), sum(last.completion_tokens for last in lasts),
+                 sum(last.cached_tokens for last in firsts))
 
 
 async def _merged(loop: EngineLoop, handles: list[RequestHandle]):

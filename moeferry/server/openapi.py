@@ -14,19 +14,29 @@ from fastapi.openapi.utils import get_openapi
 
 from moeferry.sampling import LOGIT_BIAS_RANGE, MAX_N
 from moeferry.server.responses import ResponsesRequest
-from moeferry.server.protocol import (MAX_COMPLETION_LOGPROBS, MAX_LOGIT_BIAS_ENTRIES, MAX_MESSAGES, MAX_STOP_CHARS,
+from moeferry.server.protocol import (MAX_BATCH_ANSWERS, MAX_COMPLETION_LOGPROBS, MAX_LOGIT_BIAS_ENTRIES, MAX_MESSAGES,
+                                      MAX_STOP_CHARS,
                                       MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, NEUTRAL_UNSUPPORTED,
-                                      ChatCompletionRequest, CompletionRequest, ErrorResponse)
+                                      ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse,
+                                      TokenizeRequest)
 
 _REF = "#/components/schemas/{model}"
 _BODIES = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
            "/v1/responses": ResponsesRequest}
+_JSON_BODIES = {"/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}  # vLLM's, answered in JSON
 # (path, method) -> the error statuses it answers; /v1 routes also answer 401 with an API key
 _ERRORS = {
     ("/v1/chat/completions", "post"): (400, 404, 408, 413, 500, 503),
     ("/v1/completions", "post"): (400, 404, 408, 413, 500, 503),
     ("/v1/responses", "post"): (400, 404, 408, 413, 500, 503),
     ("/v1/responses/{response_id}", "get"): (404,),
+    ("/v1/responses/{response_id}", "delete"): (404,),
+    ("/v1/responses/{response_id}/input_items", "get"): (400, 404),
+    ("/tokenize", "post"): (400, 404, 413),
+    ("/detokenize", "post"): (400, 404, 413),
+    ("/version", "get"): (),
+    ("/ping", "get"): (503,),
+    ("/ping", "post"): (503,),
     ("/v1/models", "get"): (),
     ("/v1/models/{model_id}", "get"): (404,),
     ("/v1/stats", "get"): (503,),
@@ -45,7 +55,7 @@ def openapi_schema(app: FastAPI, secured: bool) -> dict:
     if app.openapi_schema is None:
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-        for model in (*_BODIES.values(), ErrorResponse):
+        for model in (*_BODIES.values(), *_JSON_BODIES.values(), ErrorResponse):
             schema = model.model_json_schema(ref_template=_REF)
             schemas.update(schema.pop("$defs", {}))
             schemas[model.__name__] = schema
@@ -82,20 +92,20 @@ def _accepted(model, info) -> dict[str, dict]:
     }
     props.update(_structured_output_properties())
     for name in NEUTRAL_UNSUPPORTED:
-        props[name] = {"type": "null", "description": "not supported yet"}
+        if name in model.model_fields and name not in model.honoured:
+            props[name] = {"type": "null", "description": "not supported yet"}
     if model is ChatCompletionRequest:
         props["messages"] = {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES,
                              "items": {"$ref": _REF.format(model="ChatMessage")}}
         props["logprobs"] = {"anyOf": [{"type": "boolean"}, {"type": "null"}]}
     else:
         one = {"type": "string", "minLength": 1}
-        props["prompt"] = {"anyOf": [one, {"type": "array", "minItems": 1, "items": token_id},
-                                     {"type": "array", "minItems": 1, "maxItems": 1, "items": one}]}
+        ids = {"type": "array", "minItems": 1, "items": token_id}
+        batch = MAX_BATCH_ANSWERS // MAX_N  # with n up to MAX_N
+        props["prompt"] = {"anyOf": [one, ids, {"type": "array", "minItems": 1, "maxItems": batch, "items": one},
+                                     {"type": "array", "minItems": 1, "maxItems": batch, "items": ids}]}
         props["logprobs"] = {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_COMPLETION_LOGPROBS},
-                                       {"type": "null"}]}
-        props["suffix"] = {"type": "null", "description": "not supported"}
-        props["echo"] = {"enum": [False, None], "description": "not supported"}
-        props["best_of"] = {"enum": [None, 1], "description": "not supported"}
+                                       {"type": "null"}], "description": "not with echo"}
     return props
 
 
@@ -129,6 +139,9 @@ def _complete(op: dict, path: str, statuses: tuple[int, ...], secured: bool) -> 
         op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref}}}
         responses["200"] = {"description": "the completion, or its server-sent events when `stream` is true",
                             "content": _STREAM_OR_JSON}
+    if path in _JSON_BODIES:
+        ref = {"$ref": _REF.format(model=_JSON_BODIES[path].__name__)}
+        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref}}}
     if path == "/metrics":
         responses["200"] = {"description": "Prometheus text exposition", "content": _PROMETHEUS_TEXT}
     if secured:

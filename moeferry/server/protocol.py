@@ -1,9 +1,9 @@
 """OpenAI API shapes: the limits a request is held to, request models (pydantic), the error
 body, and response builders.
 
-Only what moeferry implements is accepted; unknown fields are ignored (clients send many),
-but a field we cannot honour yet (functions, ...) is refused with a 400 naming it rather
-than ignored. Structured output (response_format, vLLM's guided_* and structured_outputs) is read
+Only what moeferry implements is accepted: every field of OpenAI's API and vLLM's extensions is
+either honoured or, set away from its neutral value, refused with a 400 naming it
+(NEUTRAL_UNSUPPORTED); a field neither knows is a 400 naming it too. Structured output (response_format, vLLM's guided_* and structured_outputs) is read
 by moeferry/structured/api.py.
 Every check here runs before the request reaches the engine.
 """
@@ -43,6 +43,8 @@ MAX_CHARS_PER_TOKEN = 16  # a prompt's characters per token of the context, chec
 MAX_METADATA_KEYS = 16  # `metadata` (OpenAI's limits)
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
+MAX_BATCH_ANSWERS = 64  # a completions batch: prompts x n
+MAX_CHAT_TEMPLATE_CHARS = 1 << 16  # a request's own chat template (vLLM's chat_template field)
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                 405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
@@ -82,6 +84,8 @@ def validation_error(exc: ValidationError) -> APIError:
     err = exc.errors()[0]
     param = ".".join(str(p) for p in err.get("loc", ()) if not _is_union_tag(p)) or None
     message = err.get("msg", "invalid request").removeprefix("Value error, ")
+    if err.get("type") == "extra_forbidden":
+        message = "not a field of this request (neither OpenAI's API nor vLLM's extensions have it here)"
     return APIError(400, f"{param}: {message}" if param else message, param=param)
 
 
@@ -197,7 +201,10 @@ _SCALAR_TAGS = {"str", "int", "float", "bool", "none", "TextPart", "StreamOption
 class StreamOptions(BaseModel):
     """`stream_options`: with include_usage, a last event (choices []) carries the usage."""
 
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: refused when true (check_supported)
 
 
 _Penalty = Annotated[float, Field(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])]
@@ -212,7 +219,8 @@ class SamplingFields(BaseModel):
     repetition_penalty left out (or null) take the model's generation_config.json values, else
     the OpenAI API's (sampling.MODEL_DEFAULTED). Numbers must be finite."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    honoured: ClassVar[frozenset[str]] = frozenset()  # names of NEUTRAL_UNSUPPORTED this endpoint serves
 
     model: str | None = None
     stream: bool = False
@@ -231,7 +239,38 @@ class SamplingFields(BaseModel):
     max_tokens: int | None = Field(None, gt=0)
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=MAX_N)
-    user: str | None = None
+    user: str | None = None  # an end user's identifier: OpenAI's, for abuse monitoring; no effect on the answer
+    # vLLM's output controls
+    min_tokens: int = Field(0, ge=0)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
+    add_special_tokens: bool | None = None  # None: completions add the tokenizer's, chat does not
+    request_id: str | None = Field(None, max_length=128)
+    # refused unless neutral (NEUTRAL_UNSUPPORTED)
+    prompt_logprobs: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    best_of: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    priority: Any = None
+    logits_processors: Any = None
+    return_tokens_as_token_ids: Any = None
+    return_token_ids: Any = None
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    structural_tag: Any = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    safety_identifier: Any = None
+    prompt_cache_key: Any = None
     # structured output (moeferry/structured/api.py): OpenAI's, and vLLM's extra-body names
     response_format: Any = None
     guided_json: Any = None
@@ -274,7 +313,7 @@ class SamplingFields(BaseModel):
         self.check_supported()
         if context_limit is not None:
             check_prompt_chars(self.prompt_chars(), context_limit, self.prompt_param)
-        self.sampling_params(max_tokens=1)
+        self.sampling_params(max_tokens=max(1, self.min_tokens))
 
     prompt_param: ClassVar[str] = "prompt"  # the field a prompt-size error names
 
@@ -284,8 +323,11 @@ class SamplingFields(BaseModel):
 
     def check_supported(self) -> None:
         for name, neutral in NEUTRAL_UNSUPPORTED.items():
-            if not neutral(getattr(self, name)):
+            if name in type(self).model_fields and name not in self.honoured and not neutral(getattr(self, name)):
                 raise APIError(400, f"{name} is not supported by this server yet", param=name)
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise APIError(400, "stream_options.continuous_usage_stats is not supported by this server yet",
+                           param="stream_options.continuous_usage_stats")
 
     @property
     def include_usage(self) -> bool:
@@ -314,7 +356,10 @@ class SamplingFields(BaseModel):
                                   repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
                                   seed=self.seed, max_tokens=max_tokens, stop=self.stop,
                                   stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-                                  logprobs=self.logprob_count, n=self.n, structured=structured)
+                                  logprobs=self.logprob_count, n=self.n, structured=structured,
+                                  min_tokens=self.min_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
+                                  skip_special_tokens=self.skip_special_tokens,
+                                  spaces_between_special_tokens=self.spaces_between_special_tokens)
         except InvalidRequest as exc:
             raise invalid_request(exc) from None
 
@@ -327,6 +372,34 @@ NEUTRAL_UNSUPPORTED = {
     "audio": lambda v: v is None,
     "prediction": lambda v: v is None,
     "web_search_options": lambda v: v is None,
+    "prompt_logprobs": lambda v: v is None,
+    "use_beam_search": lambda v: not v,
+    "length_penalty": lambda v: v in (None, 1, 1.0),
+    "best_of": lambda v: v in (None, 1),
+    "allowed_token_ids": lambda v: v is None,
+    "bad_words": lambda v: not v,
+    "priority": lambda v: v in (None, 0),
+    "logits_processors": lambda v: not v,
+    "return_tokens_as_token_ids": lambda v: not v,
+    "return_token_ids": lambda v: not v,
+    "cache_salt": lambda v: v is None,
+    "kv_transfer_params": lambda v: v is None,
+    "vllm_xargs": lambda v: not v,
+    "guided_grammar": lambda v: v is None,
+    "guided_decoding_backend": lambda v: v is None,
+    "guided_whitespace_pattern": lambda v: v is None,
+    "structural_tag": lambda v: v is None,
+    "metadata": lambda v: not v,
+    "store": lambda v: not v,
+    "service_tier": lambda v: v in (None, "auto", "default"),
+    "safety_identifier": lambda v: v is None,
+    "prompt_cache_key": lambda v: v is None,
+    "echo": lambda v: not v,  # chat's (vLLM); completions honour theirs
+    "documents": lambda v: v is None,
+    "mm_processor_kwargs": lambda v: not v,
+    "verbosity": lambda v: v in (None, "medium"),
+    "suffix": lambda v: not v,
+    "prompt_embeds": lambda v: v is None,
 }
 
 
@@ -438,9 +511,27 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # the chat template's inputs (vLLM's)
+    chat_template: str | None = Field(None, max_length=MAX_CHAT_TEMPLATE_CHARS)
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None  # gpt-oss's template reads it
+    include_reasoning: bool = True  # false: no reasoning_content in the answer
+    echo: Any = None
+    documents: Any = None
+    mm_processor_kwargs: Any = None
+    verbosity: Any = None
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError(400, "continue_final_message needs add_generation_prompt set to false (the reply "
+                                "continues the last message instead of starting a new one)",
+                           param="continue_final_message")
+        if self.continue_final_message and self.messages and self.messages[-1].role != "assistant":
+            raise APIError(400, "continue_final_message needs the last message to be the assistant's",
+                           param="continue_final_message")
         if not self.messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
         if self.top_logprobs is not None and not self.logprobs:
@@ -451,6 +542,16 @@ class ChatCompletionRequest(SamplingFields):
 
     def prompt_chars(self) -> int:
         return sum(m.chars() for m in self.messages)
+
+    @property
+    def template_options(self) -> dict:
+        """The chat template's rendering options (tokenizer.apply_chat_template's keywords)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message, "chat_template": self.chat_template,
+                "template_kwargs": kwargs}
 
     @property
     def tool_dicts(self) -> list[dict] | None:
@@ -489,46 +590,92 @@ def check_tool_choice(tools: list[dict] | None, choice) -> None:
 
 
 class CompletionRequest(SamplingFields):
-    """POST /v1/completions: `prompt` is a string, a list of token ids, or a list holding
-    one string; `max_tokens` defaults to 16 as in OpenAI's API."""
+    """POST /v1/completions: `prompt` is a string, a list of token ids, or a batch of prompts (a
+    list of strings or of token-id lists: choice i*n+j is sample j of prompt i); `echo` puts
+    each prompt's text before its answer; `max_tokens` defaults to 16 as in OpenAI's API."""
 
-    prompt: str | list[int] | list[str]
+    prompt: str | list[int] | list[Annotated[str, Field(min_length=1)]] | list[list[int]]
+    honoured: ClassVar[frozenset[str]] = frozenset({"echo"})
+
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    suffix: Any = None
     tools: Any = None  # a chat field: refused here rather than ignored
+    prompt_embeds: Any = None
 
     def check_supported(self) -> None:
-        super().check_supported()
         if self.tools:
             raise APIError(400, "tools are taken by /v1/chat/completions, not /v1/completions", param="tools")
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
-            raise APIError(400, "batched prompts are not supported: send one prompt per request", param="prompt")
-        if self.echo:
-            raise APIError(400, "echo is not supported", param="echo")
-        if self.best_of not in (None, 1):
-            raise APIError(400, "best_of > 1 is not supported", param="best_of")
-        if self.suffix:
-            raise APIError(400, "suffix is not supported", param="suffix")
+        super().check_supported()
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
+            if len(self.prompt) * self.n > MAX_BATCH_ANSWERS:
+                raise APIError(400, f"a batch of {len(self.prompt)} prompts x n {self.n} exceeds "
+                                    f"{MAX_BATCH_ANSWERS} answers", param="prompt")
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "echo with logprobs needs the prompt's log-probs, which this server does not "
+                                "compute: drop one of them", param="echo")
 
     @property
     def logprob_count(self) -> int | None:
         return self.logprobs
 
     def prompt_chars(self) -> int:
-        prompt = self.text_or_ids
-        return len(prompt) if isinstance(prompt, str) else 0
+        """The longest text prompt's characters (each prompt of a batch must fit the context)."""
+        return max((len(p) for p in self.prompts if isinstance(p, str)), default=0)
 
     @property
     def requested_max_tokens(self) -> int | None:
         return 16 if self.max_tokens is None else self.max_tokens
 
     @property
-    def text_or_ids(self) -> str | list[int]:
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
-            return self.prompt[0]
-        return self.prompt
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: each prompt a text or token ids."""
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
+            return list(self.prompt)
+        return [self.prompt]
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's): a `prompt`, or chat `messages` rendered as the chat endpoint
+    renders them (the template's options and tools included)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # None: true for a prompt, false for messages (vLLM's)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = Field(None, max_length=MAX_CHAT_TEMPLATE_CHARS)
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give either prompt or messages", param="prompt")
+        if self.messages is not None and not self.messages:
+            raise APIError(400, "messages must hold at least one message", param="messages")
+
+    @property
+    def template_options(self) -> dict:
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message, "chat_template": self.chat_template,
+                "template_kwargs": dict(self.chat_template_kwargs or {})}
+
+    @property
+    def tool_dicts(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's): token ids to text."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[_TokenId]
 
 
 # ---- responses -----------------------------------------------------------------------------
@@ -557,8 +704,8 @@ class ChatFormat:
     OutputStream: content, reasoning_content and tool_calls deltas, and finish_reason
     "tool_calls" for an answer that called a tool and stopped."""
 
-    def __init__(self, model: str, token_text, with_logprobs: bool, tools=None):
-        self.id, self.model, self.created = f"chatcmpl-{uuid.uuid4().hex}", model, int(time.time())
+    def __init__(self, model: str, token_text, with_logprobs: bool, tools=None, request_id: str | None = None):
+        self.id, self.model, self.created = f"chatcmpl-{request_id or uuid.uuid4().hex}", model, int(time.time())
         self.token_text, self.with_logprobs = token_text, with_logprobs
         self.tools, self.outputs = tools, {}
 
@@ -623,15 +770,24 @@ class ChatFormat:
 
 
 class CompletionFormat(ChatFormat):
-    """Builds text_completion bodies and stream events for one request of `n` choices."""
+    """Builds text_completion bodies and stream events for one request's choices, `n` per
+    prompt; with `echo` (each prompt's text), a choice's text starts with its prompt's."""
 
-    def __init__(self, model: str, token_text, with_logprobs: bool):
+    def __init__(self, model: str, token_text, with_logprobs: bool, request_id: str | None = None,
+                 echo: list[str] | None = None, n: int = 1):
         super().__init__(model, token_text, with_logprobs)
-        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.id = f"cmpl-{request_id or uuid.uuid4().hex}"
         self.offsets: dict[int, int] = {}  # choice -> characters of its text so far (text_offset)
+        self.echo, self.n = echo, n
+
+    def _echoed(self, index: int) -> str:
+        return self.echo[index // self.n] if self.echo is not None else ""
 
     def opening(self, index: int) -> dict | None:
-        return None
+        if not self._echoed(index):
+            return None
+        return {**self._base("text_completion"),
+                "choices": [{"index": index, "text": self._echoed(index), "logprobs": None, "finish_reason": None}]}
 
     def chunk(self, index: int, text: str, finish_reason: str | None, logprobs: list) -> dict:
         return {**self._base("text_completion"),
@@ -643,7 +799,7 @@ class CompletionFormat(ChatFormat):
 
     def full(self, choices: list[Choice], used: dict) -> dict:
         return {**self._base("text_completion"),
-                "choices": [{"index": i, "text": c.text, "logprobs": self.logprobs(c.logprobs, i),
+                "choices": [{"index": i, "text": self._echoed(i) + c.text, "logprobs": self.logprobs(c.logprobs, i),
                              "finish_reason": c.finish_reason} for i, c in enumerate(choices)],
                 "usage": used}
 

@@ -113,10 +113,22 @@ class NamedFunction(BaseModel):
     name: _FunctionName
 
 
+class ReasoningOptions(BaseModel):
+    """`reasoning`: its effort reaches the chat template; a summary is refused (none is written)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    effort: Literal["minimal", "low", "medium", "high"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
 class ResponsesRequest(SamplingFields):
     """POST /v1/responses. Invariants after `check_supported`: one answer (n 1); the tools'
     names are distinct and tool_choice names one of them; `text.format` is checked as chat's
     `response_format` (`response_format` holds it in chat's shape)."""
+
+    honoured: ClassVar[frozenset[str]] = frozenset({"store", "metadata"})
 
     input: str | Annotated[list[InputItem], Field(max_length=MAX_MESSAGES)]
     instructions: str | None = None
@@ -128,6 +140,14 @@ class ResponsesRequest(SamplingFields):
     previous_response_id: str | None = None
     store: bool = True
     metadata: dict[str, str] | None = None
+    reasoning: ReasoningOptions | None = None
+    truncation: Literal["disabled", "auto"] | None = None
+    include: list[str] | None = None
+    background: bool | None = None
+    max_tool_calls: int | None = None
+    top_logprobs: int | None = None
+    prompt: Any = None
+    conversation: Any = None
 
     @field_validator("metadata")
     @classmethod
@@ -142,6 +162,16 @@ class ResponsesRequest(SamplingFields):
     def check_supported(self) -> None:
         self.response_format = chat_response_format(self.text)
         super().check_supported()
+        for name, neutral in (("truncation", (None, "disabled")), ("background", (None, False)),
+                              ("max_tool_calls", (None,)), ("top_logprobs", (None, 0)), ("prompt", (None,)),
+                              ("conversation", (None,))):
+            if getattr(self, name) not in neutral:
+                raise APIError(400, f"{name} is not supported by this server yet", param=name)
+        if self.include:
+            raise APIError(400, "include is not supported by this server yet", param="include")
+        if self.reasoning is not None and (self.reasoning.summary or self.reasoning.generate_summary):
+            raise APIError(400, "reasoning summaries are not written by this server: the reasoning itself is "
+                                "returned as a reasoning item", param="reasoning.summary")
         if self.n != 1:
             raise APIError(400, "a response has one answer: n must be 1", param="n")
         if isinstance(self.input, list) and not self.input and self.previous_response_id is None:
@@ -163,6 +193,12 @@ class ResponsesRequest(SamplingFields):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_output_tokens
+
+    @property
+    def template_options(self) -> dict:
+        """`reasoning.effort` as the chat template's reasoning_effort (gpt-oss's reads it)."""
+        effort = self.reasoning.effort if self.reasoning is not None else None
+        return {"template_kwargs": {"reasoning_effort": effort}} if effort is not None else {}
 
     def input_items(self) -> list:
         return [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else list(self.input)
@@ -227,23 +263,34 @@ class ResponseStore:
     def __init__(self, size: int = RESPONSE_STORE_SIZE, ttl_s: float = RESPONSE_TTL_S, clock=time.monotonic,
                  max_bytes: int = RESPONSE_STORE_BYTES):
         self.size, self.ttl_s, self.clock, self.max_bytes = size, ttl_s, clock, max_bytes
-        self.entries: OrderedDict[str, tuple[float, dict, list, int]] = OrderedDict()
+        self.entries: OrderedDict[str, tuple[float, dict, list, list, int]] = OrderedDict()
         self.bytes = 0
 
-    def put(self, body: dict, conversation: list) -> None:
-        cost = _entry_size(body, conversation)
+    def put(self, body: dict, conversation: list, inputs: list | None = None) -> None:
+        """Store a response: its body, the conversation it ended, and its own input items
+        (as /input_items lists them); the oldest go first past `size` entries or `max_bytes`."""
+        inputs = list(inputs or [])
+        cost = _entry_size(body, conversation) + sum(_chars(item) for item in inputs)
         if cost > self.max_bytes:
             return
-        self.entries[body["id"]] = (self.clock(), body, conversation, cost)
+        self.entries[body["id"]] = (self.clock(), body, conversation, inputs, cost)
         self.bytes += cost
         while len(self.entries) > self.size or self.bytes > self.max_bytes:
-            self.bytes -= self.entries.popitem(last=False)[1][3]
+            self.bytes -= self.entries.popitem(last=False)[1][4]
+
+    def delete(self, response_id: str) -> None:
+        self.get(response_id, "response_id")
+        self.bytes -= self.entries.pop(response_id)[4]
+
+    def inputs(self, response_id: str) -> list:
+        self.get(response_id, "response_id")
+        return self.entries[response_id][3]
 
     def get(self, response_id: str, param: str) -> tuple[dict, list]:
         """(the body, the conversation) of a stored response."""
         entry = self.entries.get(response_id)
         if entry is not None and self.clock() - entry[0] > self.ttl_s:
-            self.bytes -= self.entries.pop(response_id)[3]
+            self.bytes -= self.entries.pop(response_id)[4]
             entry = None
         if entry is None:
             raise APIError(404, f"Response with id '{response_id}' not found (unknown, not stored, or older than "
@@ -383,8 +430,10 @@ class ResponsesEndpoint:
         tools = plan_tools(body.tool_dicts, body.tool_choice_value, body.parallel_tool_calls, chat.info.tool_parser)
         chars = len(body.instructions or "") + sum(_chars(item) for item in conversation)
         ids = await chat.prompt_work(request, chars, chat.chat_ids, self._messages(body, conversation),
-                                     tools.template_tools)
+                                     tools.template_tools, body.template_options)
+        tools = chat.with_reasoning(tools, ids)
         params = with_tools(tools, body.sampling_params(chat.max_tokens_for(ids, body.requested_max_tokens, "input")))
+        params = chat.structured_after_reasoning(ids, params)
         if params.structured is not None:
             await chat.compile(request, params.structured)
         handle = await chat.loop.submit(ids, params)
@@ -401,6 +450,25 @@ class ResponsesEndpoint:
 
     async def retrieve(self, response_id: str) -> dict:
         return self.store.get(response_id, "response_id")[0]
+
+    async def delete(self, response_id: str) -> dict:
+        self.store.delete(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    async def input_items(self, response_id: str, order: Literal["asc", "desc"] = "desc", limit: int = 20,
+                          after: str | None = None) -> dict:
+        """OpenAI's list of a stored response's input items (newest first unless order=asc)."""
+        items = list(self.store.inputs(response_id))
+        if order == "desc":
+            items.reverse()
+        if after is not None:
+            at = next((i for i, item in enumerate(items) if item["id"] == after), None)
+            if at is None:
+                raise APIError(404, f"no input item {after!r} in response {response_id}", param="after")
+            items = items[at + 1:]
+        page = items[:max(1, min(limit, 100))]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}
 
     @staticmethod
     def _messages(body: ResponsesRequest, conversation: list) -> list[dict]:
@@ -447,7 +515,8 @@ class _Answer:
         done = self.response(status, usage, incomplete)
         if self.body.store:
             outputs = [_as_input_item(item) for item in self.output.items]
-            self.endpoint.store.put(done, self.conversation + [item for item in outputs if item is not None])
+            inputs = [_input_item_body(item) for item in self.body.input_items()]
+            self.endpoint.store.put(done, self.conversation + [item for item in outputs if item is not None], inputs)
         return done
 
     async def events(self, handle):
@@ -472,6 +541,17 @@ class _Answer:
                 done = self.finish(delta)
                 kind = "response.completed" if done["status"] == "completed" else "response.incomplete"
                 yield sse({"type": kind, "response": done})
+
+
+def _input_item_body(item) -> dict:
+    """An input item as GET /v1/responses/{id}/input_items lists it: with an id, and a message's
+    text as content parts."""
+    body = item.model_dump(exclude_none=True)
+    if body.get("type", "message") == "message":
+        body["type"] = "message"
+        if isinstance(body["content"], str):
+            body["content"] = [{"type": "input_text", "text": body["content"]}]
+    return {"id": _new_id("msg" if body["type"] == "message" else "fc"), **body}
 
 
 def _echo(value):

@@ -26,7 +26,8 @@ import torch
 from moeferry.errors import InvalidRequest
 from moeferry.structured.schema_check import check_regex, check_schema
 
-__all__ = ["KINDS", "Constraint", "json_schema_constraint", "GrammarCompiler", "GrammarMatcher", "TokenMasks"]
+__all__ = ["KINDS", "Constraint", "json_schema_constraint", "GrammarCompiler", "GrammarMatcher", "ReasoningGate",
+           "ReasoningTags", "TokenMasks"]
 
 KINDS = ("json_schema", "json_object", "regex", "choice")
 MAX_CHOICES = 256  # strings of one choice constraint
@@ -177,9 +178,66 @@ class GrammarMatcher:
     def finished(self) -> bool:
         return bool(self.xgrammar_matcher.is_terminated())
 
+    constrains = True  # the next token is masked (ReasoningGate's is not while the model reasons)
+
     def fill(self, masks: torch.Tensor, row: int) -> None:
         """Row `row` of the int32 bitmask `masks` [rows, W] (CPU) := the tokens allowed next."""
         self.xgrammar_matcher.fill_next_token_bitmask(masks, row)
+
+    def widen(self, masks: torch.Tensor, row: int) -> None:
+        """Allow more than the grammar in row `row`, after `fill` (ReasoningGate's start tag)."""
+
+
+@dataclass(frozen=True)
+class ReasoningTags:
+    """The token ids that open and close a model's reasoning (<think>, </think>), and whether
+    the prompt opened it already: a constraint then applies to the answer after the close."""
+
+    start: int
+    end: int
+    opened: bool = False
+
+
+class ReasoningGate:
+    """A GrammarMatcher held off while the model reasons, so structured output applies to the
+    answer after the reasoning. States: undecided (the first token: the grammar's tokens or the
+    start tag), reasoning (no mask, until the end tag), answer (the grammar's, from the next
+    token). Invariant: the grammar is fed exactly the answer's tokens."""
+
+    def __init__(self, inner: GrammarMatcher, tags: ReasoningTags):
+        self.inner, self.tags = inner, tags
+        self.xgrammar_matcher = inner.xgrammar_matcher
+        self.state = "reasoning" if tags.opened else "undecided"
+
+    @property
+    def constrains(self) -> bool:
+        return self.state != "reasoning"
+
+    def accept(self, token: int) -> bool:
+        if self.state == "reasoning":
+            if token == self.tags.end:
+                self.state = "answer"
+            return True
+        if self.state == "undecided":
+            if token == self.tags.start:
+                self.state = "reasoning"
+                return True
+            self.state = "answer"
+        return self.inner.accept(token)
+
+    @property
+    def finished(self) -> bool:
+        return self.state == "answer" and self.inner.finished
+
+    def fill(self, masks: torch.Tensor, row: int) -> None:
+        self.inner.fill(masks, row)
+        self.widen(masks, row)
+
+    def widen(self, masks: torch.Tensor, row: int) -> None:
+        if self.state == "undecided":
+            word, bit = divmod(self.tags.start, 32)
+            value = 1 << bit
+            masks[row, word] |= value - (1 << 32) if value >= 1 << 31 else value  # as an int32
 
 
 class TokenMasks:
@@ -202,8 +260,8 @@ class TokenMasks:
         flags = self.flags.numpy()
         rows = []
         for row, matcher in enumerate(matchers):
-            flags[row] = matcher is not None
-            if matcher is not None:
+            flags[row] = matcher is not None and matcher.constrains
+            if flags[row]:
                 rows.append(row)
         if len(rows) == 1:
             matchers[rows[0]].fill(self.words, rows[0])
@@ -214,4 +272,6 @@ class TokenMasks:
                 self._batch = xgrammar.BatchGrammarMatcher()
             self._batch.batch_fill_next_token_bitmask([matchers[r].xgrammar_matcher for r in rows], self.words,
                                                       indices=rows)
+            for row in rows:
+                matchers[row].widen(self.words, row)
         return bool(rows)

@@ -26,16 +26,22 @@ def load_tokenizer(model_dir: str):
         return None
 
 
-def apply_chat_template(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-    """The token ids of `messages` through the tokenizer's chat template, with the generation
-    prompt and, when given, the OpenAI tool list `tools` (transformers' `tools=`); ValueError
-    (one line) when there is no template or it does not render them."""
+def apply_chat_template(tokenizer, messages: list[dict], tools: list[dict] | None = None, *,
+                        add_generation_prompt: bool = True, continue_final_message: bool = False,
+                        chat_template: str | None = None, template_kwargs: dict | None = None) -> list[int]:
+    """The token ids of `messages` through the tokenizer's chat template (or `chat_template`),
+    with the generation prompt (or, `continue_final_message`, the last message left open for the
+    answer to continue), the OpenAI tool list `tools` when given (transformers' `tools=`), and
+    `template_kwargs` as the template's own variables (enable_thinking, ...); ValueError (one
+    line) when there is no template or it does not render them."""
     if tokenizer is None:
         raise ValueError("this model has no tokenizer: chat needs one")
-    if not getattr(tokenizer, "chat_template", None):
+    if not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise ValueError("this model's tokenizer has no chat template")
     try:
-        out = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+        out = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                            continue_final_message=continue_final_message,
+                                            chat_template=chat_template, tokenize=True, **(template_kwargs or {}))
     except Exception as exc:  # noqa: BLE001 - a Jinja template raises anything (raise_exception, a type error)
         raise ValueError(f"the chat template does not render: {first_line(exc)}") from None
     if isinstance(out, dict) or hasattr(out, "keys"):
@@ -67,8 +73,10 @@ class IncrementalDetokenizer:
     Decodes only a window from `prefix_offset`, so each step costs O(window), not O(length).
     """
 
-    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True):
         self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
         self.ids = list(prompt_ids[-6:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -76,7 +84,8 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
-                                     clean_up_tokenization_spaces=False)
+                                     clean_up_tokenization_spaces=False,
+                                     spaces_between_special_tokens=self.spaces_between_special_tokens)
 
     def push(self, token_id: int) -> str:
         if self.tokenizer is None:

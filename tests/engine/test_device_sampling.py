@@ -94,9 +94,14 @@ def test_slots_go_back_when_requests_end(llm):
     assert not sampler._slot_of
 
 
-def test_n_above_one_is_for_the_server(llm):
-    from moeferry.sampling import InvalidRequest
+def test_n_above_one_gives_n_samples_of_each_prompt_seeded_as_the_servers_choices(llm):
+    from moeferry.sampling import choice_params
 
-    with pytest.raises(InvalidRequest) as err:
-        llm.generate(PROMPTS[0], SamplingParams(n=2))
-    assert err.value.param == "n"
+    params = sampled(7, n=3)
+    outs = llm.generate(PROMPTS[:2], params)
+    assert len(outs) == 2 and all(len(o.outputs) == 3 for o in outs)
+    assert [c.index for c in outs[0].outputs] == [0, 1, 2] and outs[0].token_ids == outs[0].outputs[0].token_ids
+    assert len({tuple(c.token_ids) for c in outs[0].outputs}) == 3  # the samples are not one answer
+    for choice in range(3):
+        alone = llm.generate(PROMPTS[1], choice_params(sampled(7), choice))[0].token_ids
+        assert outs[1].outputs[choice].token_ids == alone

@@ -190,6 +190,19 @@ def test_routing_simulate_prints_a_row_per_size_and_policy(tmp_path, capsys):
     assert all(float(r[-1].rstrip(" |")) > 0 for r in rows)
 
 
+def test_routing_simulate_plot_writes_the_hit_rate_curve(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    writer = TraceWriter(str(tmp_path / "t"), HEADER)
+    for step in _decode_trace().steps:
+        writer.write(step)
+    writer.close()
+    png = tmp_path / "hits.png"
+    status = main(["routing", "simulate", str(tmp_path / "t"), "--cache-fraction", "0.5", "1", "--policy", "lru",
+                   "--h2d-gbps", "25", "--plot", str(png)])
+    assert status == 0 and f"hit-rate curve written to {png}" in capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.mark.parametrize("args,says", [
     (["missing", "--cache-slots", "16"], "moeferry routing: error: cannot read routing trace"),
     (["garbage", "--cache-slots", "16"], "moeferry routing: error: {dir}/garbage is not a routing trace"),

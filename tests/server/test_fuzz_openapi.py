@@ -16,8 +16,10 @@ from tests.server.conftest import running_server
 
 OPERATIONS = [("/v1/chat/completions", "POST"), ("/v1/completions", "POST"), ("/v1/responses", "POST"),
               ("/v1/responses/{response_id}", "GET"), ("/v1/models", "GET"), ("/v1/models/{model_id}", "GET"),
-              ("/v1/stats", "GET"), ("/health", "GET"), ("/metrics", "GET")]
-WITHOUT_INPUTS = {"/health", "/metrics"}  # nothing to make invalid: no negative cases
+              ("/v1/stats", "GET"), ("/health", "GET"), ("/metrics", "GET"),
+              ("/v1/responses/{response_id}", "DELETE"), ("/v1/responses/{response_id}/input_items", "GET"),
+              ("/tokenize", "POST"), ("/detokenize", "POST"), ("/version", "GET"), ("/ping", "GET")]
+WITHOUT_INPUTS = {"/health", "/metrics", "/version", "/ping"}  # nothing to make invalid: no negative cases
 # Examples per operation and mode; the completion endpoints get the most (their bodies are
 # where the bugs were). About two minutes in all on 2 cores.
 EXAMPLES = {"/v1/chat/completions": 100, "/v1/completions": 100, "/v1/responses": 60}
