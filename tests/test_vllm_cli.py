@@ -83,7 +83,7 @@ def test_vllm_options_in_conflict_or_out_of_range_are_one_line_errors(options, m
 
 def test_cpu_offload_gb_leaves_that_many_gib_of_experts_on_the_host():
     from moeferry.engine.planner import expert_slots
-    from moeferry.moe.strategies import ExpertNeeds
+    from moeferry.moe.banks import ExpertNeeds
 
     needs = ExpertNeeds(expert_bytes=2**28, total_experts=100, layer_experts=10, wants_slots=True)  # 4 per GiB
     ec = EngineConfig(device="cpu", cpu_offload_gb=5.1).check()
