@@ -93,6 +93,23 @@ class SlotCache:
         s = self.state
         gather_copy(host_banks, slot_banks, s.plan_src, s.plan_dst, s.plan_count, impl=self.impl)
 
+    def admit_ahead(self, moe_layer: int, predicted_ids: torch.Tensor) -> None:
+        """Lookahead: admit MoE layer ``moe_layer``'s predicted experts before it routes, beside
+        the experts of the last admission, which stay (kernels/admission/reference.py); the
+        plan goes to ``ahead_*`` for ``copy_ahead``. Counts nothing. The caller guarantees room:
+        ``num_slots`` at least the last call's distinct experts plus the predicted ones
+        (``has_room_ahead``)."""
+        admit(self.state, moe_layer, predicted_ids, None, tuning=self.tuning, impl=self.impl, ahead=True)
+
+    def has_room_ahead(self, routes: int, predicted: int) -> bool:
+        """Whether a lookahead of ``predicted`` routes fits beside a call of ``routes``."""
+        return self.num_slots >= min(self.num_experts, routes) + min(self.num_experts, predicted)
+
+    def copy_ahead(self, host_banks: list[torch.Tensor], slot_banks: list[torch.Tensor]) -> None:
+        """Copy the last lookahead admission's misses, as ``copy_misses`` copies a call's."""
+        s = self.state
+        gather_copy(host_banks, slot_banks, s.ahead_src, s.ahead_dst, s.ahead_count, impl=self.impl)
+
     def load_experts(self, moe_layer: int, topk_ids: torch.Tensor, host_banks: list[torch.Tensor],
                      slot_banks: list[torch.Tensor], phase: str = "decode") -> torch.Tensor:
         """``admit`` then ``copy_misses``: the routes' experts resident, their slot ids."""

@@ -15,7 +15,7 @@ from moeferry.kernels.admission import (POLICIES, AdmissionCounters, AdmissionTu
 from moeferry.kernels.admission.triton import _threshold_key
 
 STATE_FIELDS = ("slot_of", "owner_of", "last_used", "score", "clock",
-                "plan_src", "plan_dst", "plan_count")
+                "plan_src", "plan_dst", "plan_count", "ahead_src", "ahead_dst", "ahead_count")
 
 
 def triton_admit():
@@ -208,6 +208,49 @@ def test_empty_call_only_advances_the_clock(device):
     assert int(ref_state.clock) == 2 and int(ref_state.plan_count) == 0
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_lookahead_admissions_match_the_reference(policy, seed, device):
+    """Each call routes a layer, then a lookahead admits the next layer's predicted experts
+    beside it, as a decode step with prefetch does; both kernels keep identical state."""
+    rng = np.random.default_rng(seed)
+    num_layers, num_experts = 4, int(rng.integers(8, 20))
+    num_slots = 2 * num_experts + int(rng.integers(0, num_experts))
+    ref_state, tri_state = twin_states(num_layers, num_experts, num_slots, 64, policy, 0.8, device)
+    ref_counters, tri_counters = (new_counters(num_layers, num_experts, device) for _ in range(2))
+    for step in range(12):
+        layer = step % num_layers
+        ids = random_routes(rng, num_experts, int(rng.integers(1, 24))).to(device)
+        run_both(ref_state, tri_state, layer, ids, ref_counters, tri_counters)
+        predicted = random_routes(rng, num_experts, int(rng.integers(1, 24))).to(device)
+        for admit, state in ((reference.admit, ref_state), (triton_admit(), tri_state)):
+            assert admit(state, (layer + 1) % num_layers, predicted, ahead=True) is None
+        assert_same_state(ref_state, tri_state, f"step {step}")
+        assert_same_counters(ref_counters, tri_counters, f"step {step}")
+    assert int(ref_state.clock) == 12
+
+
+@pytest.mark.parametrize("admit", ["reference", "triton"])
+def test_lookahead_keeps_the_routed_layer_and_turns_the_next_layers_routes_into_hits(admit, device):
+    """The clock stays, the last call's slot ids and experts stay put, the predicted experts
+    land in free or evicted slots of other layers, and the next layer's own admission of
+    them copies nothing."""
+    admit = reference.admit if admit == "reference" else triton_admit()
+    num_experts, num_slots = 8, 12
+    state = SlotState.allocate(3, num_experts, num_slots, 16, device, "layer_lru")
+    admit(state, 2, torch.arange(8, device=device))  # an older layer fills 8 slots
+    routed = torch.tensor([0, 1, 2, 3], device=device)
+    slot_ids = admit(state, 0, routed).clone()
+    before = state.slot_of[0].clone()
+    admit(state, 1, torch.tensor([4, 5, 6, 7], device=device), ahead=True)
+    assert int(state.clock) == 2 and int(state.ahead_count) == 4
+    assert torch.equal(state.slot_ids[:4], slot_ids) and torch.equal(state.slot_of[0], before)
+    assert bool((state.slot_of[1, 4:] >= 0).all())
+    assert set(state.ahead_dst[:4].tolist()).isdisjoint(slot_ids.tolist())
+    admit(state, 1, torch.tensor([4, 5, 6, 7], device=device))
+    assert int(state.plan_count) == 0 and int(state.clock) == 3
+
+
 def test_too_many_routes_is_refused(device):
     state = SlotState.allocate(1, 4, 4, 16, device)
     for admit in (reference.admit, triton_admit()):
@@ -373,3 +416,21 @@ def test_kernel_matches_reference_at_real_sizes_on_gpu(policy, num_slots, wide_w
         assert_same_state(ref_state, tri_state, f"step {step} width {width}")
     if stats:
         assert_same_counters(ref_counters, tri_counters)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", POLICIES)
+def test_lookahead_matches_the_reference_at_real_sizes_on_gpu(policy):
+    """A 48-layer cache of 128 experts at 25%: each decode call followed by the next layer's
+    lookahead, batch 1 and 4 of top-8, as the engine issues them."""
+    rng = np.random.default_rng(4)
+    num_layers, num_experts, num_slots = 48, 128, 1536
+    ref_state, tri_state = twin_states(num_layers, num_experts, num_slots, 8192, policy, 0.9, "cuda")
+    for step in range(4 * num_layers):
+        layer, width = step % num_layers, 8 * (1 if step < 2 * num_layers else 4)
+        hot = rng.choice(num_experts, size=48, replace=False)
+        run_both(ref_state, tri_state, layer, random_routes(rng, num_experts, width, hot).cuda())
+        predicted = random_routes(rng, num_experts, width, hot).cuda()
+        reference.admit(ref_state, (layer + 1) % num_layers, predicted, ahead=True)
+        triton_admit()(tri_state, (layer + 1) % num_layers, predicted, ahead=True)
+        assert_same_state(ref_state, tri_state, f"step {step}")

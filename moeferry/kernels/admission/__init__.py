@@ -48,7 +48,10 @@ class AdmissionTuning:
 
 
 def admit(state: SlotState, moe_layer: int, topk_ids: torch.Tensor, counters: AdmissionCounters | None = None, *,
-          tuning: AdmissionTuning = AdmissionTuning(), impl: str | None = None) -> torch.Tensor:
+          tuning: AdmissionTuning = AdmissionTuning(), impl: str | None = None, ahead: bool = False) -> torch.Tensor | None:
     """Admit every expert routed by ``topk_ids`` into MoE layer ``moe_layer``; returns slot ids
-    shaped like ``topk_ids`` (an int32 view of ``state.slot_ids``, valid until the next call)."""
-    return implementation("admission", topk_ids, impl).admit(state, moe_layer, topk_ids, counters, tuning)
+    shaped like ``topk_ids`` (an int32 view of ``state.slot_ids``, valid until the next call).
+    ``ahead``: a lookahead admission of predicted experts beside the last call's (no clock
+    step, its own plan, no slot ids: reference.py), returns None."""
+    return implementation("admission", topk_ids, impl).admit(state, moe_layer, topk_ids, counters, tuning,
+                                                             ahead=ahead)

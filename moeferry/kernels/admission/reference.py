@@ -40,6 +40,16 @@ recently, i.e. the one whose next admission is furthest away (Belady's choice on
 instead of from the layer admitted next. It is meant for decode steps that visit every
 layer in order; a layer that is never admitted again keeps its slots until others' fill up.
 
+A lookahead admission (``ahead=True``: a prefetch of a later layer's predicted experts)
+is the same call with three differences: the clock is NOT advanced (``now`` is the clock as
+the last call left it), so every slot that call used (``last_used == now``) stays out of the
+candidates and the experts of the layer still computing are never evicted; its plan goes to
+``ahead_src/ahead_dst/ahead_count``, so its copies can run beside the next call's; and it
+writes no ``slot_ids`` (the previous call's are still being read) and counts nothing. It
+needs ``S >= |D_last| + |D|`` candidates, the caller's to guarantee (SlotCache.admit_ahead).
+It refreshes and fills with the same ``now``, so the routed layer's own admission that
+follows finds the prefetched experts as hits.
+
 ``decay_pow(dt)`` is exact in float32 and shared by every implementation: with
 ``pow2[k] = decay ** (2 ** k)`` built by repeated float32 squaring (``pow2[0] = decay``),
 ``decay_pow(dt)`` multiplies ``1.0`` by ``pow2[k]`` for every set bit ``k < pow_bits`` of
@@ -106,13 +116,16 @@ def _install(state: SlotState, moe_layer: int, misses: torch.Tensor, victims: to
 
 
 def admit(state: SlotState, moe_layer: int, topk_ids: torch.Tensor,
-          counters: AdmissionCounters | None = None, tuning=None) -> torch.Tensor:
+          counters: AdmissionCounters | None = None, tuning=None, ahead: bool = False) -> torch.Tensor | None:
     """Admit one call's routes; returns ``slot_ids`` shaped like ``topk_ids`` (int32 view of
-    ``state.slot_ids``). See the module docstring for the exact semantics. ``tuning`` (the
-    Triton kernel's) changes nothing here."""
+    ``state.slot_ids``), or None for a lookahead admission (``ahead``). See the module
+    docstring for the exact semantics. ``tuning`` (the Triton kernel's) changes nothing here."""
     num_routes = check_call(state, moe_layer, topk_ids)
-    state.clock.add_(1)
+    if not ahead:
+        state.clock.add_(1)
     now = int(state.clock.item())
+    plan_src, plan_dst, plan_count = ((state.ahead_src, state.ahead_dst, state.ahead_count) if ahead
+                                      else (state.plan_src, state.plan_dst, state.plan_count))
     ids = topk_ids.reshape(-1).long()
     valid = (ids >= 0) & (ids < state.num_experts)
     distinct = torch.unique(ids[valid])  # sorted
@@ -122,10 +135,15 @@ def admit(state: SlotState, moe_layer: int, topk_ids: torch.Tensor,
     num_misses = misses.numel()
     if num_misses:
         victims = _choose_victims(state, moe_layer, num_misses, now)
+        if victims.numel() < num_misses:
+            raise RuntimeError(f"{num_misses} misses, {victims.numel()} candidate slots: a lookahead "
+                               "admission needs room beside the last call's experts")
         _install(state, moe_layer, misses, victims, now)
-        state.plan_src[:num_misses] = misses.to(torch.int32)
-        state.plan_dst[:num_misses] = victims.to(torch.int32)
-    state.plan_count.fill_(num_misses)
+        plan_src[:num_misses] = misses.to(torch.int32)
+        plan_dst[:num_misses] = victims.to(torch.int32)
+    plan_count.fill_(num_misses)
+    if ahead:
+        return None
     out = state.slot_ids[:num_routes]
     safe_ids = torch.where(valid, ids, torch.zeros_like(ids))
     out.copy_(torch.where(valid, state.slot_of[moe_layer, safe_ids], torch.full_like(out, -1)))

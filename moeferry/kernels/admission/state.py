@@ -51,7 +51,9 @@ class SlotState:
     Maps: ``slot_of[L, E]`` int32, ``owner_of[S]`` int32 (flat ``moe_layer * E + e``),
     ``last_used[S]`` int64, ``score[S]`` float32 (LRFU only, kept at 0 under LRU),
     ``clock[1]`` int64. Plan: ``plan_src[P]``, ``plan_dst[P]`` int32, ``plan_count[1]`` int32
-    with ``P = min(E, max_routes)``. Output: ``slot_ids[max_routes]`` int32. Scratch for the
+    with ``P = min(E, max_routes)``; a lookahead admission's own plan ``ahead_src``,
+    ``ahead_dst[P]``, ``ahead_count[1]`` (its copies run beside the next call's, so they
+    never share a plan). Output: ``slot_ids[max_routes]`` int32. Scratch for the
     Triton kernel (the reference does not touch it): ``expert_mark[E]`` int64,
     ``slot_key[S]`` int64, ``victim_key[P]`` int64, ``victim_slot[P]`` int32,
     ``ordered_victims[P]`` int32.
@@ -65,6 +67,9 @@ class SlotState:
     plan_src: torch.Tensor
     plan_dst: torch.Tensor
     plan_count: torch.Tensor
+    ahead_src: torch.Tensor
+    ahead_dst: torch.Tensor
+    ahead_count: torch.Tensor
     slot_ids: torch.Tensor
     expert_mark: torch.Tensor
     slot_key: torch.Tensor
@@ -94,6 +99,9 @@ class SlotState:
             plan_src=buf((plan_size,), torch.int32),
             plan_dst=buf((plan_size,), torch.int32),
             plan_count=buf((1,), torch.int32),
+            ahead_src=buf((plan_size,), torch.int32),
+            ahead_dst=buf((plan_size,), torch.int32),
+            ahead_count=buf((1,), torch.int32),
             slot_ids=buf((max_routes,), torch.int32, -1),
             expert_mark=buf((num_experts,), torch.int64),
             slot_key=buf((num_slots,), torch.int64),
@@ -113,7 +121,7 @@ class SlotState:
         """Empty the cache in place (clock and plan included); nothing is reallocated."""
         for t, v in ((self.slot_of, -1), (self.owner_of, -1), (self.last_used, -1),
                      (self.score, 0), (self.clock, 0), (self.plan_count, 0),
-                     (self.expert_mark, 0)):
+                     (self.ahead_count, 0), (self.expert_mark, 0)):
             t.fill_(v)
 
 

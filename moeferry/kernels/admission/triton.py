@@ -14,6 +14,8 @@ Contract
   the device, so the launch shape never depends on device data: CUDA-graph capturable.
 - Aliasing: ``topk_ids`` may not alias any state buffer; every state buffer is distinct.
   The returned tensor is a view of ``state.slot_ids``, overwritten by the next call.
+- ``ahead=True``: a lookahead admission (reference.py): the clock kept, the plan in
+  ``ahead_*``, no slot ids, no counters.
 - Invariant: ``slot_of``/``owner_of`` stay inverse maps; a slot used by this call (hit or
   filled) is never evicted by this call (``S >= E`` guarantees enough candidates).
 
@@ -98,7 +100,7 @@ def _stamp(phase_ptr, index, since, ON: tl.constexpr):
 
 
 @triton.jit
-def _mark_routes(topk_ptr, num_routes, num_experts, layer_base, now, mark_ptr, freq_ptr,
+def _mark_routes(topk_ptr, num_routes, num_experts, layer_base, mark, mark_ptr, freq_ptr,
                  COUNT_FREQ: tl.constexpr, BLOCK_R: tl.constexpr):
     # Route counts by atomics: a histogram per block of routes over the layer's experts
     # and one add of the row measured slower on an H200, and so did adds spread over 8 or
@@ -108,7 +110,7 @@ def _mark_routes(topk_ptr, num_routes, num_experts, layer_base, now, mark_ptr, f
         in_range = r < num_routes
         e = tl.load(topk_ptr + r, mask=in_range, other=-1).to(tl.int64)
         valid = in_range & (e >= 0) & (e < num_experts)
-        tl.store(mark_ptr + e, tl.full([BLOCK_R], 0, tl.int64) + now, mask=valid)
+        tl.store(mark_ptr + e, tl.full([BLOCK_R], 0, tl.int64) + mark, mask=valid)
         if COUNT_FREQ:
             tl.atomic_add(freq_ptr + layer_base + e, tl.full([BLOCK_R], 1, tl.int64),
                           mask=valid, sem="relaxed")
@@ -116,7 +118,8 @@ def _mark_routes(topk_ptr, num_routes, num_experts, layer_base, now, mark_ptr, f
 
 @triton.jit
 def _admit_if_all_hits(topk_ptr, num_routes, num_experts, layer_base, now, slot_of_ptr,
-                       last_used_ptr, plan_count_ptr, out_ptr, BLOCK_R: tl.constexpr):
+                       last_used_ptr, plan_count_ptr, out_ptr, WRITE_OUT: tl.constexpr,
+                       BLOCK_R: tl.constexpr):
     """The whole call when every route hits (LRU policies, no statistics, one block of
     routes): each route's slot refreshed (a repeated expert writes the same ``now`` twice)
     and written out, an empty plan; phases A, B and D in one pass with no barrier. Returns
@@ -129,13 +132,14 @@ def _admit_if_all_hits(topk_ptr, num_routes, num_experts, layer_base, now, slot_
     misses = tl.sum((valid & (slot < 0)).to(tl.int32), 0)
     if misses == 0:
         tl.store(last_used_ptr + slot, tl.full([BLOCK_R], 0, tl.int64) + now, mask=valid)
-        tl.store(out_ptr + r, slot, mask=in_range)
+        if WRITE_OUT:
+            tl.store(out_ptr + r, slot, mask=in_range)
         tl.store(plan_count_ptr, 0)
     return misses
 
 
 @triton.jit
-def _refresh_hits_list_misses(num_experts, layer_base, now, mark_ptr, slot_of_ptr,
+def _refresh_hits_list_misses(num_experts, layer_base, now, mark, mark_ptr, slot_of_ptr,
                               last_used_ptr, score_ptr, plan_src_ptr, decay_ptr,
                               LRFU: tl.constexpr, POW_BITS: tl.constexpr,
                               POW_TAIL: tl.constexpr, BLOCK_E: tl.constexpr):
@@ -144,7 +148,7 @@ def _refresh_hits_list_misses(num_experts, layer_base, now, mark_ptr, slot_of_pt
     for start in range(0, num_experts, BLOCK_E):
         e = start + tl.arange(0, BLOCK_E)
         slot = tl.load(slot_of_ptr + layer_base + e, mask=e < num_experts, other=-1).to(tl.int64)
-        seen = (e < num_experts) & (tl.load(mark_ptr + e, mask=e < num_experts, other=0) == now)
+        seen = (e < num_experts) & (tl.load(mark_ptr + e, mask=e < num_experts, other=0) == mark)
         hit = seen & (slot >= 0)
         miss = (seen & (slot < 0)).to(tl.int32)
         if LRFU:
@@ -398,7 +402,7 @@ def _admit_kernel(
     BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
     RADIX: tl.constexpr, RADIX_BITS: tl.constexpr, KEYS_IN_REGISTERS: tl.constexpr,
     SLOT_BITS: tl.constexpr, EXTRACT_MAX: tl.constexpr, TILE: tl.constexpr,
-    ALL_HITS_FAST_PATH: tl.constexpr,
+    ALL_HITS_FAST_PATH: tl.constexpr, AHEAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -406,22 +410,29 @@ def _admit_kernel(
     if PHASE_CLOCK:
         tl.store(phase_ptr + _CALLS_INDEX, tl.load(phase_ptr + _CALLS_INDEX) + 1)
         t = _sm_clock()
-    now = tl.load(clock_ptr) + 1
-    tl.store(clock_ptr, now)
+    # A lookahead call keeps the last call's clock (its slots stay out of the candidates) and
+    # marks its routes with a value no clock takes (a mark array entry is 0 or a past mark).
+    if AHEAD:
+        now = tl.load(clock_ptr)
+        mark = -now - 1
+    else:
+        now = tl.load(clock_ptr) + 1
+        tl.store(clock_ptr, now)
+        mark = now
     layer_base = moe_layer.to(tl.int64) * num_experts
     misses_seen = 1
     if ALL_HITS_FAST_PATH:
         misses_seen = _admit_if_all_hits(topk_ptr, num_routes, num_experts, layer_base, now,
                                          slot_of_ptr, last_used_ptr, plan_count_ptr, out_ptr,
-                                         BLOCK_R)
+                                         not AHEAD, BLOCK_R)
     t = _stamp(phase_ptr, 0, t, PHASE_CLOCK)
     if misses_seen > 0:
-        _mark_routes(topk_ptr, num_routes, num_experts, layer_base, now, mark_ptr, freq_ptr,
+        _mark_routes(topk_ptr, num_routes, num_experts, layer_base, mark, mark_ptr, freq_ptr,
                      COUNT_FREQ, BLOCK_R)
         tl.debug_barrier()
         t = _stamp(phase_ptr, 1, t, PHASE_CLOCK)
         num_distinct, num_misses = _refresh_hits_list_misses(
-            num_experts, layer_base, now, mark_ptr, slot_of_ptr, last_used_ptr, score_ptr,
+            num_experts, layer_base, now, mark, mark_ptr, slot_of_ptr, last_used_ptr, score_ptr,
             plan_src_ptr, decay_ptr, LRFU, POW_BITS, POW_TAIL, BLOCK_E)
         tl.debug_barrier()
         t = _stamp(phase_ptr, 2, t, PHASE_CLOCK)
@@ -457,8 +468,9 @@ def _admit_kernel(
             tl.debug_barrier()
             t = _stamp(phase_ptr, 5, t, PHASE_CLOCK)
         tl.store(plan_count_ptr, num_misses)
-        _write_slot_ids(topk_ptr, num_routes, num_experts, layer_base, slot_of_ptr, out_ptr,
-                        BLOCK_R)
+        if not AHEAD:
+            _write_slot_ids(topk_ptr, num_routes, num_experts, layer_base, slot_of_ptr, out_ptr,
+                            BLOCK_R)
         if COUNT_STATS:
             tl.store(calls_ptr + moe_layer, tl.load(calls_ptr + moe_layer) + 1)
             tl.store(distinct_ptr + moe_layer, tl.load(distinct_ptr + moe_layer) + num_distinct)
@@ -484,13 +496,14 @@ def _block(n: int, low: int, high: int) -> int:
 
 def admit(state: SlotState, moe_layer: int, topk_ids: torch.Tensor,
           counters: AdmissionCounters | None = None,
-          tuning: AdmissionTuning = AdmissionTuning()) -> torch.Tensor:
-    """One launch, grid (1,): admit ``topk_ids`` into MoE layer ``moe_layer`` (see module contract)."""
+          tuning: AdmissionTuning = AdmissionTuning(), ahead: bool = False) -> torch.Tensor | None:
+    """One launch, grid (1,): admit ``topk_ids`` into MoE layer ``moe_layer`` (see module
+    contract); a lookahead admission (``ahead``, reference.py) counts nothing and returns None."""
     num_routes = check_call(state, moe_layer, topk_ids)
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
         raise ValueError("topk_ids must be contiguous")
-    count_stats = counters is not None
+    count_stats = counters is not None and not ahead
     count_freq = count_stats and counters.freq is not None
     stats = counters if count_stats else (state.clock,) * 3 + (None,)
     freq = counters.freq if count_freq else state.clock
@@ -499,7 +512,8 @@ def admit(state: SlotState, moe_layer: int, topk_ids: torch.Tensor,
     _admit_kernel[(1,)](
         ids, num_routes, moe_layer, state.num_experts, state.num_slots,
         state.slot_of, state.owner_of, state.last_used, state.score, state.clock,
-        state.plan_src, state.plan_dst, state.plan_count, state.slot_ids,
+        *((state.ahead_src, state.ahead_dst, state.ahead_count) if ahead
+          else (state.plan_src, state.plan_dst, state.plan_count)), state.slot_ids,
         state.expert_mark, state.slot_key, state.victim_key, state.victim_slot,
         state.ordered_victims, state.decay.table,
         stats[0], stats[1], stats[2], freq, phases,
@@ -510,8 +524,8 @@ def admit(state: SlotState, moe_layer: int, topk_ids: torch.Tensor,
         KEYS_IN_REGISTERS=tuning.keys_in_registers and state.num_slots <= block_s,
         SLOT_BITS=block_s.bit_length() - 1, EXTRACT_MAX=tuning.extract_max, TILE=_VICTIM_TILE,
         ALL_HITS_FAST_PATH=(tuning.all_hits_fast_path and state.eviction_policy != "lrfu" and not count_stats
-                            and num_routes <= tuning.max_block_r),
+                            and num_routes <= tuning.max_block_r), AHEAD=ahead,
         num_warps=tuning.num_warps_wide if num_routes > tuning.max_block_r else tuning.num_warps,
         enable_fp_fusion=False, **pdl_launch(ids.device),
     )
-    return state.slot_ids[:num_routes].view(topk_ids.shape)
+    return None if ahead else state.slot_ids[:num_routes].view(topk_ids.shape)
