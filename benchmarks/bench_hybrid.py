@@ -65,6 +65,13 @@ def parse_args(argv):
     p.add_argument("--schedule", nargs="+", choices=list(SCHEDULES), default=[DEFAULT_SCHEDULE],
                    help="cpu and hybrid rows once per host-kernel schedule (kernels/fused_moe/host.py SCHEDULES)")
     add_routing_flag(p)
+    p.add_argument("--prefetch", nargs="+", choices=["off", "router", "oracle"], default=["off"],
+                   help="offload and hybrid rows with each lookahead: off; router (--moe-prefetch router: the next "
+                        "layer's router on this layer's input, meaningful under --routing model only); oracle (the "
+                        "generated routes' next layer predicted at --oracle-recall, with as many wrong experts)")
+    p.add_argument("--oracle-recall", type=float, default=0.8, help="the oracle prefetch's recall")
+    p.add_argument("--quantization", choices=["int4", "fp8", "mxfp4"], default=None,
+                   help="the decode rows' experts quantized at load (default bf16; no llama.cpp column then)")
     add_results_flag(p)
     return p.parse_args(argv)
 
@@ -80,7 +87,8 @@ def make_engine(config_dir, args, strategy, layers=None, slots=None, **options):
                       hf_overrides={"num_hidden_layers": layers or args.layers}, moe_strategy=strategy,
                       moe_cache_slots=slots, max_running_requests=max(args.batch), max_model_len=max_len,
                       num_tokens=(max_len + 16) * max(args.batch),
-                      moe_collect_stats=strategy in ("offload", "hybrid", "cpu"), **options)
+                      moe_collect_stats=strategy in ("offload", "hybrid", "cpu"),
+                      quantization=getattr(args, "quantization", None), **options)
     return Engine(ec)
 
 
@@ -90,8 +98,9 @@ def step_counters(engine) -> dict:
     s = engine.runner.strategy.stats()
     decode = s.get("decode", {}).get("total", {"distinct": 0, "misses": 0})
     kernel = s.get("host_kernel") or {"seconds": 0.0}
+    prefetch = s.get("prefetch") or {}
     return {"device": decode["distinct"], "copied": decode["misses"], "host": s.get("host_experts", 0),
-            "host_s": kernel["seconds"]}
+            "host_s": kernel["seconds"], "prefetched": prefetch.get("copied", 0), "useful": prefetch.get("useful", 0)}
 
 
 def host_alone(strategy) -> float:
@@ -115,16 +124,17 @@ def decode_row(engine, args, label, share, batch, expert_bytes, h2d, host_bw) ->
         engine.runner.strategy.restart_cache()
         runs.append(timed_decode(engine, batch, args.prompt_len, args.warmup, args.steps, step_counters))
     run = max(runs, key=lambda r: r["tok_s"])
-    hit = run["device"] - run["copied"]
-    total = hit + run["copied"] + run["host"]
-    pcie_ms = run["copied"] * expert_bytes / h2d * 1e3
+    hit = run["device"] - run["copied"] - run["useful"]  # a useful prefetch was a miss, moved early
+    total = hit + run["copied"] + run["useful"] + run["host"]
+    pcie_ms = (run["copied"] + run["prefetched"]) * expert_bytes / h2d * 1e3
     host_ms = run["host"] * expert_bytes / host_bw * 1e3 if host_bw else 0.0
-    missed = run["copied"] + run["host"]
+    missed = run["copied"] + run["useful"] + run["host"]
     two_ms = missed * expert_bytes / (h2d + host_bw) * 1e3
-    llama = LLAMA_CPP_BATCH1.get(share) if batch == 1 else None
+    llama = LLAMA_CPP_BATCH1.get(share) if batch == 1 and not getattr(args, "quantization", None) else None
     tuner = getattr(engine.runner.strategy.split, "tuner", None)
     row = [f"{share:.0%}", batch, label, f"{run['tok_s']:.1f}", f"{run['step_s'] * 1e3:.2f}",
            f"{hit / total:.2f}" if total else "-", f"{hit:.0f} / {run['copied']:.0f} / {run['host']:.0f}",
+           f"{run['prefetched']:.1f} / {run['useful']:.1f}",
            f"{pcie_ms:.2f}", f"{host_ms:.2f}", f"{run['host_s'] * 1e3:.2f}", f"{host_now / 1e9:.1f}" if host_now else "-", f"{two_ms:.2f}",
            f"{tuner.speeds.host_share:.2f}" if tuner else "-",
            f"{llama:.1f}" if llama else "-", f"{run['tok_s'] / llama:.2f}x" if llama else "-"]
@@ -152,6 +162,25 @@ def mode_label(args, mode: tuple[str, str, str]) -> str:
     return "".join(f", {w}" for w in words)
 
 
+def prefetch_note(args) -> str:
+    """The line under a decode table on its prefetch rows: what was predicted, how well, and
+    how the floors count prefetched copies."""
+    if args.prefetch == ["off"]:
+        return ""
+    return (" Prefetch: " + (f"oracle: each of the next layer's routed experts predicted with probability "
+                             f"{args.oracle_recall:g}, each one missed replaced by an expert it does not route "
+                             "(moeferry/routing/profiles.py OraclePredictor); " if "oracle" in args.prefetch else "")
+            + "prefetched / useful: experts copied ahead per step, and those of them the layer routed. The PCIe "
+              "floor counts every copy (demand and ahead); the two-channel floor only the routed misses (copied "
+              "on demand, useful prefetches, host).")
+
+
+def prefetch_label(args, lookahead: str) -> str:
+    if lookahead == "off":
+        return ""
+    return ", prefetch " + (f"oracle {args.oracle_recall:g}" if lookahead == "oracle" else lookahead)
+
+
 def decode_rows(config_dir, args, h2d) -> tuple[list[list], float]:
     rows, host_bw = [], 0.0
     plan = [("cpu", [s for s in args.shares if s == 0.0]),
@@ -161,11 +190,17 @@ def decode_rows(config_dir, args, h2d) -> tuple[list[list], float]:
     for strategy, shares in plan:
         if not shares:
             continue
-        for mode in host_channel_modes(args) if strategy in ("cpu", "hybrid") else [None]:
+        lookaheads = args.prefetch if strategy in ("offload", "hybrid") else ["off"]
+        modes = host_channel_modes(args) if strategy in ("cpu", "hybrid") else [None]
+        for mode, lookahead in ((m, a) for m in modes for a in lookaheads):
             options = dict(zip(("moe_host_dispatch", "moe_host_staging", "moe_host_schedule"), mode or ()))
-            engine = make_engine(config_dir, args, strategy, **options)
-            force_routing(engine, args.routing, args.routing_seed)
+            engine = make_engine(config_dir, args, strategy, moe_prefetch="off" if lookahead == "off" else "router",
+                                 **options)
+            forced = force_routing(engine, args.routing, args.routing_seed,
+                                   oracle_recall=args.oracle_recall if lookahead == "oracle" else None)
             s = engine.runner.strategy
+            if lookahead == "oracle":
+                s.prefetch.predict_from(forced.predictions)
             host_bw = s.host.speeds.host_bytes_per_s if s.host is not None else host_bw
             for share in shares:
                 if strategy in ("offload", "hybrid"):
@@ -173,6 +208,7 @@ def decode_rows(config_dir, args, h2d) -> tuple[list[list], float]:
                 engine.runner.recapture_graphs()  # the graphs bake in the router hooks and the pool
                 label = "hybrid, one layer of slots" if strategy == "hybrid" and share == 0.0 else strategy
                 label += mode_label(args, mode) if mode else ""
+                label += prefetch_label(args, lookahead)
                 for batch in args.batch:
                     rows.append(decode_row(engine, args, label, share, batch, s.expert_bytes, h2d, host_bw))
             del engine, s
@@ -445,7 +481,7 @@ def contention_rows(args, seconds: float = 2.0) -> list[list]:
 
 
 DECODE_HEADER = ["experts on GPU", "requests", "strategy", "tok/s", "ms/step", "hit rate",
-                 "experts/step hit / copied / host", "PCIe floor ms", "host floor ms", "host kernel ms",
+                 "experts/step hit / copied / host", "prefetched / useful per step", "PCIe floor ms", "host floor ms", "host kernel ms",
                  "host alone GB/s before",
                  "two-channel floor ms", "host share at the end",
                  "llama.cpp tok/s", "vs llama.cpp"]
@@ -470,10 +506,10 @@ def main(argv, args) -> int:
         rows, host_bw = decode_rows(config_dir, args, h2d)
         report(routed_section("hybrid/decode", args.routing), f"Decode with the host channel, routing {args.routing}", command,
                markdown_table(DECODE_HEADER, rows),
-               f"{args.layers} layers, 128 experts, top-8, bf16, dummy weights; prompt {args.prompt_len}, {args.warmup} warm-up + {args.steps} timed "
+               f"{args.layers} layers, 128 experts, top-8, {args.quantization or 'bf16'} experts, dummy weights; prompt {args.prompt_len}, {args.warmup} warm-up + {args.steps} timed "
                f"steps, cache restarted warm before each row. Measured H2D {h2d / 1e9:.1f} GB/s, host kernel "
                f"{host_bw / 1e9:.1f} GB/s (the strategy's start-up measurement, one token per expert). "
-               + routing_note(args.routing, args.routing_seed),
+               + routing_note(args.routing, args.routing_seed) + prefetch_note(args),
                args.results)
     if "contention" in args.parts:
         rows = contention_rows(args)

@@ -286,17 +286,20 @@ def add_routing_flag(parser, default: str = "uniform") -> None:
     parser.add_argument("--routing-seed", type=int, default=0, help="the generated routes' seed")
 
 
-def force_routing(engine, routing: str, seed: int = 0):
+def force_routing(engine, routing: str, seed: int = 0, oracle_recall: float | None = None):
     """Hooks on every MoE router of ``engine`` forcing ``routing``'s generated routes
     (moeferry/routing/forced.py: drawn inside the decode graphs, the same routes under every
-    strategy for the same seed and steps); None for ``model``. Recapture the graphs after
-    (and after ``remove()`` on what this returns)."""
+    strategy for the same seed and steps), with oracle predictions of the next layer's at
+    ``oracle_recall`` if given; None for ``model``. Recapture the graphs after (and after
+    ``remove()`` on what this returns)."""
     if routing == MODEL_ROUTING:
+        if oracle_recall is not None:
+            raise SystemExit("an oracle prefetch needs generated routes: --routing uniform, qwen3 or mixtral")
         return None
     from moeferry.routing.forced import ForcedRouting
     from moeferry.routing.profiles import get_profile
 
-    return ForcedRouting.install(engine, get_profile(routing), seed)
+    return ForcedRouting.install(engine, get_profile(routing), seed, oracle_recall=oracle_recall)
 
 
 def unforce_routing(forced) -> None:

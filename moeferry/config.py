@@ -65,7 +65,8 @@ CHOICES = {"load_format": lambda: LOAD_FORMATS, "device": lambda: DEVICES, "dtyp
            "moe_host_staging": _choices("moeferry.moe.host_channel", "STAGINGS"),
            "moe_host_schedule": _choices("moeferry.kernels.fused_moe.host", "SCHEDULES"),
            "moe_host_activations": _choices("moeferry.kernels.fused_moe.host", "ACTIVATIONS_PRECISIONS"),
-           "moe_uva_block_assignment": _choices("moeferry.kernels.fused_moe", "BLOCK_ASSIGNMENTS")}
+           "moe_uva_block_assignment": _choices("moeferry.kernels.fused_moe", "BLOCK_ASSIGNMENTS"),
+           "moe_prefetch": _choices("moeferry.moe.prefetch", "PREFETCH_MODES")}
 
 
 def flag(name: str) -> str:
@@ -126,6 +127,7 @@ READ_BY = {
     "moe_host_schedule": ("moe_strategy", ("hybrid", "cpu")),
     "moe_host_activations": ("moe_strategy", ("hybrid", "cpu")),
     "moe_timeline": ("moe_strategy", ("hybrid",)),
+    "moe_prefetch": ("moe_strategy", ("offload", "hybrid")),
     "moe_tuner_period": ("moe_strategy", ("hybrid",)),
     "moe_tuner_min_experts": ("moe_strategy", ("hybrid",)),
     "moe_uva_block_assignment": ("moe_strategy", ("uva",)),
@@ -212,6 +214,10 @@ class EngineConfig:
                                                        "(docs/offload.md, Policies)")
     moe_lrfu_decay: float = option(0.5, "MoE", "--moe-cache-policy lrfu: how much a past use still counts, in "
                                                "(0, 1]")
+    moe_prefetch: str = option("off", "MoE", "offload or hybrid: while a decode layer computes, copy the experts "
+                                             "the next layer's router predicts from this layer's input (router), "
+                                             "or not (off); a wrong guess costs copies, never tokens "
+                                             "(docs/offload.md, Prefetch)")
     moe_collect_stats: bool = option(False, "MoE", "offload, uva, hybrid or cpu: count the expert cache's hits, misses and routes "
                                                    "(in /v1/stats and /metrics); a little time per step")
     moe_host_threads: int = option(0, "MoE", "cpu or hybrid: threads of the host expert kernel (0: one per "

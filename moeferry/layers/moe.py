@@ -5,6 +5,8 @@ MoE strategy."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -55,6 +57,28 @@ class GroupedTopKRouter(nn.Module):
                             topk_groups=self.topk_groups, scaling=self.scaling)
 
 
+def router_scores(router: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """[T, E] float32 scores whose order is the router's preference: a Linear gate's logits
+    (the softmax keeps their order), or a self-routing router's (DeepSeek's) choice scores:
+    its logits, or sigmoid(logits) + its correction bias when it scores by sigmoid (its group
+    limit is left out: a prediction, not the route). Calls the modules' forward directly, so
+    router hooks (benchmarks' forced routes) neither fire nor change the prediction."""
+    if isinstance(router, Linear):
+        return router.forward(hidden).float()
+    logits = F.linear(hidden.float(), router.weight.float())
+    if getattr(router, "scoring", "softmax") == "sigmoid":
+        bias = router.e_score_correction_bias
+        return torch.sigmoid(logits) + (0.0 if bias is None else bias.float())
+    return logits
+
+
+def predict_experts(router: torch.nn.Module, hidden: torch.Tensor, width: int) -> torch.Tensor:
+    """The next layer's predicted experts: `router` (layer l+1's MoEBlock.route_module), a
+    hidden state [T, H] (routing/predict.py: which) -> ids [T, width] int64, best first.
+    Fixed shapes, no host sync: callable inside a captured decode graph."""
+    return router_scores(router, hidden).topk(width, dim=1).indices
+
+
 class MoEBlock(nn.Module):
     """Routes each token to top_k of the layer's experts and sums their outputs, weighted.
 
@@ -79,6 +103,7 @@ class MoEBlock(nn.Module):
         self.router_name = router_name
         self.add_module(router_name, Linear(h, e, bias=False) if router is None else router)
         self.strategy = strategy
+        strategy.attach_predictor(layer_id, partial(predict_experts, self.route_module))
         self.banks = strategy.allocate_banks(layer_id, e, h, mc.moe_intermediate_size, bias=expert_bias,
                                              activation=activation)
         if shared_expert:

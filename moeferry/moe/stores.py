@@ -271,6 +271,10 @@ class SlotStore(ExpertStore):
                                            phase=phase)
         return self.pool, slot_ids
 
+    def copy_ahead(self, layer_id: int) -> None:
+        """Copy the last lookahead admission's misses (moe/prefetch.py) of layer `layer_id`."""
+        self.cache.copy_ahead(self.banks[layer_id].tensors(), self.pool.tensors())
+
     def residency(self) -> torch.Tensor:
         return self.cache.slot_of
 

@@ -8,15 +8,18 @@ parts.
     host compute    the host CPU computing routes             (moe/host_compute.py)
     route split     which routes go to the host               all to host, by channel speed
                                                               (moe/split_policy.py)
+    prefetch        the next layer's predicted experts moved  --moe-prefetch (moe/prefetch.py)
+                    while a decode layer computes
 
 The device's compute is the fused MoE kernel (kernels/fused_moe) over the banks and rows the
 store locates. A strategy name (--moe-strategy) names one composition (`_COMPOSITIONS`):
 
     gpu      resident store
     uva      uva store
-    offload  slot-cache store + prefill route
+    offload  slot-cache store + prefill route (+ prefetch)
     cpu      host-only store + prefill route + host compute, every route to the host
     hybrid   slot-cache store + prefill route + host compute, the misses split by channel speed
+             (+ prefetch)
 
 The MoE layer routes tokens and hands (hidden, topk_weights, topk_ids) to `MoEStrategy.forward`.
 Every strategy gives the output of `gpu` for the same inputs.
@@ -57,7 +60,8 @@ def _offload(ec, mc):
     from moeferry.moe.strategy import MoEStrategy
 
     prefill = PrefillRoute(ec)
-    return MoEStrategy("offload", ec, mc, SlotStore(ec, mc, prefill.widest_demand_chunk), prefill=prefill)
+    return MoEStrategy("offload", ec, mc, SlotStore(ec, mc, prefill.widest_demand_chunk), prefill=prefill,
+                       prefetch=_prefetch(ec, mc))
 
 
 def _cpu(ec, mc):
@@ -82,7 +86,17 @@ def _hybrid(ec, mc):
     prefill = PrefillRoute(ec)
     tuner = TunerSettings(period=ec.moe_tuner_period, min_experts=ec.moe_tuner_min_experts)
     return MoEStrategy("hybrid", ec, mc, SlotStore(ec, mc, prefill.widest_demand_chunk), prefill=prefill,
-                       host=HostCompute(ec, mc, prefill.widest_demand_chunk), split=ByChannelSpeed(tuner))
+                       host=HostCompute(ec, mc, prefill.widest_demand_chunk), split=ByChannelSpeed(tuner),
+                       prefetch=_prefetch(ec, mc))
+
+
+def _prefetch(ec, mc):
+    """The lookahead part under --moe-prefetch, or None (off)."""
+    if ec.moe_prefetch == "off":
+        return None
+    from moeferry.moe.prefetch import Prefetch
+
+    return Prefetch(ec, mc, ec.moe_prefetch)
 
 
 _COMPOSITIONS = {"gpu": _gpu, "offload": _offload, "uva": _uva, "cpu": _cpu, "hybrid": _hybrid}

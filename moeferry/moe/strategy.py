@@ -7,6 +7,9 @@ Decode step of one MoE layer, all on the device and inside the decode CUDA graph
   with host compute: the route split gives each route to the host or the device; the host's
   are posted to the host channel, the device's located and computed meanwhile; then the
   host's are joined and the two combined by selection (a route is computed by exactly one).
+With a prefetch part (moe/prefetch.py), a decode layer over a slot cache also admits the next
+MoE layer's predicted experts after its own admission and copies them on a side stream while
+it computes.
 A prefill chunk takes the same path (on demand) or streams every expert the device does not
 hold through the store's layer buffers (the prefill route decides).
 """
@@ -28,7 +31,7 @@ def _summed(per_route: torch.Tensor, dtype: torch.dtype, sum_routes: bool) -> to
 
 class MoEStrategy:
     """Interface between the MoE layers and their experts: a store, and optionally a prefill
-    route, a host compute and a route split (module docstring).
+    route, a host compute and a route split, and a prefetch (module docstring).
 
     Life cycle, driven by the engine's runner: `allocate_banks` once per MoE layer (the loader
     then fills the banks), `memory_needs` for the plan, `finalize` with the plan, then per step
@@ -38,12 +41,14 @@ class MoEStrategy:
 
     recorder = None  # a routing.RoutingRecorder under --moe-record-routing, set before any forward
 
-    def __init__(self, name: str, engine_config, model_config, store, *, prefill=None, host=None, split=None):
+    def __init__(self, name: str, engine_config, model_config, store, *, prefill=None, host=None, split=None,
+                 prefetch=None):
         if (host is None) != (split is None):
             raise ValueError("a host compute comes with a route split")
         self.name = name
         self.engine_config, self.model_config = engine_config, model_config
         self.store, self.prefill, self.host, self.split = store, prefill, host, split
+        self.prefetch = prefetch
         if prefill is not None:
             prefill.attach(store)
         self.device, self.dtype = engine_config.torch_device, engine_config.torch_dtype
@@ -74,6 +79,12 @@ class MoEStrategy:
                        activation: Activation = SILU) -> ExpertBanks:
         return self.store.allocate(layer_id, num_experts, hidden, inter, bias=bias, activation=activation)
 
+    def attach_predictor(self, layer_id: int, predict) -> None:
+        """A MoE layer's expert predictor, `predict(hidden, width) -> ids [T, width]` (its router
+        applied early: layers/moe.py predict_experts), for the prefetch part if there is one."""
+        if self.prefetch is not None:
+            self.prefetch.attach_predictor(layer_id, predict)
+
     def memory_needs(self) -> ExpertNeeds:
         return self.store.memory_needs()
 
@@ -81,6 +92,8 @@ class MoEStrategy:
         """Called once after every bank is filled, with the engine's memory plan
         (engine/planner.py: MemoryPlan; not imported here, so moe/ never imports the engine)."""
         self.store.finalize(plan)
+        if self.prefetch is not None:
+            self.prefetch.finalize(self.store, self.device)
         if self.host is not None:
             self.host.finalize(self.banks, self.device, self.dtype)
             self.split.start(self.host.speeds, self.device)
@@ -106,6 +119,8 @@ class MoEStrategy:
         """Back to the state after `finalize`, statistics zeroed, in place (captured graphs stay
         valid): a measured run starts from here."""
         self.store.restart()
+        if self.prefetch is not None:
+            self.prefetch.restart()
         if self.host is not None:
             self.host.restart()
 
@@ -127,10 +142,23 @@ class MoEStrategy:
         if not is_decode and self.prefill is not None and self.prefill.streams(layer_id, topk_ids):
             return self._streamed(layer_id, hidden, topk_weights, topk_ids, sum_routes)
         phase = "decode" if is_decode else "prefill"
+        ahead = self._lookahead(layer_id, topk_ids, is_decode)
         if self.host is None or self.store.holds_all:
             banks, rows = self.store.locate(layer_id, topk_ids, phase)
+            if ahead is not None:
+                ahead.ahead(layer_id, hidden, topk_ids.numel())
             return self._on_device(hidden, banks, topk_weights, rows, sum_routes)
-        return self._split(layer_id, hidden, topk_weights, topk_ids, phase, sum_routes)
+        return self._split(layer_id, hidden, topk_weights, topk_ids, phase, sum_routes, ahead)
+
+    def _lookahead(self, layer_id: int, topk_ids: torch.Tensor, is_decode: bool):
+        """The prefetch part for a decode layer that can miss, joined and shown its routes;
+        None where there is no lookahead."""
+        ahead = self.prefetch
+        if ahead is None or not is_decode or self.store.holds_all:
+            return None
+        ahead.join()
+        ahead.observe(layer_id, topk_ids)
+        return ahead
 
     def _on_device(self, hidden, banks: ExpertBanks, topk_weights, rows, sum_routes: bool) -> torch.Tensor:
         return fused_moe(hidden, banks.w13, banks.w2, topk_weights, rows,
@@ -145,7 +173,7 @@ class MoEStrategy:
         self.prefill.release(layer_id)
         return out
 
-    def _split(self, layer_id, hidden, topk_weights, topk_ids, phase, sum_routes):
+    def _split(self, layer_id, hidden, topk_weights, topk_ids, phase, sum_routes, ahead=None):
         """Host and device at once; the points of `HYBRID_POINTS` stamped under --moe-timeline."""
         moe_layer = self.moe_layer_of[layer_id]
         mark = self._marker(moe_layer, phase)
@@ -159,6 +187,8 @@ class MoEStrategy:
         if device_ids is None:  # every route on the host
             return _summed(self.host.finish(), hidden.dtype, sum_routes)
         banks, rows = self.store.locate(layer_id, device_ids, phase)
+        if ahead is not None:
+            ahead.ahead(layer_id, hidden, device_ids.numel())
         mark("copied")
         on_host = host_ids >= 0
         device_routes = self._on_device(hidden, banks, topk_weights.masked_fill(on_host, 0.0), rows.clamp(min=0),
@@ -188,6 +218,8 @@ class MoEStrategy:
                **self.store.stats()}
         if self.prefill is not None:
             out.update(self.prefill.stats())
+        if self.prefetch is not None:
+            out.update(self.prefetch.stats())
         if self.host is not None:
             out.update(self.host.stats(self.expert_bytes), **self.split.stats())
             if "decode" in out:

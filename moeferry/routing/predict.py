@@ -12,8 +12,9 @@ Inputs it can be given (`INPUTS`, measured by benchmarks/bench_predictor.py):
 - `residual_input_norm`: the same stream normed by layer l+1's input norm, as its attention
   sees it.
 
-`predict_experts(router, hidden, width)` is the predictor: the `width` experts the router
-scores highest (width >= top_k predicts more than it will route: more recall, more bytes).
+`predict_experts(router, hidden, width)` (layers/moe.py, beside the routers it reads) is the
+predictor: the `width` experts the router scores highest (width >= top_k predicts more than it
+will route: more recall, more bytes).
 """
 
 from __future__ import annotations
@@ -21,33 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from moeferry.layers.linear import Linear
+from moeferry.layers.moe import predict_experts, router_scores  # noqa: F401 (the predictor's home)
 
 INPUTS = ("moe_input", "residual", "residual_input_norm")
-
-
-def router_scores(router: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """[T, E] float32 scores whose order is the router's preference: a Linear gate's logits
-    (the softmax keeps their order), or a self-routing router's (DeepSeek's) choice scores:
-    its logits, or sigmoid(logits) + its correction bias when it scores by sigmoid (its group
-    limit is left out: a prediction, not the route). Calls the modules' forward directly, so
-    router hooks (benchmarks' forced routes) neither fire nor change the prediction."""
-    if isinstance(router, Linear):
-        return router.forward(hidden).float()
-    logits = F.linear(hidden.float(), router.weight.float())
-    if getattr(router, "scoring", "softmax") == "sigmoid":
-        bias = router.e_score_correction_bias
-        return torch.sigmoid(logits) + (0.0 if bias is None else bias.float())
-    return logits
-
-
-def predict_experts(router: torch.nn.Module, hidden: torch.Tensor, width: int) -> torch.Tensor:
-    """The next layer's predicted experts: `router` (layer l+1's MoEBlock.route_module), a
-    hidden state [T, H] (see the module for which) -> ids [T, width] int64, best first.
-    Fixed shapes, no host sync: callable inside a captured decode graph."""
-    return router_scores(router, hidden).topk(width, dim=1).indices
 
 
 def routed_ids(block, hidden: torch.Tensor) -> torch.Tensor:

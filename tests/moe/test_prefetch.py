@@ -1,0 +1,198 @@
+"""Lookahead prefetch (moe/prefetch.py) on the CPU: with --moe-prefetch router, `offload` and
+`hybrid` generate `gpu`'s tokens for every family and expert format; a predictor that is always
+wrong still does, at a cost in copies only; a predictor that is always right leaves no decode
+miss past the first layer; and the statistics add up."""
+
+import pytest
+import torch
+
+from moeferry import LLM, SamplingParams
+from moeferry.config import ConfigError
+from moeferry.routing.forced import ForcedRouting
+from moeferry.routing.profiles import get_profile
+from tests.support.fixtures import family_configs, make_checkpoint
+
+FAMILIES = family_configs()
+PROMPTS = [[5, 17, 33, 2, 9, 71, 40], [88, 3], [12, 60, 61, 62, 7, 1, 90, 45, 23, 30, 31, 8, 19]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=FAMILIES, ids=[n for n, _ in FAMILIES])
+def ckpt(request, tmp_path_factory):
+    name, config = request.param
+    path = str(tmp_path_factory.mktemp(name))
+    make_checkpoint(config, path)
+    return path, getattr(config, "num_experts", None) or config.num_local_experts
+
+
+def tokens(llm, prompts=PROMPTS):
+    return [o.token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+def prefetching(path, experts, strategy="offload", layers=3, top_k=None, **options):
+    """An engine whose cache has room for two layers' experts (one computing, one ahead) and
+    still misses: a two-layer model's holds one layer and one token's routes."""
+    slots = 2 * experts if layers > 2 else experts + top_k
+    return LLM(path, dtype="float32", device="cpu", moe_strategy=strategy, moe_cache_slots=slots,
+               moe_prefetch="router", moe_collect_stats=True, **options)
+
+
+def gpu_and_room(path):
+    """`gpu` and the options that leave a lookahead room: a two-layer model decodes one
+    request at a time (its cache of a layer and a token's routes has room for a token's
+    experts twice, not for three tokens' when they fill a layer)."""
+    probe = LLM(path, dtype="float32", device="cpu")
+    mc = probe.engine.mc
+    layers = len(mc.moe_layer_ids)
+    options = {"layers": layers, "top_k": mc.top_k}
+    if layers > 2:
+        return probe, options
+    return LLM(path, dtype="float32", device="cpu", max_running_requests=1), {**options, "max_running_requests": 1}
+
+
+def assert_counts_add_up(prefetch: dict) -> None:
+    assert prefetch["useful"] + prefetch["wasted"] == prefetch["copied"]
+    assert 0 <= prefetch["useful"] <= prefetch["copied"] <= prefetch["predicted"]
+    assert prefetch["predicted_hit"] <= prefetch["routed"]
+
+
+def test_offload_with_prefetch_generates_what_gpu_generates(ckpt):
+    path, experts = ckpt
+    gpu, options = gpu_and_room(path)
+    llm = prefetching(path, experts, **options)
+    assert tokens(llm) == tokens(gpu)
+    stats = llm.engine.runner.strategy.stats()
+    prefetch = stats["prefetch"]
+    assert prefetch["mode"] == "router" and prefetch["copied"] > 0 and prefetch["routed"] > 0
+    assert_counts_add_up(prefetch)
+    assert prefetch["per_layer_recall"][0] is None  # nothing predicts the first MoE layer
+
+
+def test_hybrid_with_prefetch_generates_what_gpu_generates(ckpt):
+    path, experts = ckpt
+    gpu, options = gpu_and_room(path)
+    llm = prefetching(path, experts, "hybrid", moe_host_share=0.5, **options)
+    assert tokens(llm) == tokens(gpu)
+    stats = llm.engine.runner.strategy.stats()
+    assert stats["host_experts"] > 0 and stats["prefetch"]["copied"] > 0
+    assert_counts_add_up(stats["prefetch"])
+
+
+@pytest.fixture(scope="module", params=["fp8", "int4", "mxfp4"])
+def quantized_ckpt(request, tmp_path_factory):
+    from tests.support.fixtures import make_fp8_checkpoint, make_int4_checkpoint
+
+    config = dict(FAMILIES)["qwen3_moe"]
+    path = str(tmp_path_factory.mktemp(request.param))
+    {"fp8": lambda: make_fp8_checkpoint(config, path, seed=3, block_shape=(16, 16)),
+     "int4": lambda: make_int4_checkpoint(config, path, seed=5, group_size=16),
+     "mxfp4": lambda: make_checkpoint(config, path, seed=7)}[request.param]()
+    return path, {"quantization": "mxfp4"} if request.param == "mxfp4" else {}, config.num_experts
+
+
+def test_prefetch_over_quantized_experts_generates_what_gpu_generates(quantized_ckpt):
+    path, options, experts = quantized_ckpt
+    want = tokens(LLM(path, dtype="bfloat16", device="cpu", **options))
+    for strategy in ("offload", "hybrid"):
+        llm = LLM(path, dtype="bfloat16", device="cpu", moe_strategy=strategy, moe_cache_slots=2 * experts,
+                  moe_prefetch="router", **options)
+        assert tokens(llm) == want, strategy
+
+
+def test_an_always_wrong_predictor_costs_copies_never_tokens(tmp_path):
+    """Generated routes, and predictions drawn from the experts no row of the layer routes."""
+    path = str(tmp_path / "ckpt")
+    config = dict(FAMILIES)["qwen3_moe"]
+    make_checkpoint(config, path)
+    want = tokens(LLM(path, dtype="float32", device="cpu", max_running_requests=2, max_prefill_tokens=16),
+                  PROMPTS[:2])
+    llm = prefetching(path, config.num_experts, max_running_requests=2, max_prefill_tokens=16)
+    forced = ForcedRouting.install(llm.engine, get_profile("qwen3"), seed=5)
+    strategy = llm.engine.runner.strategy
+    strategy.prefetch.predict_from(never_routed(llm, forced))
+    forced_tokens = tokens(llm, PROMPTS[:2])
+    prefetch = strategy.stats()["prefetch"]
+    assert prefetch["predicted_hit"] == prefetch["useful"] == 0
+    assert prefetch["wasted"] == prefetch["copied"] > 0 and prefetch["recall"] == 0.0
+    forced.remove()
+    strategy.prefetch.predict_from(None)
+    gpu = LLM(path, dtype="float32", device="cpu", max_running_requests=2, max_prefill_tokens=16)
+    forced = ForcedRouting.install(gpu.engine, get_profile("qwen3"), seed=5)
+    assert forced_tokens == tokens(gpu, PROMPTS[:2])  # the same routes without prefetch
+    assert want  # (the unforced run is only a warm-up of the same shapes)
+
+
+def never_routed(llm, forced):
+    """[L, rows, K] predictions refreshed every forward (a hook after the generator's): for
+    every row, K experts that no row of that layer routes."""
+    mc = llm.engine.mc
+    layers, rows, k = forced.routes.shape
+    wrong = torch.zeros(layers, rows, k, dtype=torch.int64)
+
+    def fill(_module, inputs, _out):
+        n = inputs[0].shape[0]
+        routed = torch.zeros(layers, mc.num_experts)
+        routed.scatter_(1, forced.routes[:, :n].reshape(layers, -1), 1.0)
+        unrouted_first = routed.argsort(dim=1, stable=True)[:, :k]
+        wrong[:, :n] = unrouted_first[:, None, :]
+
+    first = llm.engine.runner.model.moe_block(mc.moe_layer_ids[0]).route_module
+    first.register_forward_hook(fill)
+    return wrong
+
+
+def test_an_always_right_predictor_leaves_no_decode_miss_past_the_first_layer(tmp_path):
+    """Generated routes and an oracle of recall 1: each layer's routes are admitted a layer
+    early, so only the first MoE layer's own admissions can miss."""
+    path = str(tmp_path / "ckpt")
+    config = dict(FAMILIES)["qwen3_moe"]
+    make_checkpoint(config, path)
+    llm = prefetching(path, config.num_experts, max_running_requests=2, max_prefill_tokens=16)
+    forced = ForcedRouting.install(llm.engine, get_profile("qwen3"), seed=3, oracle_recall=1.0)
+    strategy = llm.engine.runner.strategy
+    strategy.prefetch.predict_from(forced.predictions)
+    tokens(llm, PROMPTS[:2])
+    stats = strategy.stats()
+    misses = stats["decode"]["per_layer"]["misses"]
+    assert misses[0] > 0 and sum(misses[1:]) == 0
+    prefetch = stats["prefetch"]
+    assert prefetch["recall"] == 1.0 and prefetch["predictor"] == "given"
+    assert prefetch["useful"] == prefetch["copied"] > 0
+    assert_counts_add_up(prefetch)
+
+
+def test_no_room_beside_the_computing_layer_means_no_lookahead(ckpt):
+    """A cache of one layer's experts cannot take a second layer's beside the first: prefetch
+    stands aside and the tokens are still gpu's."""
+    path, experts = ckpt
+    want = tokens(LLM(path, dtype="float32", device="cpu"))
+    llm = LLM(path, dtype="float32", device="cpu", moe_strategy="offload", moe_cache_slots=experts,
+              moe_prefetch="router", moe_collect_stats=True)
+    assert tokens(llm) == want
+    assert llm.engine.runner.strategy.stats()["prefetch"]["predicted"] == 0
+
+
+@pytest.mark.parametrize("strategy", ["gpu", "uva", "cpu"])
+def test_prefetch_is_refused_where_nothing_reads_it(strategy, tmp_path):
+    path = str(tmp_path / "ckpt")
+    make_checkpoint(dict(FAMILIES)["qwen3_moe"], path)
+    with pytest.raises(ConfigError, match="--moe-prefetch"):
+        LLM(path, dtype="float32", device="cpu", moe_strategy=strategy, moe_prefetch="router")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", ["offload", "hybrid"])
+def test_prefetch_in_the_decode_graph_generates_what_gpu_generates(strategy, tmp_path):
+    """On the GPU the lookahead copies run on a side stream inside the captured decode graph."""
+    path = str(tmp_path / "ckpt")
+    config = dict(FAMILIES)["qwen3_moe"]
+    make_checkpoint(config, path)
+    want = tokens(LLM(path, dtype="bfloat16"))
+    extra = {"moe_host_share": 0.5} if strategy == "hybrid" else {}
+    llm = LLM(path, dtype="bfloat16", moe_strategy=strategy, moe_cache_slots=2 * config.num_experts,
+              moe_prefetch="router", moe_collect_stats=True, **extra)
+    assert tokens(llm) == want
+    prefetch = llm.engine.runner.strategy.stats()["prefetch"]
+    assert prefetch["copied"] > 0
+    assert_counts_add_up(prefetch)
+    assert torch.cuda.current_stream().query()
