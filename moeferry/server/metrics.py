@@ -63,6 +63,15 @@ class _EngineStatsCollector:
                            "and step).", moe["host_experts"])
             yield _counter("moeferry_host_expert_bytes", "Expert bytes the host kernel read in decode.",
                            moe["host_bytes"])
+        prefetch = moe.get("prefetch") or {}
+        if "copied" in prefetch:  # --moe-prefetch with --moe-collect-stats
+            yield _counter("moeferry_prefetch_copied_experts", "Experts copied ahead of their layer's routing.",
+                           prefetch["copied"])
+            yield _counter("moeferry_prefetch_useful_experts", "Experts copied ahead that their layer then routed.",
+                           prefetch["useful"])
+            if prefetch["recall"] is not None:
+                yield _gauge("moeferry_prefetch_recall", "Routed experts that were predicted, of all routed.",
+                             prefetch["recall"])
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

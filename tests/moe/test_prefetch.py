@@ -172,6 +172,25 @@ def test_no_room_beside_the_computing_layer_means_no_lookahead(ckpt):
     assert llm.engine.runner.strategy.stats()["prefetch"]["predicted"] == 0
 
 
+def test_prefetch_statistics_reach_v1_stats_and_metrics(tmp_path):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from moeferry.server.metrics import ServerMetrics
+
+    path = str(tmp_path / "ckpt")
+    config = dict(FAMILIES)["qwen3_moe"]
+    make_checkpoint(config, path)
+    llm = prefetching(path, config.num_experts)
+    tokens(llm)
+    stats = llm.engine.stats(include_moe=True)
+    prefetch = stats["moe"]["prefetch"]
+    text = ServerMetrics().render(stats).decode()
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples["moeferry_prefetch_copied_experts_total"] == prefetch["copied"] > 0
+    assert samples["moeferry_prefetch_useful_experts_total"] == prefetch["useful"]
+    assert samples["moeferry_prefetch_recall"] == pytest.approx(prefetch["recall"])
+
+
 @pytest.mark.parametrize("strategy", ["gpu", "uva", "cpu"])
 def test_prefetch_is_refused_where_nothing_reads_it(strategy, tmp_path):
     path = str(tmp_path / "ckpt")
