@@ -504,7 +504,10 @@ def main(argv, args) -> int:
     host_bw = 0.0
     if "decode" in args.parts:
         rows, host_bw = decode_rows(config_dir, args, h2d)
-        report(routed_section("hybrid/decode", args.routing), f"Decode with the host channel, routing {args.routing}", command,
+        prefetch = args.prefetch != ["off"]
+        report(routed_section("hybrid/decode", args.routing) + ("/prefetch" if prefetch else ""),
+               f"Decode with {'the lookahead prefetch' if prefetch else 'the host channel'}, routing {args.routing}",
+               command,
                markdown_table(DECODE_HEADER, rows),
                f"{args.layers} layers, 128 experts, top-8, {args.quantization or 'bf16'} experts, dummy weights; prompt {args.prompt_len}, {args.warmup} warm-up + {args.steps} timed "
                f"steps, cache restarted warm before each row. Measured H2D {h2d / 1e9:.1f} GB/s, host kernel "
