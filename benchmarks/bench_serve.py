@@ -18,7 +18,8 @@ per-token events; with this one every token decodes to text, so each token is on
 With --attack, the table is instead the latency of well-behaved clients (each sending short
 streaming completions one after another) alone, then beside attackers that each post one
 kind of abusive body in a loop (a text prompt of millions of characters, a megabyte of
-guided_choice, 60,000 messages): p50 and p99 of time to first token and of the whole request.
+guided_choice, 60,000 messages) from a process of their own: p50 and p99 of time to first token
+and of the whole request.
 
 GPU only: without CUDA it says so and exits 0.
 """
@@ -257,10 +258,32 @@ ATTACKS = {"prompt": _huge_prompt, "choice": _long_choice, "messages": _many_mes
 _ATTACKERS_PER_KIND = 6
 
 
-async def _attacker(client, path: str, body: bytes, until: float, statuses: list) -> None:
-    while time.perf_counter() < until:
-        resp = await client.post(path, content=body, headers={"content-type": "application/json"})
-        statuses.append(resp.status_code)
+# The attackers run in a process of their own, as they would on other machines: their uploads
+# and JSON never share a GIL with the well-behaved clients' timing. One thread per connection,
+# each posting its body again as soon as it is answered; the process prints the statuses.
+_ATTACKER = """
+import json, sys, threading, time, httpx
+url, path, connections, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+body, statuses = sys.stdin.buffer.read(), []
+deadline = time.monotonic() + seconds
+def attack():
+    with httpx.Client(base_url=url, trust_env=False, timeout=600, headers={"content-type": "application/json"}) as c:
+        while time.monotonic() < deadline:
+            statuses.append(c.post(path, content=body).status_code)
+threads = [threading.Thread(target=attack) for _ in range(connections)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(json.dumps(statuses))
+"""
+
+
+def start_attackers(url: str, attack: str, seconds: float) -> subprocess.Popen:
+    path, body = ATTACKS[attack]()
+    proc = subprocess.Popen([sys.executable, "-c", _ATTACKER, url, path, str(_ATTACKERS_PER_KIND), str(seconds)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    proc.stdin.write(json.dumps(body).encode())
+    proc.stdin.close()
+    return proc
 
 
 async def _well_behaved(client, vocab: int, seed: int, max_tokens: int, until: float, out: list) -> None:
@@ -275,16 +298,18 @@ async def fairness_round(url: str, args, vocab: int, attack: str | None) -> tupl
     """(ttft, latency) of every well-behaved request and the attackers' statuses of one round."""
     import httpx
 
-    limits = httpx.Limits(max_connections=args.attack_clients + _ATTACKERS_PER_KIND + 4)
+    limits = httpx.Limits(max_connections=args.attack_clients + 4)
+    attackers = start_attackers(url, attack, args.attack_seconds + 1.0) if attack is not None else None
     async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=httpx.Timeout(600.0), limits=limits) as client:
+        if attackers is not None:
+            await asyncio.sleep(1.0)  # the attackers are up and posting
         until = time.perf_counter() + args.attack_seconds
-        samples, statuses, tasks = [], [], []
-        if attack is not None:
-            path, body = ATTACKS[attack]()
-            raw = json.dumps(body).encode()
-            tasks += [_attacker(client, path, raw, until, statuses) for _ in range(_ATTACKERS_PER_KIND)]
-        tasks += [_well_behaved(client, vocab, c, 16, until, samples) for c in range(args.attack_clients)]
-        await asyncio.gather(*tasks)
+        samples: list = []
+        await asyncio.gather(*(_well_behaved(client, vocab, c, 16, until, samples) for c in range(args.attack_clients)))
+    statuses = []
+    if attackers is not None:
+        statuses = json.loads(attackers.stdout.read() or b"[]")
+        attackers.wait(60)
     return samples, statuses
 
 
@@ -312,11 +337,14 @@ def measure_attacks(server: "ServerProcess", args, vocab: int) -> list[list]:
 def report_attacks(args, argv, server: "ServerProcess", rows: list[list]) -> None:
     table = markdown_table(["attacker (6 connections)", "well-behaved requests", "TTFT p50 ms", "TTFT p99 ms",
                             "latency p50 ms", "latency p99 ms", "attacker answers"], rows)
-    text = (f"{args.layers} layers, dummy weights, `--moe-strategy gpu`, CUDA graphs. {args.attack_clients} "
+    where = ("CUDA graphs" if torch.cuda.is_available() else
+             f"on the CPU, a tiny shape (hidden {_TINY_OVERRIDES['hidden_size']}, {_TINY_OVERRIDES['num_experts']} "
+             f"experts, top-{_TINY_OVERRIDES['num_experts_per_tok']})")
+    text = (f"{args.layers} layers, dummy weights, `--moe-strategy gpu`, {where}. {args.attack_clients} "
             f"well-behaved clients each stream 32-token completions of 16 tokens one after another for "
             f"{args.attack_seconds:g} s, alone and beside 6 connections posting one abusive body in a loop: prompt "
             f"(7.5 MB of text), choice (a 1 MB guided_choice string), messages (60,000 assistant messages with tool "
-            f"calls). Server up in {server.startup_s:.0f} s, exit status {server.exit_code} after SIGINT.")
+            f"calls), the attackers from a process of their own. Server up in {server.startup_s:.0f} s, exit status {server.exit_code} after SIGINT.")
     report("serve-attack", "Serving through the HTTP API: well-behaved clients beside an attacker",
            command_line("benchmarks.bench_serve", argv), table, text, args.results)
 
