@@ -92,6 +92,7 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
         engine_loop.start(asyncio.get_running_loop())
+        pools.start()
         yield
         pools.close()
         await asyncio.to_thread(engine_loop.stop, ENGINE_STOP_S)

@@ -15,15 +15,16 @@ from functools import partial
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
 from moeferry.server.engine_loop import SHUTDOWN, EngineLoop, RequestHandle
 from moeferry.sampling import InvalidRequest, SamplingParams, choice_params
 from moeferry.server.pools import WorkPool
+from moeferry.server.screen import SCREEN_BYTES, BodyScreen
 from moeferry.server.protocol import (APIError, ChatCompletionRequest, ChatFormat, Choice, CompletionFormat,
-                                      CompletionRequest, DetokenizeRequest, TokenizeRequest, check_counts,
-                                      decode_json, invalid_request, usage, validation_error)
+                                      CompletionRequest, DetokenizeRequest, TokenizeRequest, decode_json,
+                                      invalid_request, parse_request, usage)
 from moeferry.structured import json_schema_constraint
 from moeferry.tokenizer.tokenizer import apply_chat_template
 from moeferry.reasoning import (THINK_END, THINK_START, WithoutReasoning, is_think_parser, prompt_opens_thinking,
@@ -50,18 +51,26 @@ class ClientGone(Exception):
 @dataclass
 class Pools:
     """The front end's worker pools (pools.WorkPool): `prompts` parses big bodies, renders
-    chat templates and tokenizes; `grammars` compiles structured-output grammars."""
+    chat templates and tokenizes; `grammars` compiles structured-output grammars; and the
+    process that screens the biggest bodies before they are parsed (screen.py), started with
+    the server (`start`)."""
 
     prompts: WorkPool
     grammars: WorkPool
+    screen: BodyScreen
 
     @classmethod
     def create(cls, prompt_workers: int = 2, grammar_workers: int = 1, queue_limit: int = 16) -> "Pools":
-        return cls(WorkPool("prompts", prompt_workers, queue_limit), WorkPool("grammars", grammar_workers, queue_limit))
+        return cls(WorkPool("prompts", prompt_workers, queue_limit), WorkPool("grammars", grammar_workers, queue_limit),
+                   BodyScreen())
+
+    def start(self) -> None:
+        self.screen.start()
 
     def close(self) -> None:
         self.prompts.close()
         self.grammars.close()
+        self.screen.close()
 
 
 async def read_body(request: Request, limit: int, timeout: float = BODY_READ_TIMEOUT_S) -> bytes:
@@ -88,24 +97,17 @@ async def read_body(request: Request, limit: int, timeout: float = BODY_READ_TIM
         raise ClientGone() from None
 
 
-async def read_request(request: Request, model: type[BaseModel], limit: int, pool: WorkPool,
+async def read_request(request: Request, model: type[BaseModel], limit: int, pools: Pools,
                        timeout: float = BODY_READ_TIMEOUT_S) -> BaseModel:
     """The request body as `model`: read (read_body), parsed (protocol.decode_json) and
-    validated, in `pool` when the body is big."""
+    validated (protocol.parse_request); in the prompts pool when the body is big, and past
+    SCREEN_BYTES only once the screening process (screen.py) has passed it."""
     body = await read_body(request, limit, timeout)
     if len(body) <= _INLINE_PARSE_BYTES:
-        return parse(model, decode_json(body))
-    return await pool.run(lambda: parse(model, decode_json(body)))
-
-
-def parse(model: type[BaseModel], payload: object) -> BaseModel:
-    if not isinstance(payload, dict):
-        raise APIError(400, "the body must be a JSON object")
-    check_counts(payload, model.model_fields)
-    try:
-        return model.model_validate(payload)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
+        return parse_request(model, decode_json(body))
+    if len(body) > SCREEN_BYTES:
+        await pools.prompts.run(pools.screen.check, body, model)
+    return await pools.prompts.run(lambda: parse_request(model, decode_json(body)))
 
 
 async def unless_gone(request: Request, work):
@@ -152,7 +154,7 @@ class OpenAIEndpoints:
 
     # ---- endpoints ----------------------------------------------------------------------------
     async def chat(self, request: Request):
-        body = await read_request(request, ChatCompletionRequest, self.max_body_bytes, self.pools.prompts,
+        body = await read_request(request, ChatCompletionRequest, self.max_body_bytes, self.pools,
                                   self.body_timeout_s)
         self.check_common(body)
         tools = plan_tools(body.tool_dicts, body.tool_choice_value, body.parallel_tool_calls, self.info.tool_parser)
@@ -166,7 +168,7 @@ class OpenAIEndpoints:
                                     adjust=lambda params: self.structured_after_reasoning(ids, with_tools(tools, params)))
 
     async def completions(self, request: Request):
-        body = await read_request(request, CompletionRequest, self.max_body_bytes, self.pools.prompts,
+        body = await read_request(request, CompletionRequest, self.max_body_bytes, self.pools,
                                   self.body_timeout_s)
         self.check_common(body)
         add_special = body.add_special_tokens is not False
@@ -184,7 +186,7 @@ class OpenAIEndpoints:
     async def tokenize(self, request: Request):
         """vLLM's /tokenize: the ids a prompt or a conversation becomes, as the generating
         endpoints make them."""
-        body = await read_request(request, TokenizeRequest, self.max_body_bytes, self.pools.prompts,
+        body = await read_request(request, TokenizeRequest, self.max_body_bytes, self.pools,
                                   self.body_timeout_s)
         self._check_model(body.model)
         body.check()
@@ -203,7 +205,7 @@ class OpenAIEndpoints:
 
     async def detokenize(self, request: Request):
         """vLLM's /detokenize: the text of token ids."""
-        body = await read_request(request, DetokenizeRequest, self.max_body_bytes, self.pools.prompts,
+        body = await read_request(request, DetokenizeRequest, self.max_body_bytes, self.pools,
                                   self.body_timeout_s)
         self._check_model(body.model)
         self._check_vocab(body.tokens, "tokens")

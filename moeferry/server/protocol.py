@@ -155,6 +155,18 @@ def decode_json(body: bytes) -> object:
     return payload
 
 
+def parse_request(model: type[BaseModel], payload: object) -> BaseModel:
+    """A decoded body as the request `model`, or the 400 naming what is wrong: its counts
+    (check_counts) before its entries are validated."""
+    if not isinstance(payload, dict):
+        raise APIError(400, "the body must be a JSON object")
+    check_counts(payload, model.model_fields)
+    try:
+        return model.model_validate(payload)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
 def check_counts(payload: object, fields) -> None:
     """The lists a body may hold thousands of (messages, input items), among `fields` (the
     request model's), within MAX_MESSAGES, or a 400 naming the field: checked on the parsed

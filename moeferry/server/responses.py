@@ -421,7 +421,7 @@ class ResponsesEndpoint:
 
     async def create(self, request: Request):
         chat = self.chat
-        body = await read_request(request, ResponsesRequest, chat.max_body_bytes, chat.pools.prompts,
+        body = await read_request(request, ResponsesRequest, chat.max_body_bytes, chat.pools,
                                   chat.body_timeout_s)
         chat.check_common(body)
         previous = self.store.get(body.previous_response_id, "previous_response_id")[1] \

@@ -214,3 +214,23 @@ def test_shutdown_answers_a_client_waiting_on_a_grammar_compile_with_a_503_json(
     assert time.monotonic() - started < 10
     (reply,) = replies
     assert reply.status_code == 503 and reply.json()["error"]["code"] == "shutting_down", reply.text
+
+
+def test_the_screening_process_refuses_a_body_of_too_many_messages_without_parsing_it_here():
+    from moeferry.server.protocol import MAX_MESSAGES, APIError, ChatCompletionRequest
+    from moeferry.server.screen import SCREEN_BYTES, BodyScreen
+
+    screen, fields = BodyScreen(), ChatCompletionRequest
+    body = json.dumps(many_messages()).encode()
+    assert len(body) > SCREEN_BYTES and len(many_messages()["messages"]) > MAX_MESSAGES
+    try:
+        with pytest.raises(APIError) as refused:
+            screen.check(body, fields)
+        assert refused.value.status == 400 and refused.value.param == "messages"
+        with pytest.raises(APIError) as invalid:
+            screen.check(b"{" + b" " * SCREEN_BYTES, fields)
+        assert invalid.value.code == "invalid_json"
+        long_text = {"messages": [{"role": "user", "content": "x" * SCREEN_BYTES}], "max_tokens": 2}
+        screen.check(json.dumps(long_text).encode(), fields)  # passes: its length is the server's to judge
+    finally:
+        screen.close()

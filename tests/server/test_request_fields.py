@@ -9,7 +9,7 @@ import os
 import httpx
 import pytest
 
-from moeferry.server.openai_api import parse
+from moeferry.server.protocol import parse_request
 from moeferry.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 
 HERE = os.path.dirname(__file__)
@@ -72,7 +72,7 @@ BASE = {ChatCompletionRequest: {"messages": [{"role": "user", "content": "hi"}]}
 def refusal(model, field: str) -> APIError | None:
     """The 400 a request with `field` set to a meaningful value gets before any work, or None."""
     try:
-        body = parse(model, {**BASE[model], field: MEANINGFUL[field]})
+        body = parse_request(model, {**BASE[model], field: MEANINGFUL[field]})
         body.check()
     except APIError as exc:
         return exc
@@ -102,7 +102,7 @@ def test_every_field_of_a_request_model_is_an_official_one(model):
 
 def test_an_unknown_field_is_refused_naming_it():
     with pytest.raises(APIError) as exc:
-        parse(ChatCompletionRequest, {**BASE[ChatCompletionRequest], "temprature": 0.5})
+        parse_request(ChatCompletionRequest, {**BASE[ChatCompletionRequest], "temprature": 0.5})
     assert exc.value.status == 400 and exc.value.param == "temprature"
 
 
