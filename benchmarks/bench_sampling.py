@@ -25,7 +25,7 @@ import tempfile
 import torch
 
 from benchmarks.common import (MODEL_ROUTING, add_results_flag, command_line, force_routing, free_engine_memory,
-                               gpu_main, hbm_bandwidth, markdown_table, replay_us, report, timed_decode,
+                               gpu_main, hbm_bandwidth, markdown_table, pivot, replay_us, report, timed_decode,
                                unforce_routing)
 from moeferry.routing.profiles import names as profile_names
 from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
@@ -36,8 +36,9 @@ CASES = {
     "top_k+penalties": {"temperature": 1.0, "top_k": 50, "presence_penalty": 0.5, "frequency_penalty": 0.5,
                         "repetition_penalty": 1.1},
 }
-CASE_NAMES = {"greedy": "greedy", "top_p": "temperature 1, top_p 0.95",
-              "top_k+penalties": "temperature 1, top_k 50, presence 0.5, frequency 0.5, repetition 1.1"}
+CASE_NAMES = {"greedy": "greedy", "top_p": "top_p 0.95", "top_k+penalties": "top_k 50 + penalties"}
+CASES_NOTE = ("top_p 0.95: temperature 1, top_p 0.95; top_k 50 + penalties: temperature 1, top_k 50, presence 0.5, "
+              "frequency 0.5, repetition 1.1.")
 
 
 def parse_args(argv):
@@ -121,6 +122,23 @@ def kernel_rows(args, vocab: int, hbm: float) -> list[list]:
     return rows
 
 
+def decode_table(rows: list[list]) -> str:
+    """One row per (routing, batch): each case's tok/s, beside greedy's the ratio to it."""
+    groups, cases = pivot(rows, key=lambda r: (r[0], r[1]), across=lambda r: r[2])
+    header = ["routing", "batch", *(f"{c} tok/s" if c == "greedy" else f"{c} tok/s (of greedy)" for c in cases)]
+    return markdown_table(header, [[*k, *(g[c][3] if c == "greedy" else f"{g[c][3]} ({g[c][4]})" for c in cases)]
+                                   for k, g in groups.items()])
+
+
+def kernel_table(rows: list[list]) -> str:
+    """One row per batch: the sampler's us per case, then argmax's and the floor."""
+    groups, cases = pivot(rows, key=lambda r: r[0], across=lambda r: r[1])
+    header = ["batch", *(f"sampler us: {c}" if i == 0 else c for i, c in enumerate(cases)), "argmax us",
+              "floor us (one read)"]
+    return markdown_table(header, [[b, *(g[c][2] for c in cases), g[cases[0]][3], g[cases[0]][4]]
+                                   for b, g in groups.items()])
+
+
 @gpu_main("bench_sampling", parse_args)
 def main(argv, args) -> int:
     hbm = hbm_bandwidth()
@@ -130,16 +148,15 @@ def main(argv, args) -> int:
         cfg_dir = write_config_dir(os.path.join(tempfile.mkdtemp(), "qwen3-30b-a3b"), QWEN3_30B_DIR_CONFIG)
         engine = make_engine(cfg_dir, args)
         rows = [row for routing in args.routings for row in decode_rows(engine, args, routing)]
-        tables.append(markdown_table(["routing", "batch", "sampling", "decode tok/s", "of greedy"], rows))
+        tables.append(decode_table(rows))
         del engine
         free_engine_memory()
     if "kernel" in args.parts:
-        tables.append(markdown_table(["batch", "sampling", "sampler us", "argmax us", "floor us (one read)"],
-                                     kernel_rows(args, vocab, hbm)))
+        tables.append(kernel_table(kernel_rows(args, vocab, hbm)))
     table = "\n\n".join(tables)
     report("sampling", f"Sampled vs greedy decode, {args.layers}-layer Qwen3-30B-A3B shape, gpu strategy, bf16",
            command_line("benchmarks.bench_sampling", argv), table,
-           f"Whole engine steps ({args.steps} timed after {args.warmup} warm-up, fastest of {args.repeats}), "
+           f"{CASES_NOTE} Whole engine steps ({args.steps} timed after {args.warmup} warm-up, fastest of {args.repeats}), "
            f"prompts of {args.prompt_len} random tokens, dummy weights; the kernel rows replay the sampler alone "
            f"in a CUDA graph over N(0, 3) logits, V = {vocab}, HBM {hbm / 1e12:.2f} TB/s measured.",
            args.results)

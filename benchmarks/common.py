@@ -143,6 +143,19 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def pivot(rows: list[list], key, across) -> tuple[dict, list]:
+    """Rows regrouped for a wide table: {key(row): {across(row): row}} and the across values,
+    both in the order first seen (a table of one row per key, one column per across value)."""
+    groups: dict = {}
+    columns: list = []
+    for row in rows:
+        column = across(row)
+        if column not in columns:
+            columns.append(column)
+        groups.setdefault(key(row), {})[column] = row
+    return groups, columns
+
+
 # --- RESULTS.md: one marked section per benchmark table, regenerated in place ---------------
 
 def add_results_flag(parser) -> None:
