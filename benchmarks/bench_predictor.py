@@ -28,12 +28,16 @@ import tempfile
 
 import torch
 
-from benchmarks.common import add_results_flag, command_line, markdown_table, report
+from benchmarks.common import add_results_flag, command_line, markdown_table, pivot, report
 
 DATA = pathlib.Path(__file__).resolve().parent.parent / "tests" / "data"
 QWEN3_30B_EXPERT_MB = 3 * 2048 * 768 * 2 / 1e6
-HEADER = ["model", "experts, top-k", "layer pairs", "tokens", "input", "recall@k", "wasted experts/token/layer @k",
-          "wasted KB/token/layer @k", "at 30B MB @k", "recall@2k", "wasted experts @2k", "at 30B MB @2k"]
+# one row per model and input (rows_of); the table has one row per model, a cell per figure
+# holding every input's value in INPUTS order
+ROW_FIELDS = ["model", "experts, top-k", "layer pairs", "tokens", "input", "recall@k", "wasted experts/token/layer @k",
+              "wasted KB/token/layer @k", "at 30B MB @k", "recall@2k", "wasted experts @2k", "at 30B MB @2k"]
+SHOWN = ["recall@k", "recall@2k", "wasted experts/token/layer @k", "at 30B MB @k", "wasted experts @2k",
+         "at 30B MB @2k"]
 
 
 def parse_args(argv):
@@ -116,6 +120,17 @@ def family_rows(args) -> list[list]:
     return rows
 
 
+def wide_table(rows: list[list]) -> str:
+    """One row per model; each figure's cell lists its value per input, in INPUTS order."""
+    from moeferry.routing.predict import INPUTS
+
+    groups, inputs = pivot(rows, key=lambda r: tuple(r[:4]), across=lambda r: r[4])
+    at = {name: ROW_FIELDS.index(name) for name in SHOWN}
+    header = ROW_FIELDS[:4] + [f"{name}: {' / '.join(INPUTS)}" for name in SHOWN]
+    return markdown_table(header, [[*key, *(" / ".join(g[i][at[name]] for i in inputs) for name in SHOWN)]
+                                   for key, g in groups.items()])
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -123,12 +138,12 @@ def main(argv=None) -> int:
         family_rows(args) if "families" in args.models else [])
     notes = (f"{args.prompts} prompts of {args.prompt_len} tokens per model, one prefill each, on {args.device}, "
              "float32. Predictor: layer l+1's own router on the input named (moeferry/routing/predict.py), its "
-             "top W experts. Wasted: predicted experts layer l+1 did not route, per token and layer pair; KB at "
-             "the model's own bf16 expert size, MB at Qwen3-30B-A3B's 9.44 MB. The tiny checkpoints' weights are "
+             "top W experts. Wasted: predicted experts layer l+1 did not route, per token and layer pair, and "
+             "what they weigh at Qwen3-30B-A3B's 9.44 MB an expert. The tiny checkpoints' weights are "
              "random: their figures test the predictor's plumbing on each family's router, not what a trained "
              "model of that family would recall.")
     report("predictor", "Next-layer expert prediction: recall and wasted prefetch",
-           command_line("benchmarks.bench_predictor", argv), markdown_table(HEADER, rows), notes, args.results)
+           command_line("benchmarks.bench_predictor", argv), wide_table(rows), notes, args.results)
     return 0
 
 

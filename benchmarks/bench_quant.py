@@ -146,16 +146,16 @@ def main(argv, args) -> int:
     h2d = h2d_bandwidth()
     cfg_dir = write_config_dir(os.path.join(tempfile.mkdtemp(), "qwen3-30b-a3b"), QWEN3_30B_DIR_CONFIG)
     records = run(cfg_dir, args)
-    body = (markdown_table(HEADER, table_rows(records, h2d)) + "\n\n"
-            + markdown_table(["format", "bytes/expert", f"experts in {args.cache_gb:g} GiB"],
-                             budget_rows(records, args.cache_gb)))
+    body = markdown_table(HEADER, table_rows(records, h2d))
+    budget = "; ".join(f"{d} {b} ({n})" for d, b, n in budget_rows(records, args.cache_gb))
     notes = (f"{args.strategy}, {args.layers} layers of Qwen3-30B-A3B ({QWEN3_30B_DIR_CONFIG['num_experts']} experts, top-8), "
              f"dummy weights (fp8, int4, mxfp4: drawn in bf16, then quantized at load); "
              f"prompt {args.prompt_len} tokens, {args.steps} timed steps, the fastest of {args.repeats} runs, "
              f"statistics off. 'vs bf16': tok/s over the bf16 row of the same share and batch. Hit rate and PCIe "
              f"floor (misses x bytes/expert / {h2d / 1e9:.1f} GB/s measured H2D, per step; under hybrid the misses "
              f"copied, not those the host computed) from a second run with statistics on. Target: fp8 >= 1.8x and int4 >= 3x bf16 below 100%, no slower at 100% "
-             f"(mxfp4 moves int4's bytes per expert). " + routing_note(args.routing, args.routing_seed))
+             f"(mxfp4 moves int4's bytes per expert). Bytes per expert (experts in {args.cache_gb:g} GiB): {budget}. "
+             + routing_note(args.routing, args.routing_seed))
     hybrid = args.strategy == "hybrid"
     report(routed_section("quant/hybrid" if hybrid else "quant", args.routing), "Decode tokens/s per expert format" + (", hybrid" if hybrid else "")
            + f", routing {args.routing}",
