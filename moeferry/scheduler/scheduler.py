@@ -45,9 +45,9 @@ class Scheduler:
     cache (at each step's planning, and when it is preempted or freed), and a request being
     admitted shares the cached pages of its longest known prefix, never the page of its last
     token: its prefill computes at least that token, whose logits it samples from; a request
-    still owing prompt log-probs shares none (it needs the logits of every prompt position,
-    and its own pages are registered as anyone's). Cached pages
-    nobody holds count as free: the pool evicts them when it needs the room.
+    still owing prompt log-probs shares none (it needs the logits of every prompt position;
+    the pages it computes are registered as anyone's). Cached pages nobody holds count as free:
+    the pool evicts them when it needs the room.
     """
 
     def __init__(self, pool: PagePool, page_size: int, max_running: int, max_prefill_tokens: int, max_model_len: int,
