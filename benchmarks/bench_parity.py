@@ -63,7 +63,7 @@ def main(argv=None) -> int:
 
             req = Request(prompt, SamplingParams(max_tokens=1))
             req.pages = first.kv.pool.allocate(first.kv.pages_for(len(prompt)))
-            logits = first.run_prefill([(req, len(prompt))])[0].float().cpu()
+            logits = first.run_prefill([(req, len(prompt))]).logits[0].cpu()
             first.kv.pool.release(req.pages)
             max_err = max(max_err, (logits - ref).abs().max().item())
             agree.append(_agree(toks, gen))

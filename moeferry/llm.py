@@ -6,10 +6,14 @@ server: `SamplingParams(structured=json_schema_constraint(schema))`, or a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from moeferry.config import EngineConfig
 from moeferry.sampling import InvalidRequest, SamplingParams, choice_params
 from moeferry.threads import engine_threads
+
+if TYPE_CHECKING:
+    from moeferry.engine.sampler import Logprob
 
 
 @dataclass
@@ -27,7 +31,10 @@ class CompletionOutput:
 class RequestOutput:
     """One prompt's result: the generated token ids, their text, why generation stopped, and
     (with SamplingParams.logprobs) each token's TokenLogprobs (engine/sampler.py), of its first
-    sample; `outputs` holds every sample (SamplingParams.n of them), as vLLM's does."""
+    sample; `outputs` holds every sample (SamplingParams.n of them), as vLLM's does. With
+    SamplingParams.prompt_logprobs, `prompt_logprobs` is vLLM's: per prompt position None (the
+    first) or {token id: Logprob(logprob, rank, decoded_token)}, the prompt token's entry first,
+    then the most likely tokens' by rank."""
 
     prompt_token_ids: list[int]
     token_ids: list[int]
@@ -35,6 +42,7 @@ class RequestOutput:
     finish_reason: str
     logprobs: list = field(default_factory=list)
     outputs: list[CompletionOutput] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class LLM:
@@ -77,7 +85,10 @@ class LLM:
                 for out in self.engine.step():
                     if on_output is not None:
                         on_output(out)
-        return [_output(samples) for samples in reqs]
+        return [_output(samples, self._token_text) for samples in reqs]
+
+    def _token_text(self, token: int) -> str | None:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else None
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              on_output=None) -> list[RequestOutput]:
@@ -99,9 +110,11 @@ class LLM:
         return self.generate(prompts, sampling_params, on_output)
 
 
-def _output(samples) -> RequestOutput:
+def _output(samples, token_text) -> RequestOutput:
     outputs = [CompletionOutput(i, list(r.output_ids), r.text, r.finish_reason, list(r.logprobs))
                for i, r in enumerate(samples)]
-    first = outputs[0]
+    first, prompt = outputs[0], samples[0].prompt_logprobs
+    if prompt is not None:
+        prompt = [None if entry is None else entry.as_dict(token_text) for entry in prompt]
     return RequestOutput(samples[0].prompt_ids, first.token_ids, first.text, first.finish_reason, first.logprobs,
-                         outputs)
+                         outputs, prompt)

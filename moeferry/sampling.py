@@ -51,7 +51,10 @@ class SamplingParams:
     them; `stop_token_ids` end it after them, `ignore_eos` or not; `ignore_eos` keeps going past
     the end-of-sequence token until max_tokens. Penalties, min_p and logit_bias at their
     neutral values do nothing. `logprobs` None: no log-probs; k >= 0: each token's log-prob
-    and the k most likely tokens' (engine/sampler.py says of which distribution). `n`: the
+    and the k most likely tokens' (engine/sampler.py says of which distribution).
+    `prompt_logprobs` None: none; k >= 0: each prompt token's log-prob given the tokens before
+    it, its rank, and the k most likely tokens' there (the model's raw distribution; the first
+    token has none); such a request computes its whole prompt (no prefix cache). `n`: the
     number of samples of the prompt (the server makes one request of each). `structured`: a
     moeferry.structured.Constraint the output must match (a JSON schema, any JSON object, a
     regex, a choice of strings): the sampler only draws tokens that keep the text inside it,
@@ -84,6 +87,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     n: int = 1
     structured: "Constraint | None" = None  # noqa: F821 - moeferry.structured imports this module
     skip_special_tokens: bool = True
@@ -134,6 +138,8 @@ class SamplingParams:
             _integer("stop_token_ids", token, 0, None)
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _integer("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         _integer("n", self.n, 1, MAX_N)
         if self.structured is not None:
             from moeferry.structured import Constraint
@@ -218,11 +224,12 @@ class GenerationDefaults:
 
 def choice_params(params: SamplingParams, choice: int) -> SamplingParams:
     """The params of choice `choice` of an n-sample request: the same, but a seed of its own
-    (derived from the request's, so a seeded request still gives the same n answers)."""
+    (derived from the request's, so a seeded request still gives the same n answers); the
+    prompt's log-probs are computed by choice 0 alone (the others may use the prefix cache)."""
     if choice == 0:
         return params
     seed = None if params.seed is None else (params.seed + choice * _SEED_STRIDE + 2**63) % 2**64 - 2**63
-    return dataclasses.replace(params, seed=seed)
+    return dataclasses.replace(params, seed=seed, prompt_logprobs=None)
 
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # the golden ratio in 64 bits: choices' seeds far apart

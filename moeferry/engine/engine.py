@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 class StepOutput:
     """What one request got in one step: new token ids, new text, and whether it finished
     (`error` says why, when it failed: its finish_reason is then "error"); `logprobs`, one
-    per new token, when the request asked for them."""
+    per new token, when the request asked for them; `prompt_logprobs` (Request's) with the
+    first token of a request that asked for them."""
 
     request: Request
     new_token_ids: list[int]
@@ -36,6 +37,7 @@ class StepOutput:
     finished: bool
     error: str | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list | None = None
 
 
 def log_finished(req: Request) -> None:
@@ -243,7 +245,9 @@ class Engine:
         delta, req.sent_chars = text[req.sent_chars:shown], max(req.sent_chars, shown)
         if reason is not None:
             self._finish(req, reason)
-        return StepOutput(req, [token], delta, reason is not None, logprobs=[logprobs] if logprobs else [])
+        prompt = req.prompt_logprobs if len(req.output_ids) == 1 else None
+        return StepOutput(req, [token], delta, reason is not None, logprobs=[logprobs] if logprobs else [],
+                          prompt_logprobs=prompt)
 
     @staticmethod
     def _advance_grammar(req: Request, token: int) -> str | None:
@@ -287,7 +291,9 @@ class Engine:
             self.runner.sampler.release(req)
         outputs: list[StepOutput] = []
         if plan.prefill:
-            logits = self.runner.run_prefill(plan.prefill)
+            prefilled = self.runner.run_prefill(plan.prefill)
+            for req, entries in prefilled.prompt_logprobs:
+                req.prompt_logprobs += entries
             self.counters["prefill_tokens"] += sum(n for _, n in plan.prefill)
             rows = {}
             for row, (req, n) in enumerate(plan.prefill):
@@ -297,7 +303,7 @@ class Engine:
             ready, failed = self._bind([req for req, _ in plan.prefill if req.rid in rows])
             outputs += failed
             if ready:
-                sampled = self.runner.sample(logits[[rows[req.rid] for req in ready]], ready)
+                sampled = self.runner.sample(prefilled.logits[[rows[req.rid] for req in ready]], ready)
                 outputs += self._emit(ready, sampled)
         if plan.decode:
             ready, failed = self._bind(plan.decode)

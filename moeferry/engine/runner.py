@@ -1,11 +1,13 @@
 """ModelRunner: builds the model, its KV cache and its sampler, turns a StepPlan into
 ForwardBatches, runs them (decode and its sampling through captured CUDA graphs on the GPU) and
-returns the sampled tokens (or the logits, for callers that want them)."""
+returns the sampled tokens (or the logits, for callers that want them), and the prompt
+log-probs of the prefill chunks whose requests asked for them."""
 
 from __future__ import annotations
 
 import logging
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,7 +17,7 @@ from moeferry.layers.batch import ForwardBatch, PrefillSeq
 from moeferry.engine.cuda_graph import DecodeGraphs, StagedInputs
 from moeferry.engine.loader import load_dummy, load_safetensors
 from moeferry.engine.planner import KVShape, plan_memory, planned_context, served_context, wanted_kv_tokens
-from moeferry.engine.sampler import SampledTokens, Sampler
+from moeferry.engine.sampler import PromptLogprobs, SampledTokens, Sampler, prompt_logprobs
 from moeferry.kvcache.paged import PagedKVCache
 from moeferry.layers.attention import Attention
 from moeferry.layers.mla import MLAttention
@@ -25,6 +27,41 @@ from moeferry.routing.recorder import RoutingRecorder
 from moeferry.routing.trace import TraceHeader, TraceWriter
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PromptSpan:
+    """The positions [first, end) of a prefill chunk whose logits give its request's prompt
+    log-probs (position p's give prompt token p + 1's); `row` is position `first`'s batch row."""
+
+    req: object
+    row: int
+    first: int
+    end: int
+
+
+def prompt_spans(chunks) -> list[PromptSpan]:
+    """The spans of `chunks` [(request, tokens)] (before their num_computed advances) whose
+    prompt log-probs are still to compute: positions from the first without one, short of the
+    prompt's last (whose logits give the first generated token)."""
+    spans, row = [], 0
+    for req, n in chunks:
+        start = req.num_computed
+        if req.needs_prompt_logprobs:
+            first, end = max(start, len(req.prompt_logprobs) - 1), min(start + n, len(req.prompt_ids) - 1)
+            if first < end:
+                spans.append(PromptSpan(req, row + first - start, first, end))
+        row += n
+    return spans
+
+
+@dataclass
+class PrefillOutput:
+    """One prefill forward's results: the float32 logits of each chunk's last row [chunks, V],
+    and the prompt log-probs of each span (request, PromptLogprobs of positions first + 1...)."""
+
+    logits: torch.Tensor
+    prompt_logprobs: list[tuple[object, list[PromptLogprobs]]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -123,7 +160,9 @@ class ModelRunner:
     def _t(self, values, dtype=torch.int64) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
 
-    def prefill_batch(self, chunks) -> ForwardBatch:
+    def prefill_batch(self, chunks, spans: list[PromptSpan] = ()) -> ForwardBatch:
+        """The forward of prefill `chunks`; its logits rows are each chunk's last, then the rows
+        of each of `spans` (prompt_spans)."""
         ids, pos, slots, logits_rows, seqs = [], [], [], [], []
         for req, n in chunks:
             start = req.num_computed
@@ -134,6 +173,8 @@ class ModelRunner:
             slots.append(self.kv.token_slots(req.pages, start, start + n))
             seqs.append(PrefillSeq(row0, n, start, self.kv.token_slots(req.pages, 0, start + n).to(self.device)))
             logits_rows.append(row0 + n - 1)
+        for span in spans:
+            logits_rows += range(span.row, span.row + span.end - span.first)
         return ForwardBatch(False, self._t(ids), self._t(pos), torch.cat(slots).to(self.device),
                             self._t(logits_rows), prefill_seqs=seqs)
 
@@ -163,9 +204,24 @@ class ModelRunner:
         return self.model(batch, self.kv)
 
     @torch.inference_mode()
-    def run_prefill(self, chunks) -> torch.Tensor:
-        with self._recorded(False, sum(n for _, n in chunks)):
-            return self.forward(self.prefill_batch(chunks))
+    def run_prefill(self, chunks) -> PrefillOutput:
+        """One prefill forward of `chunks` [(request, tokens)]: the logits of each chunk's last
+        row, and the prompt log-probs its requests still owe (only their rows reach the lm_head
+        beyond the last ones, in slices: sampler.prompt_logprobs)."""
+        spans = prompt_spans(chunks)
+        batch = self.prefill_batch(chunks, spans)
+        with self._recorded(False, batch.num_rows):
+            self.strategy.begin_forward(False, batch.num_rows)
+            hidden = self.model.hidden(batch, self.kv)
+        out = PrefillOutput(self.model.logits(hidden[:len(chunks)]))
+        row = len(chunks)
+        for span in spans:
+            n = span.end - span.first
+            targets = span.req.prompt_ids[span.first + 1:span.end + 1]
+            out.prompt_logprobs.append((span.req, prompt_logprobs(hidden[row:row + n], self.model.logits, targets,
+                                                                  span.req.params.prompt_logprobs, self.sampler.vocab)))
+            row += n
+        return out
 
     @torch.inference_mode()
     def run_decode(self, reqs) -> torch.Tensor:

@@ -31,6 +31,64 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...] = ()
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """vLLM's shape of one token's entry in a position's log-probs: its log-probability, its
+    rank at that position (1: the most likely), and its text (None without a tokenizer)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """One prompt token's log-probability given the tokens before it, its rank (the tokens
+    at least as likely as it, itself included: 1 is the most likely), and the `top` most
+    likely tokens' [(id, logprob)] there, from the log-softmax of the model's float32 logits
+    (no penalty, bias or temperature: vLLM's raw prompt log-probs)."""
+
+    token: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+    def as_dict(self, token_text=None) -> dict[int, Logprob]:
+        """vLLM's form: token id -> Logprob, the prompt token first, then the top ones by rank
+        (the prompt token once, where it is among them). `token_text(id)`: a token's text."""
+        text = token_text or (lambda _: None)
+        out = {self.token: Logprob(self.logprob, self.rank, text(self.token))}
+        for rank, (token, logprob) in enumerate(self.top, 1):
+            out[token] = Logprob(logprob, rank, text(token))
+        return out
+
+
+PROMPT_LOGITS_BYTES = 64 << 20  # float32 logits of prompt rows held at once (their log-softmax as much)
+
+
+@torch.inference_mode()
+def prompt_logprobs(hidden: torch.Tensor, logits_of, targets: list[int], k: int, vocab: int,
+                    max_bytes: int = PROMPT_LOGITS_BYTES) -> list[PromptLogprobs]:
+    """The PromptLogprobs of `targets[i]` under row i of `hidden` [len(targets), H] (the final
+    hidden states of the positions before them), with the `k` most likely tokens':
+    `logits_of(rows)` -> float32 logits [rows, `vocab`], called on slices of at most
+    `max_bytes` of logits (one row at least), so a long prompt never holds [T, V] at once."""
+    rows = max(1, max_bytes // (4 * vocab))
+    out = []
+    for start in range(0, len(targets), rows):
+        logprobs = torch.log_softmax(logits_of(hidden[start:start + rows]).float(), dim=-1)
+        wanted = torch.tensor(targets[start:start + rows], device=logprobs.device)
+        chosen = logprobs.gather(1, wanted[:, None])
+        ranks = (logprobs >= chosen).sum(dim=-1).tolist()
+        tops = [()] * len(ranks)
+        if k:
+            top = torch.topk(logprobs, k, dim=-1)
+            tops = [tuple(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+        out += [PromptLogprobs(t, lp, r, top) for t, lp, r, top in
+                zip(targets[start:start + rows], chosen[:, 0].tolist(), ranks, tops)]
+    return out
+
+
 def mask_words(vocab: int) -> int:
     """int32 words of one row's packed token bitmask."""
     return -(-vocab // 32)

@@ -27,7 +27,8 @@ class ForwardBatch:
     Invariants: `input_ids`, `positions` and `out_slots` have one entry per row; in decode
     mode there is one row per request, and `page_table`/`seq_lens` describe each request's
     cache including the row's own token; `logits_rows` lists the rows whose logits are
-    returned (the last row of each prefill chunk, every row in decode).
+    returned (the last row of each prefill chunk, then the rows whose logits give prompt
+    log-probs, if any; every row in decode).
     """
 
     is_decode: bool

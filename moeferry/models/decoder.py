@@ -101,12 +101,20 @@ class MoECausalLM(nn.Module):
         )
 
     def forward(self, batch: ForwardBatch, kv) -> torch.Tensor:
+        return self.logits(self.hidden(batch, kv))
+
+    def hidden(self, batch: ForwardBatch, kv) -> torch.Tensor:
+        """The final (normed) hidden states of the batch's `logits_rows` [len(logits_rows), H]."""
         x, residual = self.model.embed_tokens(batch.input_ids), None
         for layer in self.model.layers:
             x, residual = layer(x, residual, batch, kv)
         rows = batch.logits_rows
         x, _ = self.model.norm.add_and_norm(x[rows], residual[rows])
-        return self.lm_head(x).float()
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [rows, V] of final hidden states."""
+        return self.lm_head(hidden).float()
 
     def expert_tensor_target(self, name: str):
         """Map a checkpoint tensor name onto an expert bank: (layer_id, expert or None, kind, part)

@@ -52,6 +52,9 @@ class Request:
     seed: int | None = None
     num_preemptions: int = 0
     logprobs: list = field(default_factory=list)  # TokenLogprobs of each output token, when asked for
+    # with params.prompt_logprobs: the PromptLogprobs of prompt positions [0, len) so far, None
+    # at position 0 (no token precedes it); filled by the prefill chunks that compute them
+    prompt_logprobs: list | None = None
     # structured output: the grammar state (moeferry.structured.GrammarMatcher) of the tokens in
     # output_ids, fed once per generated token; kept through preemption, never fed the recompute
     grammar: Any = None
@@ -63,6 +66,8 @@ class Request:
         if not self.prompt_ids:
             raise InvalidRequest("the prompt is empty", "prompt")
         self.params = self.params.with_defaults()
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
         if self.seed is None:  # the key of the request's random stream (its sampler slot's seed)
             self.seed = self.params.seed if self.params.seed is not None else secrets.randbits(63)
 
@@ -77,6 +82,12 @@ class Request:
     @property
     def in_prefill(self) -> bool:
         return self.num_tokens - self.num_computed > 1 or not self.output_ids
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt log-probs are asked for and some are still to compute: the prefill must
+        compute those positions' logits, so no prompt page may come from the prefix cache."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
 
     @property
     def finished(self) -> bool:

@@ -44,8 +44,10 @@ class Scheduler:
     With `prefix_caching`, a running request's computed full pages are registered in the pool's
     cache (at each step's planning, and when it is preempted or freed), and a request being
     admitted shares the cached pages of its longest known prefix, never the page of its last
-    token: its prefill computes at least that token, whose logits it samples from. Cached pages
-    nobody holds count as free: the pool evicts them when it needs the room.
+    token: its prefill computes at least that token, whose logits it samples from; a request
+    still owing prompt log-probs shares none (it needs the logits of every prompt position;
+    the pages it computes are registered as anyone's). Cached pages nobody holds count as free:
+    the pool evicts them when it needs the room.
     """
 
     def __init__(self, pool: PagePool, page_size: int, max_running: int, max_prefill_tokens: int, max_model_len: int,
@@ -181,7 +183,8 @@ class Scheduler:
         budget = self.max_prefill_tokens - sum(n for _, n in plan.prefill)
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             req = self.waiting[0]
-            hit = self._attach_cached_prefix(req)
+            looks_up = self.prefix_caching and not req.needs_prompt_logprobs
+            hit = self._attach_cached_prefix(req) if looks_up else 0
             n = min(req.num_tokens - req.num_computed, budget)
             if not self._grow(req, req.num_computed + n):
                 self._drop_pages(req)
@@ -192,7 +195,7 @@ class Scheduler:
             req.status = Status.RUNNING
             self.running.append(req)
             plan.prefill.append((req, n))
-            if self.prefix_caching:
+            if looks_up:
                 plan.prefix_queried_tokens += req.num_tokens
                 plan.prefix_hit_tokens += hit
             budget -= n

@@ -44,6 +44,7 @@ class Delta:
     error: APIError | None = None
     logprobs: list = field(default_factory=list)  # TokenLogprobs per token, when the request asked
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    prompt_logprobs: list | None = None  # the Request's, on the Delta of its first token, when asked for
 
 
 @dataclass(eq=False)
@@ -242,7 +243,8 @@ class EngineLoop:
         handle.last_token_time = now
         error = APIError(500, out.error) if out.error is not None else None
         return Delta(out.new_text, list(out.new_token_ids), req.finish_reason if out.finished else None,
-                     len(req.prompt_ids), len(req.output_ids), error, list(out.logprobs), req.num_cached_tokens)
+                     len(req.prompt_ids), len(req.output_ids), error, list(out.logprobs), req.num_cached_tokens,
+                     out.prompt_logprobs)
 
     def _end_all(self, reason: str, error: APIError) -> None:
         batch = []

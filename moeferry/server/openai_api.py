@@ -463,12 +463,16 @@ async def _gather(loop: EngineLoop, handles: list[RequestHandle]) -> tuple[list[
     """Every choice whole: (Choices in index order, each choice's last Delta)."""
     parts = [[] for _ in handles]
     tokens = [[] for _ in handles]
+    prompts = [None] * len(handles)
     lasts = [None] * len(handles)
     async for index, delta in _merged(loop, handles):
         parts[index].append(delta.text)
         tokens[index] += zip(delta.token_ids, delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            prompts[index] = delta.prompt_logprobs
         lasts[index] = delta
-    choices = [Choice("".join(p), last.finish_reason, t) for p, last, t in zip(parts, lasts, tokens)]
+    choices = [Choice("".join(p), last.finish_reason, t, prompt)
+               for p, last, t, prompt in zip(parts, lasts, tokens, prompts)]
     return choices, lasts
 
 

@@ -10,6 +10,7 @@ Every check here runs before the request reaches the engine.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -260,8 +261,8 @@ class SamplingFields(BaseModel):
     truncate_prompt_tokens: int | None = Field(None, ge=1)
     add_special_tokens: bool | None = None  # None: completions add the tokenizer's, chat does not
     request_id: str | None = Field(None, max_length=128)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # not computed for a stream (vLLM's)
     # refused unless neutral (NEUTRAL_UNSUPPORTED)
-    prompt_logprobs: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
     best_of: Any = None
@@ -337,6 +338,9 @@ class SamplingFields(BaseModel):
         for name, neutral in NEUTRAL_UNSUPPORTED.items():
             if name in type(self).model_fields and name not in self.honoured and not neutral(getattr(self, name)):
                 raise APIError(400, f"{name} is not supported by this server yet", param=name)
+        if self.stream and self.prompt_logprobs:
+            raise APIError(400, "prompt_logprobs are not available when stream is true (a stream returns none)",
+                           param="prompt_logprobs")
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
             raise APIError(400, "stream_options.continuous_usage_stats is not supported by this server yet",
                            param="stream_options.continuous_usage_stats")
@@ -369,6 +373,7 @@ class SamplingFields(BaseModel):
                                   seed=self.seed, max_tokens=max_tokens, stop=self.stop,
                                   stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
                                   logprobs=self.logprob_count, n=self.n, structured=structured,
+                                  prompt_logprobs=None if self.stream else self.prompt_logprobs,
                                   min_tokens=self.min_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
                                   skip_special_tokens=self.skip_special_tokens,
                                   spaces_between_special_tokens=self.spaces_between_special_tokens)
@@ -384,7 +389,6 @@ NEUTRAL_UNSUPPORTED = {
     "audio": lambda v: v is None,
     "prediction": lambda v: v is None,
     "web_search_options": lambda v: v is None,
-    "prompt_logprobs": lambda v: v is None,
     "use_beam_search": lambda v: not v,
     "length_penalty": lambda v: v in (None, 1, 1.0),
     "best_of": lambda v: v in (None, 1),
@@ -624,8 +628,8 @@ class CompletionRequest(SamplingFields):
                 raise APIError(400, f"a batch of {len(self.prompt)} prompts x n {self.n} exceeds "
                                     f"{MAX_BATCH_ANSWERS} answers", param="prompt")
         if self.echo and self.logprobs is not None:
-            raise APIError(400, "echo with logprobs needs the prompt's log-probs, which this server does not "
-                                "compute: drop one of them", param="echo")
+            raise APIError(400, "echo with logprobs (the prompt's log-probs inside `logprobs`) is not supported "
+                                "by this server yet: prompt_logprobs returns them", param="echo")
 
     @property
     def logprob_count(self) -> int | None:
@@ -701,12 +705,25 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 @dataclass
 class Choice:
-    """One finished choice of a request: its text, why it stopped, and its tokens' log-probs
-    ([(token id, TokenLogprobs)], empty when not asked for)."""
+    """One finished choice of a request: its text, why it stopped, its tokens' log-probs
+    ([(token id, TokenLogprobs)], empty when not asked for), and its prompt's log-probs (the
+    Request's: None first, then a PromptLogprobs per prompt token; None when not asked for)."""
 
     text: str
     finish_reason: str
     logprobs: list = field(default_factory=list)
+    prompt_logprobs: list | None = None
+
+
+def prompt_logprobs_body(entries: list | None, token_text) -> list | None:
+    """vLLM's `prompt_logprobs` of a prompt: null first, then per token {token id:
+    {"logprob", "rank", "decoded_token"}}, the prompt token's entry first, then the most likely
+    tokens' by rank (engine/sampler.py: PromptLogprobs.as_dict); None when not asked for."""
+    if entries is None:
+        return None
+    return [None if entry is None else
+            {str(token): dataclasses.asdict(lp) for token, lp in entry.as_dict(token_text).items()}
+            for entry in entries]
 
 
 class ChatFormat:
@@ -760,8 +777,12 @@ class ChatFormat:
         return {**self._base("chat.completion.chunk"), "choices": [], "usage": used}
 
     def full(self, choices: list[Choice], used: dict) -> dict:
-        return {**self._base("chat.completion"), "choices": [self._whole(i, c) for i, c in enumerate(choices)],
+        """The whole answer; with prompt log-probs, vLLM's `prompt_logprobs` beside `choices`."""
+        body = {**self._base("chat.completion"), "choices": [self._whole(i, c) for i, c in enumerate(choices)],
                 "usage": used}
+        if choices and choices[0].prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_body(choices[0].prompt_logprobs, self.token_text)
+        return body
 
     def _whole(self, index: int, choice: Choice) -> dict:
         output = self._output(index)
@@ -810,10 +831,17 @@ class CompletionFormat(ChatFormat):
         return {**self._base("text_completion"), "choices": [], "usage": used}
 
     def full(self, choices: list[Choice], used: dict) -> dict:
-        return {**self._base("text_completion"),
+        """The whole answer; with prompt log-probs, each choice has vLLM's `prompt_logprobs`
+        (its prompt's: choice i * n computed them)."""
+        body = {**self._base("text_completion"),
                 "choices": [{"index": i, "text": self._echoed(i) + c.text, "logprobs": self.logprobs(c.logprobs, i),
                              "finish_reason": c.finish_reason} for i, c in enumerate(choices)],
                 "usage": used}
+        for i, choice in enumerate(body["choices"]):
+            prompt = choices[i - i % self.n].prompt_logprobs
+            if prompt is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_body(prompt, self.token_text)
+        return body
 
     def logprobs(self, tokens: list, index: int = 0) -> dict | None:
         """OpenAI's completions `logprobs` (tokens, token_logprobs, top_logprobs, text_offset)."""

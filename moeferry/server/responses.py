@@ -164,7 +164,7 @@ class ResponsesRequest(SamplingFields):
         super().check_supported()
         for name, neutral in (("truncation", (None, "disabled")), ("background", (None, False)),
                               ("max_tool_calls", (None,)), ("top_logprobs", (None, 0)), ("prompt", (None,)),
-                              ("conversation", (None,))):
+                              ("conversation", (None,)), ("prompt_logprobs", (None,))):
             if getattr(self, name) not in neutral:
                 raise APIError(400, f"{name} is not supported by this server yet", param=name)
         if self.include:

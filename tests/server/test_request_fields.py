@@ -52,7 +52,7 @@ HONOURED = {
     **dict.fromkeys(["min_tokens", "include_stop_str_in_output", "skip_special_tokens",
                      "spaces_between_special_tokens", "truncate_prompt_tokens", "add_special_tokens", "request_id",
                      "add_generation_prompt", "continue_final_message", "echo", "reasoning_effort", "stop_token_ids",
-                     "chat_template", "user", "guided_json"], "server/test_request_fields.py"),
+                     "chat_template", "user", "guided_json", "prompt_logprobs"], "server/test_request_fields.py"),
 }
 # A value that means something (not the neutral one) for each field a model refuses.
 MEANINGFUL = {
@@ -60,7 +60,7 @@ MEANINGFUL = {
     "metadata": {"k": "v"}, "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"},
     "prompt_cache_key": "k", "safety_identifier": "u", "service_tier": "flex", "store": True, "verbosity": "low",
     "web_search_options": {}, "best_of": 2, "echo": True, "suffix": "!", "use_beam_search": True,
-    "length_penalty": 2.0, "prompt_logprobs": 1, "allowed_token_ids": [1, 2], "bad_words": ["x"], "priority": 1,
+    "length_penalty": 2.0, "allowed_token_ids": [1, 2], "bad_words": ["x"], "priority": 1,
     "logits_processors": ["m.P"], "return_tokens_as_token_ids": True, "return_token_ids": True, "cache_salt": "s",
     "kv_transfer_params": {}, "vllm_xargs": {"k": 1}, "guided_grammar": "root ::= \"a\"",
     "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ", "structural_tag": "{}",
@@ -173,6 +173,46 @@ def test_a_list_of_prompts_gets_n_choices_each_in_order(http):
     assert [c["text"] for c in out["choices"]] == [alone[0], alone[0], alone[1], alone[1]]
     lengths = [http.post("/tokenize", json={"prompt": p}).json()["count"] for p in (PROMPT, other)]
     assert out["usage"]["prompt_tokens"] == sum(lengths)
+
+
+def test_prompt_logprobs_give_each_prompt_token_its_logprob_in_vllms_shape(http):
+    ids = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    # temperature 1: `logprobs` are then the model's own distribution, as prompt log-probs are
+    out = complete(http, prompt=ids, max_tokens=1, temperature=1.0, seed=1, logprobs=5, prompt_logprobs=5)
+    prompt, first = out["choices"][0]["prompt_logprobs"], out["choices"][0]["logprobs"]
+    assert len(prompt) == len(ids) == out["usage"]["prompt_tokens"] and prompt[0] is None
+    for token, entry in zip(ids[1:], prompt[1:]):
+        assert list(entry)[0] == str(token) and 5 <= len(entry) <= 6  # the prompt token's first, then the top 5
+        assert set(entry[str(token)]) == {"logprob", "rank", "decoded_token"}
+        assert entry[str(token)]["decoded_token"] == http.post("/detokenize", json={"tokens": [token]}).json()["prompt"]
+        ranked = sorted(entry.values(), key=lambda lp: lp["rank"])
+        assert [lp["rank"] for lp in ranked if lp["rank"] <= 5] == [1, 2, 3, 4, 5]
+        assert all(a["logprob"] >= b["logprob"] for a, b in zip(ranked, ranked[1:]))
+    # one token more: the prompt's log-probs again (causal), then the distribution the answer's
+    # first token was drawn from, as the sampler reported it
+    longer = complete(http, prompt=ids + [ids[3]], max_tokens=1, prompt_logprobs=5)["choices"][0]["prompt_logprobs"]
+    for a, b in zip(prompt[1:], longer[1:]):
+        assert {t: lp["rank"] for t, lp in a.items()} == {t: lp["rank"] for t, lp in b.items()}
+        assert max(abs(lp["logprob"] - b[t]["logprob"]) for t, lp in a.items()) < 1e-4
+    last = {lp["decoded_token"]: lp["logprob"] for lp in longer[-1].values() if lp["rank"] <= 5}
+    assert last.keys() == first["top_logprobs"][0].keys()
+    assert all(abs(last[t] - v) < 1e-4 for t, v in first["top_logprobs"][0].items())
+
+
+def test_prompt_logprobs_reach_every_choice_chat_and_echo(http):
+    out = complete(http, n=2, temperature=1.0, prompt_logprobs=0, echo=True)
+    prompts = [c["prompt_logprobs"] for c in out["choices"]]
+    assert prompts[0] == prompts[1] and len(prompts[0]) == out["usage"]["prompt_tokens"]
+    assert all(len(entry) == 1 for entry in prompts[0][1:]) and out["choices"][0]["text"].startswith(PROMPT)
+    assert "prompt_logprobs" not in complete(http)["choices"][0]
+    chat = http.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2, "prompt_logprobs": 1}).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None
+    assert all(len(entry) in (1, 2) for entry in chat["prompt_logprobs"][1:])
+    assert "prompt_logprobs" not in chat["choices"][0]
+    # vLLM's rule: a stream may ask for 0 (nothing is computed or sent), not more
+    body = {"prompt": PROMPT, "max_tokens": 2, "stream": True, "prompt_logprobs": 0}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200 and "prompt_logprobs" not in response.read().decode()
 
 
 def test_request_id_names_the_answer(http):
