@@ -37,6 +37,8 @@ BENCHMARKS = {
                "from a recorded trace and measured on the offload engine: decode hit rates and tok/s",
     "host_kernel": "the host expert kernel alone on the CPU (no GPU needed): GB/s and experts a second per weight "
                    "format (bf16, fp8, int4, mxfp4), the exact path against the int8 path",
+    "multi_gpu": "decode tokens/s on one GPU and on two (--tensor-parallel-size 2, the experts split) under offload "
+                 "at 25% and 50% of the experts resident, uniform or qwen3 routing",
     "predictor": "next-layer expert prediction (layer l+1's router on an earlier hidden state): recall of the true "
                  "top-k and wasted prefetch on the built-in model and every family's tiny checkpoint (CPU)",
 }

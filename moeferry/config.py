@@ -91,7 +91,8 @@ class Bound(NamedTuple):
 
 
 RANGES = {
-    "seed": Bound(0, 2**32 - 1),  # the dummy weights' generators take seed * 1000 + layer: keep it in 64 bits
+    "seed": Bound(0, 2**32 - 1),
+    "tensor_parallel_size": Bound(1),  # the dummy weights' generators take seed * 1000 + layer: keep it in 64 bits
     "memory_ratio": Bound(0, 1, low_open=True),
     "gpu_memory_utilization": Bound(0, 1, low_open=True),
     "cpu_offload_gb": Bound(0, low_open=True),
@@ -201,6 +202,12 @@ class EngineConfig:
     dtype: str = option("auto", "runtime", "the weights' and activations' dtype; auto: bfloat16 on a GPU, float32 "
                                            "on the CPU")
     device: str = option("auto", "runtime", "auto: cuda when torch sees a GPU, else cpu")
+    tensor_parallel_size: int = option(1, "runtime", "vLLM's name: ranks (one process and one GPU each) serving "
+                                                     "together; the dense part (attention, dense layers, KV cache, "
+                                                     "router, shared experts) is replicated on every rank and the "
+                                                     "routed experts are split across ranks, each holding 1/N of "
+                                                     "every MoE layer's experts under its own --moe-strategy "
+                                                     "(docs/multi_gpu.md)", aliases=("-tp",))
     seed: int = option(0, "model", "seed of the dummy weights (--load-format dummy) and of torch")
     moe_strategy: str = option("gpu", "MoE", "where the routed experts live: gpu keeps them on the GPU; offload in "
                                              "pinned host memory behind a GPU slot cache; uva reads them from pinned "
@@ -403,6 +410,7 @@ def _check_together(ec: EngineConfig) -> None:
             raise ConfigError(f"{flag(name)} is read only by {flag(chooser)} {' or '.join(readers)}; under "
                               f"{flag(chooser)} {getattr(ec, chooser)} it would be ignored: drop it, or choose "
                               f"{' or '.join(readers)}")
+    _check_ranks(ec)
     trace = ec.moe_record_routing
     if trace is not None and (not trace or os.path.isdir(trace)
                               or not os.path.isdir(os.path.dirname(os.path.abspath(trace)))):
@@ -415,7 +423,35 @@ def _check_together(ec: EngineConfig) -> None:
     ec.torch_dtype  # noqa: B018 - resolves --device and --dtype (ConfigError: cuda asked for, none seen)
 
 
+# What the ranks of --tensor-parallel-size do not split yet: refused, naming the option.
+NOT_SPLIT_ACROSS_RANKS = {"moe_strategy": ("cpu", "hybrid"), "moe_prefetch": ("router",)}
+
+
+def _check_ranks(ec: EngineConfig) -> None:
+    """--tensor-parallel-size against the other options (and against the GPUs torch sees)."""
+    ranks = ec.tensor_parallel_size
+    if ranks == 1:
+        return
+    for name, values in NOT_SPLIT_ACROSS_RANKS.items():
+        if getattr(ec, name) in values:
+            raise ConfigError(f"--tensor-parallel-size {ranks} with {flag(name)} {getattr(ec, name)} is not built "
+                              f"yet: use one rank, or another {flag(name)}")
+    if ec.moe_record_routing is not None:
+        raise ConfigError(f"--moe-record-routing with --tensor-parallel-size {ranks} is not built yet: record with "
+                          f"one rank")
+    if ec.torch_device.type == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < ranks:
+            raise ConfigError(f"--tensor-parallel-size {ranks} needs {ranks} GPUs, torch sees "
+                              f"{torch.cuda.device_count()}")
+
+
 def _fit_to_model(ec: EngineConfig, mc: "ModelConfig") -> EngineConfig:
+    ranks = ec.tensor_parallel_size
+    if ranks > 1 and (not mc.is_moe or mc.num_experts % ranks):
+        raise ConfigError(f"--tensor-parallel-size {ranks} splits each MoE layer's routed experts evenly across "
+                          f"ranks, but the model has {mc.num_experts}: give a size that divides them")
     if not mc.is_moe:
         ec = reset_moe_options_for_dense(ec)
     limit = mc.max_position_embeddings
@@ -423,9 +459,11 @@ def _fit_to_model(ec: EngineConfig, mc: "ModelConfig") -> EngineConfig:
         logger.warning("--max-model-len %d exceeds the model's max_position_embeddings %d: serving a context of %d "
                        "tokens", ec.max_model_len, limit, limit)
         ec = ec.replace(max_model_len=limit)
-    if mc.is_moe and ec.moe_cache_slots is not None and ec.moe_cache_slots < mc.num_experts:
+    layer_experts = mc.num_experts // ranks  # a rank's cache holds its own share of each layer
+    if mc.is_moe and ec.moe_cache_slots is not None and ec.moe_cache_slots < layer_experts:
         raise ConfigError(f"--moe-cache-slots {ec.moe_cache_slots}: the expert cache would hold fewer than one "
-                          f"layer's {mc.num_experts} experts; give at least {mc.num_experts}")
+                          f"layer's {layer_experts} experts{' on a rank' if ranks > 1 else ''}; give at least "
+                          f"{layer_experts}")
     return ec
 
 

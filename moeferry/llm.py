@@ -50,13 +50,26 @@ class LLM:
     `chat` a list of conversations.
 
     Engine options are the CLI flags as keyword arguments (moe_strategy="gpu",
-    load_format="dummy", dtype="float32", ...); an unknown one is refused.
+    load_format="dummy", dtype="float32", ...); an unknown one is refused. With
+    tensor_parallel_size=N it starts N-1 more processes (spawn: a script that makes an LLM
+    guards its top level with `if __name__ == "__main__":`).
     """
 
     def __init__(self, model: str | None = None, **engine_options):
-        from moeferry.engine.engine import Engine
+        from moeferry.engine.engine import create_engine
 
-        self.engine = Engine(EngineConfig.from_kwargs(model=model, **engine_options))
+        self.engine = create_engine(EngineConfig.from_kwargs(model=model, **engine_options))
+
+    def close(self) -> None:
+        """Stop what the engine started (the other ranks under tensor_parallel_size; also done at
+        exit)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def tokenizer(self):

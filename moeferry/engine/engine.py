@@ -64,6 +64,27 @@ def _stop_prefix_len(text: str, stops: list[str]) -> int:
     return longest
 
 
+def configure(ec: EngineConfig) -> tuple[EngineConfig, ModelConfig, str]:
+    """(options checked and fitted to the model, with `model` its directory; the model's
+    config; the model's name): ConfigError before anything heavy is built."""
+    from moeferry.model_source import resolve_model
+
+    ec.check()  # every option alone, before even the default model is made
+    source = resolve_model(ec.model, ec.revision)
+    mc = ModelConfig.from_dir(source.path, ec.hf_overrides)
+    return ec.replace(model=source.path).check(mc), mc, source.name
+
+
+def create_engine(ec: EngineConfig) -> "Engine":
+    """The engine `ec` asks for: one process, or under --tensor-parallel-size N the driver of
+    N ranks (engine/ranks.py), which answers as one engine does."""
+    if ec.tensor_parallel_size == 1:
+        return Engine(ec)
+    from moeferry.engine.ranks import start_ranks
+
+    return start_ranks(ec)
+
+
 class Engine:
     """Invariants: every request `add_request` accepted ends finished (EOS, stop string or
     token, max_tokens), aborted, or failed, and its KV pages go back to the pool when it does.
@@ -71,21 +92,20 @@ class Engine:
     sampling, its detokenisation) fails that request, and the others' tokens are the ones
     they would have had without it."""
 
-    def __init__(self, ec: EngineConfig):
+    def __init__(self, ec: EngineConfig, shard=None):
+        """`shard`: this rank's share of the routed experts (moe/shard.py) when the engine is
+        one of several ranks (engine/ranks.py builds those); None: every expert."""
         from moeferry.model_source import resolve_model
 
-        ec.check()  # every option alone, before even the default model is made
-        source = resolve_model(ec.model, ec.revision)
-        model_dir, self.model_name = source.path, source.name
-        mc = ModelConfig.from_dir(model_dir, ec.hf_overrides)
-        ec = ec.replace(model=model_dir).check(mc)
+        ec, mc, self.model_name = configure(ec)
+        model_dir = ec.model
         self.generation = GenerationDefaults.load(model_dir, ec.generation_config, ec.override_generation_config)
         self.ec, self.mc = ec, mc
         self.tokenizer = load_tokenizer(resolve_model(ec.tokenizer).path if ec.tokenizer else model_dir)
         if ec.chat_template is not None:  # before the weights: a template that fails costs no loading
             use_chat_template(self.tokenizer, ec.chat_template)
         t0 = time.monotonic()
-        self.runner = ModelRunner(ec, mc)
+        self.runner = ModelRunner(ec, mc, shard)
         logger.info("model %s (%s, %d layers, %d experts, top-%d) loaded in %.1fs: strategy %s, dtype %s, device %s",
                     model_dir, mc.model_type, mc.num_layers, mc.num_experts, mc.top_k, time.monotonic() - t0,
                     ec.moe_strategy, str(self.runner.dtype).replace("torch.", ""), self.runner.device)
@@ -199,6 +219,10 @@ class Engine:
         if include_moe:
             out["moe"] = self.runner.strategy.stats()
         return out
+
+    def close(self) -> None:
+        """Release what outlives the engine's objects: nothing for one process; the driver of
+        several ranks stops them (engine/ranks.py)."""
 
     @property
     def has_work(self) -> bool:

@@ -121,8 +121,9 @@ class _ExpertWriter:
         if banks is None:
             raise LoadError(f"{file}: tensor {name!r} is an expert of layer {layer_id}, which the model's config "
                             f"makes a dense layer")
-        if expert is not None and not 0 <= expert < banks.num_experts:
-            raise LoadError(f"{file}: tensor {name!r} is expert {expert}, but the model has {banks.num_experts} "
+        experts = self.model.config.num_experts
+        if expert is not None and not 0 <= expert < experts:
+            raise LoadError(f"{file}: tensor {name!r} is expert {expert}, but the model has {experts} "
                             f"experts per layer")
         return banks
 
@@ -163,8 +164,17 @@ class _ExpertWriter:
         return 0
 
     def write(self, layer_id: int, expert, kind: str, part: str, src_of, name: str, file: str) -> int:
-        """Copy the tensor `src_of()` reads; returns the expert weights it held (0 for scales and biases)."""
+        """Copy the tensor `src_of()` reads; returns the expert weights it held (0 for scales and biases).
+        Split across ranks, only the rank's own experts land (at their rows in its banks)."""
         banks = self.banks(layer_id, expert, name, file)
+        held = self.model.moe_block(layer_id).strategy.owned_experts(self.model.config.num_experts)
+        if expert is not None:
+            if expert not in held:
+                return 0  # another rank's
+            expert -= held.start
+        elif part != "shape" and len(held) != self.model.config.num_experts:
+            read = src_of
+            src_of = lambda: read()[held.start:held.stop]  # noqa: E731 - a stacked tensor's dim 0 is the expert
         if part == "bias":
             return self._write_bias(banks, layer_id, kind, src_of(), name, file)
         if expert is None and part != "shape":
@@ -351,7 +361,7 @@ def load_safetensors(model, model_dir: str, device: torch.device | str = "cpu") 
         raise LoadError(f"checkpoint in {model_dir} lacks {len(missing)} tensor(s), first: {missing[:5]}")
     mc = model.config
     for layer_id in mc.moe_layer_ids:
-        want = 3 * mc.num_experts
+        want = 3 * model.moe_block(layer_id).banks.num_experts  # (a rank's share of them, split across ranks)
         if expert_counts.get(layer_id, 0) != want:
             raise LoadError(f"checkpoint in {model_dir}: layer {layer_id} has {expert_counts.get(layer_id, 0)} of "
                             f"{want} expert tensors (gate, up, down per expert)")

@@ -71,12 +71,13 @@ class ModelRunner:
     where the strategy put them; padded decode rows write to the KV cache's scratch page.
     """
 
-    def __init__(self, ec: EngineConfig, mc: ModelConfig):
+    def __init__(self, ec: EngineConfig, mc: ModelConfig, shard=None):
+        """`shard`: this rank's share of the routed experts (moe/shard.py), or None for all."""
         self.ec, self.mc = ec, mc
         self.device, self.dtype = ec.torch_device, ec.torch_dtype
         model_len = ec.max_model_len or mc.max_position_embeddings  # (check(mc) capped a given one at the model's)
         torch.manual_seed(ec.seed)
-        self.strategy = create_strategy(ec.moe_strategy, ec, mc)
+        self.strategy = create_strategy(ec.moe_strategy, ec, mc, shard)
         kv_heads, kv_dim, kv_values = mc.kv_cache_layout
         kv_shape = KVShape(PagedKVCache.bytes_per_token(mc.num_layers, kv_heads, kv_dim, self.dtype, kv_values),
                            planned_context(ec, model_len))

@@ -113,7 +113,8 @@ class PrefillPolicy:
         (the stream reads the same copy)."""
         num_layers, num_experts = slot_of.shape
         routed = torch.zeros(num_experts, dtype=torch.bool, device=topk_ids.device)
-        routed[topk_ids.reshape(-1).long()] = True
+        ids = topk_ids.reshape(-1).long()
+        routed[ids[ids >= 0]] = True  # (-1: another rank's route)
         routed = routed.cpu()
         held = slot_of >= 0
         distinct_first, missing_first = int(routed.sum()), int((routed & ~held[moe_layer]).sum())

@@ -21,6 +21,9 @@ store locates. A strategy name (--moe-strategy) names one composition (`_COMPOSI
     hybrid   slot-cache store + prefill route + host compute, the misses split by channel speed
              (+ prefetch)
 
+Under --tensor-parallel-size each rank runs the same composition over its share of every
+layer's experts (moe/shard.py), and the strategy adds the ranks' route outputs together.
+
 The MoE layer routes tokens and hands (hidden, topk_weights, topk_ids) to `MoEStrategy.forward`.
 Every strategy gives the output of `gpu` for the same inputs.
 """
@@ -34,10 +37,18 @@ def strategy_names() -> list[str]:
     return list(_COMPOSITIONS)
 
 
-def create_strategy(name: str, engine_config, model_config) -> "MoEStrategy":
+def create_strategy(name: str, engine_config, model_config, shard=None) -> "MoEStrategy":
+    """The strategy `name`; with an ExpertShard (moe/shard.py), over the rank's share of each
+    layer's experts: its parts see a model of that many experts per layer."""
     if name not in _COMPOSITIONS:
         raise ConfigError(f"--moe-strategy {name!r} is unknown; choose one of: {', '.join(_COMPOSITIONS)}")
-    return _COMPOSITIONS[name](engine_config, model_config)
+    if shard is None:
+        return _COMPOSITIONS[name](engine_config, model_config)
+    from moeferry.moe.shard import rank_model_config
+
+    strategy = _COMPOSITIONS[name](engine_config, rank_model_config(model_config, shard))
+    strategy.split_across(shard, model_config.num_experts)
+    return strategy
 
 
 def _gpu(ec, mc):

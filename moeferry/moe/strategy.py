@@ -53,6 +53,19 @@ class MoEStrategy:
             prefill.attach(store)
         self.device, self.dtype = engine_config.torch_device, engine_config.torch_dtype
         self.timeline: LayerTimeline | None = None
+        self.shard = None  # an ExpertShard (moe/shard.py) when the experts are split across ranks
+        self.layer_experts = model_config.num_experts  # a layer's routed experts (all ranks')
+
+    def split_across(self, shard, layer_experts: int) -> None:
+        """Hold only `shard`'s share of each layer of `layer_experts` experts (its parts were
+        built over a model of that share, moe/shard.py: RankModelConfig); `forward` then adds
+        every rank's route outputs. Called once, before any bank is allocated."""
+        self.shard, self.layer_experts = shard, layer_experts
+
+    def owned_experts(self, num_experts: int) -> range:
+        """The experts of a layer of `num_experts` whose weights this strategy holds (global ids):
+        every one, or the rank's share."""
+        return range(num_experts) if self.shard is None else self.shard.owned(num_experts)
 
     # ---- what the store derives from its banks -----------------------------------------------
     @property
@@ -77,7 +90,9 @@ class MoEStrategy:
     # ---- life cycle ---------------------------------------------------------------------------
     def allocate_banks(self, layer_id: int, num_experts: int, hidden: int, inter: int, bias: bool = False,
                        activation: Activation = SILU) -> ExpertBanks:
-        return self.store.allocate(layer_id, num_experts, hidden, inter, bias=bias, activation=activation)
+        """The banks of the layer's experts this strategy holds (`owned_experts`), in that order."""
+        held = len(self.owned_experts(num_experts))
+        return self.store.allocate(layer_id, held, hidden, inter, bias=bias, activation=activation)
 
     def attach_predictor(self, layer_id: int, predict) -> None:
         """A MoE layer's expert predictor, `predict(hidden, width) -> ids [T, width]` (its router
@@ -138,7 +153,16 @@ class MoEStrategy:
     def forward(self, layer_id: int, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 is_decode: bool, sum_routes: bool = True) -> torch.Tensor:
         """The routed experts' output [T, H] (sum_routes=False: the weighted per-route outputs
-        [T, K, H], as fused_moe gives them)."""
+        [T, K, H], as fused_moe gives them). Split across ranks: this rank's routes (the others
+        weighted 0 and left out of admission), then every rank's added (moe/shard.py)."""
+        if self.shard is None:
+            return self._forward(layer_id, hidden, topk_weights, topk_ids, is_decode, sum_routes)
+        local_ids, owned = self.shard.localize(topk_ids, self.layer_experts)
+        routes = self._forward(layer_id, hidden, topk_weights.masked_fill(~owned, 0.0), local_ids, is_decode,
+                               sum_routes=False)
+        return _summed(self.shard.all_routes(routes, owned), hidden.dtype, sum_routes)
+
+    def _forward(self, layer_id, hidden, topk_weights, topk_ids, is_decode, sum_routes):
         if not is_decode and self.prefill is not None and self.prefill.streams(layer_id, topk_ids):
             return self._streamed(layer_id, hidden, topk_weights, topk_ids, sum_routes)
         phase = "decode" if is_decode else "prefill"
@@ -161,14 +185,18 @@ class MoEStrategy:
         return ahead
 
     def _on_device(self, hidden, banks: ExpertBanks, topk_weights, rows, sum_routes: bool) -> torch.Tensor:
+        if self.shard is not None:  # another rank's routes: row -1, weight 0 (joins no group)
+            rows = rows.clamp(min=0)
+        # tiles sized by the layer's expert count, a rank's share or not: the same bits either way
         return fused_moe(hidden, banks.w13, banks.w2, topk_weights, rows,
-                         num_routed_experts=self.model_config.num_experts, sum_routes=sum_routes,
+                         num_routed_experts=self.layer_experts, sum_routes=sum_routes,
                          **banks.kernel_args(), **self.store.kernel_options(rows))
 
     def _streamed(self, layer_id, hidden, topk_weights, topk_ids, sum_routes):
         """The chunk's layer over the slots and the stream buffer at once (moe/layer_stream.py)."""
         banks, row_of = self.prefill.streamed(layer_id)
-        rows = row_of.index_select(0, topk_ids.reshape(-1)).view(topk_ids.shape)
+        rows = row_of.index_select(0, topk_ids.reshape(-1).clamp(min=0)).view(topk_ids.shape)
+        rows = rows.masked_fill(topk_ids < 0, -1)  # another rank's routes (weight 0)
         out = self._on_device(hidden, banks, topk_weights, rows, sum_routes)
         self.prefill.release(layer_id)
         return out

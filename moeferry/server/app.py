@@ -288,10 +288,14 @@ def log_plan(engine, config: ServerConfig, name: str) -> None:
 
 def serve(engine_config, args) -> int:
     """Load the model, print the plan, serve until SIGINT/SIGTERM; returns the exit status."""
-    from moeferry.engine.engine import Engine
+    from moeferry.engine.engine import create_engine
 
     config = ServerConfig.from_args(args)
-    return serve_engine(Engine(engine_config), config)
+    engine = create_engine(engine_config)
+    try:
+        return serve_engine(engine, config)
+    finally:
+        engine.close()
 
 
 def serve_engine(engine, config: ServerConfig) -> int:
