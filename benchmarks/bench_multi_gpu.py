@@ -54,7 +54,7 @@ def rank_slots(layers: int, experts: int, gpus: int, share: float) -> int:
 
 def make_engine(config_dir, args, gpus: int, share: float):
     from moeferry.config import EngineConfig
-    from moeferry.engine.engine import create_engine
+    from moeferry.engine.ranks import create_engine
 
     ec = EngineConfig(model=config_dir, load_format="dummy", hf_overrides={"num_hidden_layers": args.layers},
                       moe_strategy="offload", tensor_parallel_size=gpus,

@@ -590,6 +590,11 @@ class ModelConfig:
     def num_experts(self) -> int:
         return getattr(self.hf, "num_experts", None) or getattr(self.hf, "num_local_experts", 0) or 0
 
+    def with_layer_experts(self, num_experts: int) -> "ModelConfig":
+        """This model as an expert store holding `num_experts` of each MoE layer sees it (one
+        rank's share under --tensor-parallel-size, moe/shard.py): every other field the model's."""
+        return _LayerShareConfig(self.path, self.hf, num_experts)
+
     top_k = _hf_field("num_experts_per_tok")
 
     @property
@@ -647,3 +652,14 @@ class ModelConfig:
         if getattr(self.hf, "use_sliding_window", True) is False:
             return None
         return window
+
+
+@dataclass(frozen=True)
+class _LayerShareConfig(ModelConfig):
+    """A ModelConfig whose `num_experts` is a share of each layer's (ModelConfig.with_layer_experts)."""
+
+    layer_experts: int = 0
+
+    @property
+    def num_experts(self) -> int:
+        return self.layer_experts

@@ -56,7 +56,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_options):
-        from moeferry.engine.engine import create_engine
+        from moeferry.engine.ranks import create_engine
 
         self.engine = create_engine(EngineConfig.from_kwargs(model=model, **engine_options))
 

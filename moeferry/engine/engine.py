@@ -75,16 +75,6 @@ def configure(ec: EngineConfig) -> tuple[EngineConfig, ModelConfig, str]:
     return ec.replace(model=source.path).check(mc), mc, source.name
 
 
-def create_engine(ec: EngineConfig) -> "Engine":
-    """The engine `ec` asks for: one process, or under --tensor-parallel-size N the driver of
-    N ranks (engine/ranks.py), which answers as one engine does."""
-    if ec.tensor_parallel_size == 1:
-        return Engine(ec)
-    from moeferry.engine.ranks import start_ranks
-
-    return start_ranks(ec)
-
-
 class Engine:
     """Invariants: every request `add_request` accepted ends finished (EOS, stop string or
     token, max_tokens), aborted, or failed, and its KV pages go back to the pool when it does.

@@ -65,6 +65,12 @@ class _Follower:
     error: str | None = None
 
 
+def create_engine(ec: EngineConfig) -> Engine:
+    """The engine `ec` asks for: one process, or under --tensor-parallel-size N the driver of
+    N ranks, which answers as one engine does."""
+    return Engine(ec) if ec.tensor_parallel_size == 1 else start_ranks(ec)
+
+
 def start_ranks(ec: EngineConfig, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> "DriverEngine":
     """Check the options, start the followers (ranks 1 .. N-1), join the process groups and
     build rank 0's engine; ConfigError before any process starts, RankFailed if a rank fails."""

@@ -15,11 +15,9 @@ is K times the bytes of reducing [T, H] sums; cheaper reductions give up that eq
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-
-from moeferry.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -55,19 +53,3 @@ class ExpertShard:
         routes = routes.float().masked_fill(~owned.unsqueeze(-1), 0.0)
         dist.all_reduce(routes, group=self.group)
         return routes
-
-
-@dataclass(frozen=True)
-class RankModelConfig(ModelConfig):
-    """A model's config as one rank's expert store sees it: `num_experts` is the rank's share
-    of a layer (its banks' rows, its slot cache's experts per layer); the rest is the model's."""
-
-    rank_experts: int = field(default=0)
-
-    @property
-    def num_experts(self) -> int:
-        return self.rank_experts
-
-
-def rank_model_config(mc: ModelConfig, shard: ExpertShard) -> RankModelConfig:
-    return RankModelConfig(mc.path, mc.hf, len(shard.owned(mc.num_experts)))

@@ -44,9 +44,8 @@ def create_strategy(name: str, engine_config, model_config, shard=None) -> "MoES
         raise ConfigError(f"--moe-strategy {name!r} is unknown; choose one of: {', '.join(_COMPOSITIONS)}")
     if shard is None:
         return _COMPOSITIONS[name](engine_config, model_config)
-    from moeferry.moe.shard import rank_model_config
-
-    strategy = _COMPOSITIONS[name](engine_config, rank_model_config(model_config, shard))
+    share = model_config.with_layer_experts(len(shard.owned(model_config.num_experts)))
+    strategy = _COMPOSITIONS[name](engine_config, share)
     strategy.split_across(shard, model_config.num_experts)
     return strategy
 

@@ -58,7 +58,7 @@ class MoEStrategy:
 
     def split_across(self, shard, layer_experts: int) -> None:
         """Hold only `shard`'s share of each layer of `layer_experts` experts (its parts were
-        built over a model of that share, moe/shard.py: RankModelConfig); `forward` then adds
+        built over a model of that share: ModelConfig.with_layer_experts); `forward` then adds
         every rank's route outputs. Called once, before any bank is allocated."""
         self.shard, self.layer_experts = shard, layer_experts
 

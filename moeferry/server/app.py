@@ -288,7 +288,7 @@ def log_plan(engine, config: ServerConfig, name: str) -> None:
 
 def serve(engine_config, args) -> int:
     """Load the model, print the plan, serve until SIGINT/SIGTERM; returns the exit status."""
-    from moeferry.engine.engine import create_engine
+    from moeferry.engine.ranks import create_engine
 
     config = ServerConfig.from_args(args)
     engine = create_engine(engine_config)
