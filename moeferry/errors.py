@@ -1,4 +1,4 @@
-"""The two errors a user's input raises, in a module of their own so that every subsystem can
+"""The errors a user's input raises, and the one that ends an engine, in a module of their own so that every subsystem can
 raise them without importing the modules that validate whole configurations or requests
 (config.py imports the registries of moe/ to check names against; those raise ConfigError)."""
 
@@ -14,3 +14,7 @@ class InvalidRequest(ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+class EngineFailed(RuntimeError):
+    """The engine cannot step any more (a rank of several died): whoever drives it stops."""

@@ -41,6 +41,7 @@ import torch.multiprocessing as mp
 
 from moeferry.config import EngineConfig, first_line
 from moeferry.engine.engine import Engine, StepOutput, configure
+from moeferry.errors import EngineFailed
 from moeferry.moe.shard import ExpertShard
 from moeferry.sampling import SamplingParams
 from moeferry.scheduler.request import Request
@@ -53,7 +54,7 @@ _EVENTS_TIMEOUT = datetime.timedelta(days=365)  # the events' group: followers w
 _POLL_S = 0.1
 
 
-class RankFailed(RuntimeError):
+class RankFailed(EngineFailed):
     """A rank died or raised: the run cannot go on (every rank is stopped)."""
 
 

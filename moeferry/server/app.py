@@ -299,8 +299,15 @@ def serve(engine_config, args) -> int:
 
 
 def serve_engine(engine, config: ServerConfig) -> int:
-    """Serve a loaded engine until SIGINT/SIGTERM (`serve`'s second half); returns the exit status."""
+    """Serve a loaded engine until SIGINT/SIGTERM, or until the engine fails for good (a rank of
+    several died: exit status 1, after every live request got a 503); `serve`'s second half."""
     app = build_app(engine, config)
     log_plan(engine, config, app.state.model_info.name)
-    make_server(app, config).run()
+    server = make_server(app, config)
+    engine_loop = app.state.engine_loop
+    engine_loop.on_failure = lambda: setattr(server, "should_exit", True)  # uvicorn polls it
+    server.run()
+    if engine_loop.failure is not None:
+        logger.error("stopped: the engine failed: %s", engine_loop.failure)
+        return 1
     return 0

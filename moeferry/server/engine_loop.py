@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from moeferry.engine.engine import Engine, StepOutput
+from moeferry.errors import EngineFailed
 from moeferry.sampling import InvalidRequest, SamplingParams
 from moeferry.server.protocol import APIError
 from moeferry.threads import engine_threads
@@ -82,6 +83,8 @@ class EngineLoop:
         self.commands: queue.Queue = queue.Queue()
         self.live: dict[int, RequestHandle] = {}  # engine thread only: rid -> handle
         self.accepting = True
+        self.failure: str | None = None  # why the engine ended (EngineFailed), if it did
+        self.on_failure: Callable[[], None] | None = None  # told once it has (the server stops)
         self._thread: threading.Thread | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -159,7 +162,7 @@ class EngineLoop:
         while running:
             running = self._drain_commands(block=not self.engine.has_work)
             if running and self.engine.has_work:
-                self._step()
+                running = self._step()
             if self.activity is not None:
                 self.activity(self.engine)
         self._end_all(SHUTDOWN, _shutdown_error())
@@ -219,19 +222,28 @@ class EngineLoop:
         else:
             self._post(future.set_result, result)
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One engine step, its tokens delivered; False once the engine has failed for good."""
         try:
             outputs = self.engine.step()
+        except EngineFailed as exc:
+            logger.error("the engine failed: %s", exc)
+            self.accepting, self.failure = False, str(exc)
+            self._end_all(ERROR, APIError(503, f"the engine failed: {exc}", code="engine_failed"))
+            if self.on_failure is not None:
+                self.on_failure()
+            return False
         except Exception:  # noqa: BLE001 - one bad step must not take the server down
             logger.exception("engine step failed: failing every live request")
             self._end_all(ERROR, APIError(500, "internal error in the engine step; see the server log"))
-            return
+            return True
         now = time.monotonic()
         batch = [(h, self._delta(h, out, now)) for out in outputs if (h := self.live.get(out.request.rid))]
         for handle, delta in batch:
             if delta.finish_reason is not None:
                 self.live.pop(handle.request.rid, None)
         self._deliver(batch)
+        return True
 
     def _delta(self, handle: RequestHandle, out: StepOutput, now: float) -> Delta:
         req = out.request
