@@ -1,6 +1,7 @@
 """--tensor-parallel-size on the CPU: two processes over gloo give one process's greedy tokens
-and log-probs, each rank holds only its share of the experts, and a rank that dies or raises
-ends the run with one clear line instead of a hang."""
+and log-probs (every family; gpu and offload; bf16, fp8 and int4 experts; across preemption
+and prefix-cache hits; behind the server), each rank holds only its share of the experts, and a
+rank that dies or raises ends the run with one clear line instead of a hang."""
 
 import json
 import os
@@ -12,7 +13,7 @@ import pytest
 from moeferry import LLM, SamplingParams
 from moeferry.config import ConfigError, EngineConfig
 from moeferry.engine.ranks import RankFailed
-from tests.support.fixtures import family_configs, make_checkpoint, make_fp8_checkpoint
+from tests.support.fixtures import family_configs, make_checkpoint, make_fp8_checkpoint, make_int4_checkpoint
 
 FAMILIES = dict(family_configs())
 PROMPTS = [[5, 17, 33, 2, 9, 71, 40], [88, 3], [12, 60, 61, 62, 7, 1, 90, 45, 23, 30, 31, 8, 19]]
@@ -52,6 +53,42 @@ def test_two_ranks_generate_one_process_tokens_and_logprobs(checkpoints, family,
     one = LLM(path, moe_strategy=strategy, **CPU).generate(PROMPTS, GREEDY)
     with LLM(path, moe_strategy=strategy, tensor_parallel_size=2, **CPU) as llm:
         two = llm.generate(PROMPTS, GREEDY)
+    _same_generations(one, two)
+
+
+@pytest.mark.parametrize("family", [n for n in FAMILIES if n not in ("qwen3_moe", "deepseek_v3", "gpt_oss")])
+def test_every_other_family_splits_its_experts_with_one_process_tokens(checkpoints, family):
+    path = checkpoints(family)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3)
+    one = LLM(path, moe_strategy="offload", **CPU).generate(PROMPTS[:2], params)
+    with LLM(path, moe_strategy="offload", tensor_parallel_size=2, **CPU) as llm:
+        _same_generations(one, llm.generate(PROMPTS[:2], params))
+
+
+def test_int4_experts_split_with_one_process_tokens(checkpoints):
+    path = checkpoints("qwen3_moe", make_int4_checkpoint)
+    one = LLM(path, moe_strategy="offload", dtype="bfloat16", device="cpu").generate(PROMPTS, GREEDY)
+    with LLM(path, moe_strategy="offload", tensor_parallel_size=2, dtype="bfloat16", device="cpu") as llm:
+        two = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]
+
+
+# 16 pages of 4 tokens: three requests of up to 13 + 24 tokens cannot all hold their pages, so the
+# scheduler preempts; the repeated prompt's first pages come from the prefix cache
+SMALL_KV = dict(num_tokens=64, page_size=4, max_prefill_tokens=8, max_running_requests=3, max_model_len=48)
+
+
+def test_preemption_and_prefix_caching_run_alike_on_every_rank(checkpoints):
+    path = checkpoints("qwen3_moe")
+    prompts = PROMPTS + [PROMPTS[2]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
+    single = LLM(path, **CPU, **SMALL_KV)
+    one = single.generate(prompts, params)
+    assert single.engine.scheduler.num_preemptions > 0 and single.engine.counters["prefix_cache_hit_tokens"] > 0
+    with LLM(path, tensor_parallel_size=2, **CPU, **SMALL_KV) as llm:
+        two = llm.generate(prompts, params)
+        assert llm.engine.scheduler.num_preemptions == single.engine.scheduler.num_preemptions
+        assert llm.engine.counters["prefix_cache_hit_tokens"] == single.engine.counters["prefix_cache_hit_tokens"]
     _same_generations(one, two)
 
 
@@ -142,3 +179,23 @@ def test_the_option_is_checked_before_any_rank_starts(checkpoints):
         LLM(path, tensor_parallel_size=3, **CPU)
     with pytest.raises(ConfigError, match=r"^--tensor-parallel-size 2 with --moe-strategy cpu is not built yet"):
         LLM(path, tensor_parallel_size=2, moe_strategy="cpu", **CPU)
+
+
+def test_the_server_serves_two_ranks_as_one_process(model_cache):
+    """The built-in model (32 experts a layer, its tokenizer) behind the HTTP server, on two ranks."""
+    import httpx
+
+    from moeferry.engine.ranks import create_engine
+    from tests.server.conftest import serve_engine
+
+    options = dict(max_model_len=128, **CPU)
+    body = {"prompt": "It is a truth universally acknowledged", "max_tokens": 12, "temperature": 0}
+    want = LLM(**options).generate([body["prompt"]], SamplingParams(temperature=0.0, max_tokens=12))[0].text
+    engine = create_engine(EngineConfig(tensor_parallel_size=2, **options))
+    try:
+        with serve_engine(engine) as running:
+            r = httpx.post(running.url + "/v1/completions", headers=running.headers(), timeout=60, json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want and want
+    finally:
+        engine.close()
