@@ -47,7 +47,8 @@ def _same_generations(one, two):
     ("deepseek_v3", "offload", make_checkpoint),
     ("gpt_oss", "offload", make_checkpoint),
     ("qwen3_moe", "offload", make_fp8_checkpoint),
-], ids=["qwen3_moe-gpu", "deepseek_v3-offload", "gpt_oss-offload", "qwen3_moe-fp8-offload"])
+    ("mixtral", "uva", make_checkpoint),
+], ids=["qwen3_moe-gpu", "deepseek_v3-offload", "gpt_oss-offload", "qwen3_moe-fp8-offload", "mixtral-uva"])
 def test_two_ranks_generate_one_process_tokens_and_logprobs(checkpoints, family, strategy, writer):
     path = checkpoints(family, writer)
     one = LLM(path, moe_strategy=strategy, **CPU).generate(PROMPTS, GREEDY)
