@@ -147,13 +147,15 @@ def test_a_checkpoint_without_its_scales_is_refused(tmp_path):
 
 
 class _OneLayer:
-    """What the loader's expert writer reads of a model: a family spec and a layer's banks."""
+    """What the loader's expert writer reads of a model: a family spec, its experts per layer, and
+    a layer's block (its banks, and the experts its strategy holds: all of them here)."""
 
     def __init__(self, banks, interleaved):
         from types import SimpleNamespace
 
         self.spec = SimpleNamespace(gate_up_interleaved=interleaved)
-        self.block = SimpleNamespace(banks=banks)
+        self.config = SimpleNamespace(num_experts=banks.num_experts)
+        self.block = SimpleNamespace(banks=banks, strategy=SimpleNamespace(owned_experts=range))
 
     def moe_block(self, layer_id):
         return self.block
