@@ -228,7 +228,8 @@ class EngineConfig:
     moe_collect_stats: bool = option(False, "MoE", "offload, uva, hybrid or cpu: count the expert cache's hits, misses and routes "
                                                    "(in /v1/stats and /metrics); a little time per step")
     moe_host_threads: int = option(0, "MoE", "cpu or hybrid: threads of the host expert kernel (0: one per "
-                                             "physical core, less the one that drives the GPU)")
+                                             "physical core, less the one that drives the GPU, shared among "
+                                             "the ranks of --tensor-parallel-size)")
     moe_host_share: float | None = option(None, "MoE", "hybrid: the share of each step's missed experts computed on "
                                                        "the host (default: from the two channels' speeds, measured "
                                                        "at start-up)")
@@ -424,7 +425,7 @@ def _check_together(ec: EngineConfig) -> None:
 
 
 # What the ranks of --tensor-parallel-size do not split yet: refused, naming the option.
-NOT_SPLIT_ACROSS_RANKS = {"moe_strategy": ("cpu", "hybrid"), "moe_prefetch": ("router",)}
+NOT_SPLIT_ACROSS_RANKS = {"moe_prefetch": ("router",)}
 
 
 def _check_ranks(ec: EngineConfig) -> None:

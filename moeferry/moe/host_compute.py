@@ -38,7 +38,8 @@ class HostCompute:
 
     def finalize(self, banks: dict, device: torch.device, dtype: torch.dtype) -> None:
         ec, mc = self.engine_config, self.model_config
-        threads = ec.moe_host_threads or host_kernel.default_threads()
+        # the host's cores shared among the ranks of --tensor-parallel-size, each computing its share
+        threads = ec.moe_host_threads or max(1, host_kernel.default_threads() // ec.tensor_parallel_size)
         self.channel = HostExpertChannel(banks, max(ec.max_running_requests, self.widest_chunk, 1), mc.top_k,
                                          device, threads, dtype, channel_options(ec))
         self.speeds = measure_speeds(banks, self.channel, mc.top_k, device)

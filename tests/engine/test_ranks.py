@@ -1,5 +1,5 @@
 """--tensor-parallel-size on the CPU: two processes over gloo give one process's greedy tokens
-and log-probs (every family; gpu and offload; bf16, fp8 and int4 experts; across preemption
+and log-probs (every family; gpu, offload, uva, cpu and hybrid; bf16, fp8 and int4 experts; across preemption
 and prefix-cache hits; behind the server), each rank holds only its share of the experts, and a
 rank that dies or raises ends the run with one clear line instead of a hang."""
 
@@ -64,6 +64,23 @@ def test_every_other_family_splits_its_experts_with_one_process_tokens(checkpoin
     one = LLM(path, moe_strategy="offload", **CPU).generate(PROMPTS[:2], params)
     with LLM(path, moe_strategy="offload", tensor_parallel_size=2, **CPU) as llm:
         _same_generations(one, llm.generate(PROMPTS[:2], params))
+
+
+@pytest.mark.parametrize("strategy,dtype", [("cpu", "float32"), ("hybrid", "bfloat16")])
+def test_the_host_channel_computes_each_ranks_share(checkpoints, strategy, dtype):
+    """cpu (the reference host path in float32) and hybrid (the compiled host kernel in bf16,
+    half of each rank's misses on the host): every rank's host channel computes the routes to
+    its own experts, the others' routes go to neither of its channels."""
+    path = checkpoints("qwen3_moe")
+    experts = FAMILIES["qwen3_moe"].num_experts
+    extra = {"moe_host_share": 0.5} if strategy == "hybrid" else {}
+    one = LLM(path, moe_strategy=strategy, dtype=dtype, device="cpu", moe_collect_stats=True,
+              **({"moe_cache_slots": experts} if extra else {}), **extra)
+    want = one.generate(PROMPTS, GREEDY)
+    assert one.engine.runner.strategy.stats()["host_experts"] > 0
+    with LLM(path, moe_strategy=strategy, tensor_parallel_size=2, dtype=dtype, device="cpu",
+             **({"moe_cache_slots": experts // 2} if extra else {}), **extra) as llm:
+        _same_generations(want, llm.generate(PROMPTS, GREEDY))
 
 
 def test_int4_experts_split_with_one_process_tokens(checkpoints):
@@ -178,8 +195,8 @@ def test_the_option_is_checked_before_any_rank_starts(checkpoints):
     with pytest.raises(ConfigError, match=r"^--tensor-parallel-size 3 splits .* the model has 8: give a size that "
                                           r"divides them$"):
         LLM(path, tensor_parallel_size=3, **CPU)
-    with pytest.raises(ConfigError, match=r"^--tensor-parallel-size 2 with --moe-strategy cpu is not built yet"):
-        LLM(path, tensor_parallel_size=2, moe_strategy="cpu", **CPU)
+    with pytest.raises(ConfigError, match=r"^--tensor-parallel-size 2 with --moe-prefetch router is not built yet"):
+        LLM(path, tensor_parallel_size=2, moe_strategy="offload", moe_prefetch="router", **CPU)
 
 
 def test_the_server_serves_two_ranks_as_one_process(model_cache):

@@ -101,3 +101,20 @@ def test_a_new_split_written_in_place_is_the_one_read(impl):
     assert counts == [0, 4, 8]
     with pytest.raises(ValueError, match="float32"):
         split_routes(ids, slot_of, split.double(), torch.zeros(1, dtype=torch.int64), impl=impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_routes_outside_the_layer_go_to_neither_channel(impl):
+    """Another rank's routes (-1) are counted nowhere and stay -1 in both outputs; the others
+    split as they would alone (the same experts, so the same share)."""
+    slot_of = torch.full((8,), -1, dtype=torch.int32)
+    ids = torch.tensor([[0, -1, 2, -1], [-1, 3, 5, -1]])
+    alone = torch.tensor([[0, 2], [3, 5]])
+    split = split_values(0.5)
+    host, device, count = split_routes(ids, slot_of, split, torch.zeros(1, dtype=torch.int64), impl=impl)
+    want_host, want_device, want_count = split_routes(alone, slot_of, split, torch.zeros(1, dtype=torch.int64),
+                                                      impl=impl)
+    outside = ids < 0
+    assert bool((host[outside] == -1).all()) and bool((device[outside] == -1).all())
+    assert torch.equal(host[~outside], want_host.reshape(-1)) and torch.equal(device[~outside], want_device.reshape(-1))
+    assert int(count) == int(want_count) == 2

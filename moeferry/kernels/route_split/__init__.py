@@ -10,7 +10,9 @@ routes name that are not resident (slot_of_layer[e] < 0), the host takes the fir
 max(0, floor(misses * host_share - host_offset + 0.5)) in expert order starting at expert
 `rotation[0]`, and every route to one of them. `host_ids` is `topk_ids`
 with -1 where the device computes the route, `device_ids` the reverse (same dtype and shape),
-so each route is computed by exactly one channel and a resident expert always by the device.
+so each route is computed by exactly one channel and a resident expert always by the device;
+a route outside [0, E) (-1: another rank's under --tensor-parallel-size) is counted nowhere and
+stays -1 in both.
 `host_count` (int64 [1]) is n's realised value (the distinct experts the host takes). Then
 rotation[0] = (rotation[0] + 1) % E, so no expert is always the host's, and `tally[0] +=
 host_count` when a tally (int64 [1], e.g. one layer's entry of a per-layer counter) is given.

@@ -6,9 +6,10 @@ import torch
 
 
 def split_routes(topk_ids, slot_of_layer, split, rotation, tally):
-    ids = topk_ids.long()
     num_experts = slot_of_layer.shape[0]
-    missing_route = (slot_of_layer[ids] < 0).to(torch.int32).reshape(-1)
+    valid = (topk_ids >= 0) & (topk_ids < num_experts)  # others (-1: another rank's) go to neither channel
+    ids = torch.where(valid, topk_ids, torch.zeros_like(topk_ids)).long()
+    missing_route = ((slot_of_layer[ids] < 0) & valid).to(torch.int32).reshape(-1)
     missed = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
     missed.index_add_(0, ids.reshape(-1), missing_route)
     missed = (missed > 0).to(torch.int32)
@@ -21,6 +22,6 @@ def split_routes(topk_ids, slot_of_layer, split, rotation, tally):
     host_count = host_expert.sum(dtype=torch.int64).reshape(1)
     if tally is not None:
         tally += host_count
-    host_route = host_expert[ids]
+    host_route = host_expert[ids] & valid
     minus_one = torch.full_like(topk_ids, -1)
     return torch.where(host_route, topk_ids, minus_one), torch.where(host_route, minus_one, topk_ids), host_count

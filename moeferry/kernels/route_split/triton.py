@@ -30,8 +30,9 @@ def _split_routes_kernel(ids_ptr, slot_ptr, host_ids_ptr, device_ids_ptr, count_
     tl.debug_barrier()
     for start in range(0, num_routes, BLOCK_R):
         r = start + tl.arange(0, BLOCK_R)
-        ids = tl.load(ids_ptr + r, mask=r < num_routes, other=0)
-        tl.store(flags_ptr + ids, tl.full([BLOCK_R], 1, tl.int32), mask=r < num_routes)
+        ids = tl.load(ids_ptr + r, mask=r < num_routes, other=-1)
+        valid = (r < num_routes) & (ids >= 0) & (ids < num_experts)
+        tl.store(flags_ptr + ids, tl.full([BLOCK_R], 1, tl.int32), mask=valid)
     tl.debug_barrier()
     routed = tl.load(flags_ptr + e, mask=is_expert, other=0)
     slot = tl.load(slot_ptr + e, mask=is_expert, other=0)
@@ -55,8 +56,9 @@ def _split_routes_kernel(ids_ptr, slot_ptr, host_ids_ptr, device_ids_ptr, count_
     for start in range(0, num_routes, BLOCK_R):
         r = start + tl.arange(0, BLOCK_R)
         in_range = r < num_routes
-        ids = tl.load(ids_ptr + r, mask=in_range, other=0)
-        on_host = tl.load(flags_ptr + ids, mask=in_range, other=0) > 0
+        ids = tl.load(ids_ptr + r, mask=in_range, other=-1)
+        valid = in_range & (ids >= 0) & (ids < num_experts)
+        on_host = tl.load(flags_ptr + ids, mask=valid, other=0) > 0
         tl.store(host_ids_ptr + r, tl.where(on_host, ids, -1), mask=in_range)
         tl.store(device_ids_ptr + r, tl.where(on_host, -1, ids), mask=in_range)
 
