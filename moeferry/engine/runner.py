@@ -200,9 +200,15 @@ class ModelRunner:
     # ---- forward -------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """One eager forward: the strategy's per-forward bookkeeping, then the model."""
+        """One eager forward: the float32 logits of the batch's logits rows."""
+        return self.model.logits(self.hidden(batch))
+
+    @torch.inference_mode()
+    def hidden(self, batch: ForwardBatch) -> torch.Tensor:
+        """One eager forward to the final hidden states of the logits rows: the strategy's
+        per-forward bookkeeping, then the model's layers and its final norm."""
         self.strategy.begin_forward(batch.is_decode, batch.num_rows)
-        return self.model(batch, self.kv)
+        return self.model.hidden(batch, self.kv)
 
     @torch.inference_mode()
     def run_prefill(self, chunks) -> PrefillOutput:
@@ -212,8 +218,7 @@ class ModelRunner:
         spans = prompt_spans(chunks)
         batch = self.prefill_batch(chunks, spans)
         with self._recorded(False, batch.num_rows):
-            self.strategy.begin_forward(False, batch.num_rows)
-            hidden = self.model.hidden(batch, self.kv)
+            hidden = self.hidden(batch)
         out = PrefillOutput(self.model.logits(hidden[:len(chunks)]))
         row = len(chunks)
         for span in spans:
