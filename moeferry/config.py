@@ -91,8 +91,8 @@ class Bound(NamedTuple):
 
 
 RANGES = {
-    "seed": Bound(0, 2**32 - 1),
-    "tensor_parallel_size": Bound(1),  # the dummy weights' generators take seed * 1000 + layer: keep it in 64 bits
+    "seed": Bound(0, 2**32 - 1),  # the dummy weights' generators take seed * 1000 + layer: keep it in 64 bits
+    "tensor_parallel_size": Bound(1),
     "memory_ratio": Bound(0, 1, low_open=True),
     "gpu_memory_utilization": Bound(0, 1, low_open=True),
     "cpu_offload_gb": Bound(0, low_open=True),

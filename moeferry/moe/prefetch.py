@@ -26,9 +26,9 @@ instead (`predict_from`).
 
 from __future__ import annotations
 
-import torch
-
 from typing import Callable
+
+import torch
 
 PREFETCH_MODES = ("off", "router")
 
@@ -107,7 +107,7 @@ class Prefetch:
         self.given: torch.Tensor | None = None
         self.store = self.stream = self.counts = None
         self.in_flight = False  # copies forked onto the side stream and not yet joined
-        self.next_layer: dict[int, int] = {}
+        self.next_layer: dict[int, int] = {}  # model layer id -> the next MoE layer's, whose experts it predicts
 
     def attach_predictor(self, layer_id: int, predict: Callable[[torch.Tensor, int], torch.Tensor]) -> None:
         """Layer `layer_id`'s predictor: (hidden [T, H], width) -> expert ids [T, width]."""
@@ -133,8 +133,9 @@ class Prefetch:
         self.in_flight = False
 
     def observe(self, layer_id: int, topk_ids: torch.Tensor) -> None:
-        """Count a layer's routes against its prediction (no layer predicts the first)."""
-        if self.counts is not None and layer_id != min(self.store.moe_layer_of):
+        """Count a layer's routes against its prediction (the first MoE layer, which nothing
+        predicts, is left out)."""
+        if self.counts is not None and self.store.moe_layer_of[layer_id] > 0:
             self.counts.observe(self.store.moe_layer_of[layer_id], topk_ids)
 
     def ahead(self, layer_id: int, hidden: torch.Tensor, routes: int) -> None:

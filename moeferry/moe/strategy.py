@@ -154,12 +154,12 @@ class MoEStrategy:
                 is_decode: bool, sum_routes: bool = True) -> torch.Tensor:
         """The routed experts' output [T, H] (sum_routes=False: the weighted per-route outputs
         [T, K, H], as fused_moe gives them). Split across ranks: this rank's routes (the others
-        weighted 0 and left out of admission), then every rank's added (moe/shard.py)."""
+        left out of admission; whatever their rows compute, all_routes zeroes them), then every
+        rank's added (moe/shard.py)."""
         if self.shard is None:
             return self._forward(layer_id, hidden, topk_weights, topk_ids, is_decode, sum_routes)
         local_ids, owned = self.shard.localize(topk_ids, self.layer_experts)
-        routes = self._forward(layer_id, hidden, topk_weights.masked_fill(~owned, 0.0), local_ids, is_decode,
-                               sum_routes=False)
+        routes = self._forward(layer_id, hidden, topk_weights, local_ids, is_decode, sum_routes=False)
         return _summed(self.shard.all_routes(routes, owned), hidden.dtype, sum_routes)
 
     def _forward(self, layer_id, hidden, topk_weights, topk_ids, is_decode, sum_routes):
@@ -185,7 +185,7 @@ class MoEStrategy:
         return ahead
 
     def _on_device(self, hidden, banks: ExpertBanks, topk_weights, rows, sum_routes: bool) -> torch.Tensor:
-        if self.shard is not None:  # another rank's routes: row -1, weight 0 (joins no group)
+        if self.shard is not None:  # another rank's routes (row -1) read row 0, zeroed by all_routes
             rows = rows.clamp(min=0)
         # tiles sized by the layer's expert count, a rank's share or not: the same bits either way
         return fused_moe(hidden, banks.w13, banks.w2, topk_weights, rows,
@@ -195,8 +195,8 @@ class MoEStrategy:
     def _streamed(self, layer_id, hidden, topk_weights, topk_ids, sum_routes):
         """The chunk's layer over the slots and the stream buffer at once (moe/layer_stream.py)."""
         banks, row_of = self.prefill.streamed(layer_id)
+        # (-1: another rank's route, read at row 0 and zeroed by all_routes)
         rows = row_of.index_select(0, topk_ids.reshape(-1).clamp(min=0)).view(topk_ids.shape)
-        rows = rows.masked_fill(topk_ids < 0, -1)  # another rank's routes (weight 0)
         out = self._on_device(hidden, banks, topk_weights, rows, sum_routes)
         self.prefill.release(layer_id)
         return out

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from moeferry.layers.linear import Linear
-from moeferry.layers.moe import predict_experts, router_scores  # noqa: F401 (the predictor's home)
+from moeferry.layers.moe import predict_experts
 
 INPUTS = ("moe_input", "residual", "residual_input_norm")
 
