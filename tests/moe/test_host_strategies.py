@@ -17,26 +17,17 @@ PROMPTS = [[5, 17, 33, 2, 9, 71, 40], [88, 3], [12, 60, 61, 62, 7, 1, 90, 45, 23
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=FAMILIES, ids=[n for n, _ in FAMILIES])
-def ckpt(request, tmp_path_factory):
-    name, config = request.param
-    path = str(tmp_path_factory.mktemp(name))
-    make_checkpoint(config, path)
-    experts = getattr(config, "num_experts", None) or config.num_local_experts
-    return path, experts
-
-
 def tokens(llm):
     return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cpu_and_hybrid_generate_what_gpu_generates(ckpt, dtype):
+def test_cpu_and_hybrid_generate_what_gpu_generates(family_ckpt, dtype):
     """A bf16 model's host routes run in the compiled kernel, every family's experts (gpt-oss's
     biases and clamped SwiGLU too); a float32 model's through the reference."""
     from moeferry.kernels.fused_moe import host as host_kernel
 
-    path, experts = ckpt
+    path, experts = family_ckpt
     want = tokens(LLM(path, dtype=dtype, device="cpu"))
     cpu = LLM(path, dtype=dtype, device="cpu", moe_strategy="cpu")
     assert cpu.engine.runner.strategy.host.channel.compiled == (dtype == "bfloat16")
@@ -79,28 +70,13 @@ def test_host_flags_are_refused_where_nothing_reads_them(options, message, monke
         LLM(device="cpu", **options)
 
 
-def test_cpu_prefill_streams_long_chunks_and_computes_short_ones_on_the_host(ckpt):
-    path, _ = ckpt
+def test_cpu_prefill_streams_long_chunks_and_computes_short_ones_on_the_host(family_ckpt):
+    path, _ = family_ckpt
     llm = LLM(path, dtype="float32", device="cpu", moe_strategy="cpu")
     strategy = llm.engine.runner.strategy
     want = tokens(LLM(path, dtype="float32", device="cpu"))
     assert tokens(llm) == want
     assert strategy.stats()["prefill_chunks"]["stream"] > 0  # the default: every chunk streamed
-
-
-@pytest.fixture(scope="module", params=["fp8", "int4", "mxfp4"])
-def quantized_ckpt(request, tmp_path_factory):
-    """(path, engine options, experts) of a tiny Qwen3-MoE in each quantized expert format: the
-    fp8 and int4 checkpoint layouts (tests/models), mxfp4 by --quantization at load."""
-    from tests.support.fixtures import make_fp8_checkpoint, make_int4_checkpoint
-
-    config = dict(FAMILIES)["qwen3_moe"]
-    path = str(tmp_path_factory.mktemp(request.param))
-    make = {"fp8": lambda: make_fp8_checkpoint(config, path, seed=3, block_shape=(16, 16)),
-            "int4": lambda: make_int4_checkpoint(config, path, seed=5, group_size=16),
-            "mxfp4": lambda: make_checkpoint(config, path, seed=7)}[request.param]
-    make()
-    return path, {"quantization": "mxfp4"} if request.param == "mxfp4" else {}, config.num_experts
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -17,14 +17,6 @@ PROMPTS = [[5, 17, 33, 2, 9, 71, 40], [88, 3], [12, 60, 61, 62, 7, 1, 90, 45, 23
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=FAMILIES, ids=[n for n, _ in FAMILIES])
-def ckpt(request, tmp_path_factory):
-    name, config = request.param
-    path = str(tmp_path_factory.mktemp(name))
-    make_checkpoint(config, path)
-    return path, getattr(config, "num_experts", None) or config.num_local_experts
-
-
 def tokens(llm, prompts=PROMPTS):
     return [o.token_ids for o in llm.generate(prompts, GREEDY)]
 
@@ -56,8 +48,8 @@ def assert_counts_add_up(prefetch: dict) -> None:
     assert prefetch["predicted_hit"] <= prefetch["routed"]
 
 
-def test_offload_with_prefetch_generates_what_gpu_generates(ckpt):
-    path, experts = ckpt
+def test_offload_with_prefetch_generates_what_gpu_generates(family_ckpt):
+    path, experts = family_ckpt
     gpu, options = gpu_and_room(path)
     llm = prefetching(path, experts, **options)
     assert tokens(llm) == tokens(gpu)
@@ -68,26 +60,14 @@ def test_offload_with_prefetch_generates_what_gpu_generates(ckpt):
     assert prefetch["per_layer_recall"][0] is None  # nothing predicts the first MoE layer
 
 
-def test_hybrid_with_prefetch_generates_what_gpu_generates(ckpt):
-    path, experts = ckpt
+def test_hybrid_with_prefetch_generates_what_gpu_generates(family_ckpt):
+    path, experts = family_ckpt
     gpu, options = gpu_and_room(path)
     llm = prefetching(path, experts, "hybrid", moe_host_share=0.5, **options)
     assert tokens(llm) == tokens(gpu)
     stats = llm.engine.runner.strategy.stats()
     assert stats["host_experts"] > 0 and stats["prefetch"]["copied"] > 0
     assert_counts_add_up(stats["prefetch"])
-
-
-@pytest.fixture(scope="module", params=["fp8", "int4", "mxfp4"])
-def quantized_ckpt(request, tmp_path_factory):
-    from tests.support.fixtures import make_fp8_checkpoint, make_int4_checkpoint
-
-    config = dict(FAMILIES)["qwen3_moe"]
-    path = str(tmp_path_factory.mktemp(request.param))
-    {"fp8": lambda: make_fp8_checkpoint(config, path, seed=3, block_shape=(16, 16)),
-     "int4": lambda: make_int4_checkpoint(config, path, seed=5, group_size=16),
-     "mxfp4": lambda: make_checkpoint(config, path, seed=7)}[request.param]()
-    return path, {"quantization": "mxfp4"} if request.param == "mxfp4" else {}, config.num_experts
 
 
 def test_prefetch_over_quantized_experts_generates_what_gpu_generates(quantized_ckpt):
@@ -161,10 +141,10 @@ def test_an_always_right_predictor_leaves_no_decode_miss_past_the_first_layer(tm
     assert_counts_add_up(prefetch)
 
 
-def test_no_room_beside_the_computing_layer_means_no_lookahead(ckpt):
+def test_no_room_beside_the_computing_layer_means_no_lookahead(family_ckpt):
     """A cache of one layer's experts cannot take a second layer's beside the first: prefetch
     stands aside and the tokens are still gpu's."""
-    path, experts = ckpt
+    path, experts = family_ckpt
     want = tokens(LLM(path, dtype="float32", device="cpu"))
     llm = LLM(path, dtype="float32", device="cpu", moe_strategy="offload", moe_cache_slots=experts,
               moe_prefetch="router", moe_collect_stats=True)
