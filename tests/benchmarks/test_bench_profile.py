@@ -1,0 +1,39 @@
+"""The decode profile's arithmetic over a trace's device events (the profiler itself needs a GPU)."""
+
+from benchmarks.bench_profile import device_events, intersection, step_summary, union, variants, parse_args
+
+
+def kernel(name, ts, dur, cat="kernel"):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+
+def test_union_and_intersection_of_intervals():
+    assert union([(5, 7), (0, 2), (1, 3), (7, 8)]) == [(0, 3), (5, 8)]
+    assert intersection([(0, 3), (5, 8)], [(2, 6), (7, 10)]) == 1 + 1 + 1
+
+
+def test_step_summary_splits_copy_compute_overlap_and_idle():
+    events = [kernel("_gather_rows_kernel", 0, 10), kernel("fused_moe_kernel", 5, 10),
+              kernel("rms_norm", 20, 5), kernel("Memcpy HtoD (Pinned -> Device)", 30, 10, cat="gpu_memcpy"),
+              kernel("_gather_rows_kernel", 100, 10), kernel("fused_moe_kernel", 105, 10),
+              kernel("rms_norm", 120, 5), kernel("Memcpy HtoD (Pinned -> Device)", 130, 10, cat="gpu_memcpy")]
+    s = step_summary(events, steps=2)
+    assert s["window"] == 140 / 2
+    assert s["copy"] == 20 and s["compute"] == 15 and s["overlap"] == 5
+    assert s["busy"] == 30 and s["idle"] == 70 - 30
+    names = [k[0] for k in s["kernels"]]
+    assert names[0] in ("_gather_rows_kernel", "fused_moe_kernel", "Memcpy HtoD (Pinned -> Device)")
+    assert dict((n, (c, t)) for n, c, t in s["kernels"])["rms_norm"] == (1.0, 5.0)
+
+
+def test_only_device_events_count():
+    trace = {"traceEvents": [kernel("k", 0, 1), kernel("cudaLaunchKernel", 0, 1, cat="cuda_runtime"),
+                             {"ph": "i", "cat": "kernel", "name": "x", "ts": 0}]}
+    assert [e["name"] for e in device_events(trace)] == ["k"]
+    assert step_summary([], 1)["busy"] == 0.0
+
+
+def test_rows_take_a_lookahead_and_statistics_only_over_a_slot_cache():
+    args = parse_args(["--strategies", "gpu", "offload", "--prefetch", "off", "oracle", "--stats", "on", "off"])
+    rows = variants(args)
+    assert rows[0] == ("gpu", "off", "off") and len(rows) == 1 + 4
