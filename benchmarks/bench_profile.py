@@ -121,9 +121,7 @@ def make_engine(config_dir, args, strategy: str, prefetch: str, stats: str):
     s = engine.runner.strategy
     if s.store.admits:
         s.store.build_cache(share_slots(engine, args.share))
-        s.store.cache.set_statistics(stats == "on")
-    if s.prefetch is not None and stats == "off":
-        s.prefetch.counts = None
+    s.set_statistics(stats == "on")
     forced = force_routing(engine, args.routing, args.routing_seed,
                            oracle_recall=args.oracle_recall if prefetch == "oracle" else None)
     if prefetch == "oracle":

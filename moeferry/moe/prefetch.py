@@ -117,8 +117,14 @@ class Prefetch:
         order = sorted(store.banks)
         self.store, self.next_layer = store, dict(zip(order, order[1:]))
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        if self.collect_stats:
-            self.counts = PrefetchCounts(len(order), store.model_config.num_experts, device)
+        self.set_statistics(self.collect_stats)
+
+    def set_statistics(self, on: bool) -> None:
+        """Count predictions from now on (fresh counters) or stop counting; recapture decode
+        graphs after this."""
+        self.collect_stats = on
+        self.counts = PrefetchCounts(len(self.store.banks), self.store.model_config.num_experts,
+                                     self.store.device) if on else None
 
     def predict_from(self, predictions: torch.Tensor | None) -> None:
         """Predictions given by the caller, [L, rows, width] in MoE-layer order, read for the

@@ -139,6 +139,15 @@ class MoEStrategy:
         if self.host is not None:
             self.host.restart()
 
+    def set_statistics(self, on: bool) -> None:
+        """Count the slot cache's admissions and the prefetch's predictions from now on (fresh
+        counters), or stop counting, as --moe-collect-stats would have it. Both are compiled into
+        the decode graphs: recapture them after this."""
+        if self.store.admits:
+            self.store.cache.set_statistics(on)
+        if self.prefetch is not None:
+            self.prefetch.set_statistics(on)
+
     def record_routes(self, layer_id: int, topk_ids: torch.Tensor) -> None:
         """Hand a layer's routes, before `forward` sees them, to the routing recorder if there
         is one: device work only, so it runs inside a decode graph (routing/recorder.py)."""

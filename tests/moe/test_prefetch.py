@@ -152,6 +152,29 @@ def test_no_room_beside_the_computing_layer_means_no_lookahead(family_ckpt):
     assert llm.engine.runner.strategy.stats()["prefetch"]["predicted"] == 0
 
 
+def test_statistics_switch_off_and_on_again_with_fresh_counters(tmp_path):
+    """MoEStrategy.set_statistics: off, nothing is counted (and no counter is left to read);
+    on again, counting starts from zero; the tokens never change."""
+    path = str(tmp_path / "ckpt")
+    config = dict(FAMILIES)["qwen3_moe"]
+    make_checkpoint(config, path)
+    llm = prefetching(path, config.num_experts)
+    strategy = llm.engine.runner.strategy
+    want = tokens(llm)
+    counted = strategy.stats()["prefetch"]
+    assert counted["copied"] > 0
+    strategy.set_statistics(False)
+    assert tokens(llm) == want
+    stats = strategy.stats()
+    assert "decode" not in stats and "copied" not in stats["prefetch"]
+    strategy.set_statistics(True)
+    assert tokens(llm, PROMPTS[:1]) == want[:1]
+    fresh = strategy.stats()
+    assert 0 < fresh["prefetch"]["predicted"] < counted["predicted"]
+    assert 0 < fresh["decode"]["total"]["distinct"]
+    assert_counts_add_up(fresh["prefetch"])
+
+
 def test_prefetch_statistics_reach_v1_stats_and_metrics(tmp_path):
     from prometheus_client.parser import text_string_to_metric_families
 
