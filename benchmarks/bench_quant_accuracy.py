@@ -32,6 +32,10 @@ def parse_args(argv):
     p.add_argument("--window", type=int, default=256, help="tokens per forward")
     p.add_argument("--max-tokens", type=int, default=None, help="score only the first this many held-out tokens")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--host", action="store_true",
+                   help="instead: the host expert kernel (`cpu` strategy, bf16) on int4 and mxfp4 experts with bf16 "
+                        "and int8 activations, each against the format's device path in bf16 (section "
+                        "quant-accuracy/host; runs on the CPU)")
     add_results_flag(p)
     return p.parse_args(argv)
 
@@ -94,18 +98,60 @@ def run(args) -> list[list]:
     return rows
 
 
+HOST_HEADER = ["format", "host activations", "device path perplexity", "host perplexity", "vs device path",
+               "max abs logit diff", "mean abs logit diff"]
+
+
+def host_rows(args) -> list[list]:
+    """Per 4-bit format: the held-out perplexity through the host expert kernel (the `cpu`
+    strategy, every prefill chunk on demand, so the host kernel computes every route) with
+    each activation precision, against the same format's device path (`gpu`), both bf16."""
+    from moeferry import LLM
+
+    common = dict(device="cpu", dtype="bfloat16", max_running_requests=1, max_model_len=args.window + 8,
+                  num_tokens=args.window + 64)
+    rows = []
+    for fmt in [f for f in args.formats if f in ("int4", "mxfp4")]:
+        device_path = LLM(None, quantization=fmt, **common)
+        ids = held_out_ids(device_path.tokenizer, args.max_tokens)
+        base_ppl, base_logits = score(device_path, ids, args.window)
+        described = device_path.engine.runner.strategy.format_description()
+        del device_path
+        for activations in ("bf16", "int8"):
+            llm = LLM(None, quantization=fmt, moe_strategy="cpu", moe_host_activations=activations,
+                      moe_prefill_demand_tokens=args.window, **common)
+            ppl, logits = score(llm, ids, args.window)
+            diffs = torch.cat([(a - b).abs().flatten() for a, b in zip(logits, base_logits)])
+            rows.append([described, activations, f"{base_ppl:.3f}", f"{ppl:.3f}", f"{100 * (ppl / base_ppl - 1):+.2f}%",
+                         f"{diffs.max().item():.4f}", f"{diffs.mean().item():.5f}"])
+            print(rows[-1], flush=True)
+            del llm
+    return rows
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_quant_accuracy: --device cuda asked for; no CUDA GPU found, nothing measured.")
         return 0
+    command = command_line("benchmarks.bench_quant_accuracy", argv)
+    if args.host:
+        notes = (f"moeferry-tiny-moe (the built-in trained model), bf16, on the CPU; held-out text in windows of "
+                 f"{args.window} tokens, every chunk's routes on the host kernel (`cpu`, "
+                 "--moe-prefill-demand-tokens at the window); device path: `gpu`, the same format, torch's "
+                 "reference kernels in bf16. int8: activations quantized per token and group of the weights' "
+                 "scales, integer dots (kernels/fused_moe/host_experts.cpp). Target: the int8 path within +1% "
+                 "of the device path.")
+        report("quant-accuracy/host", "Accuracy of the host expert kernel's activation precisions", command,
+               markdown_table(HOST_HEADER, host_rows(args)), notes, args.results)
+        return 0
     rows = run(args)
     notes = (f"moeferry-tiny-moe (the built-in trained model), its routed experts in each format, dense weights "
              f"unquantized; {args.device}, {'float32 reference kernels' if args.device == 'cpu' else 'bf16 Triton'}; "
              f"held-out text in windows of {args.window} tokens; logit differences against the unquantized row over "
              f"every position. Target: perplexity <= +1% (fp8), <= +5% (int4, mxfp4).")
-    report("quant-accuracy", "Accuracy per expert format", command_line("benchmarks.bench_quant_accuracy", argv),
+    report("quant-accuracy", "Accuracy per expert format", command,
            markdown_table(HEADER, rows), notes, args.results)
     return 0
 

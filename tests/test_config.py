@@ -46,7 +46,7 @@ def _reader_of(name: str) -> dict:
     (dict(moe_timeline=True), "--moe-timeline is read only by --moe-strategy hybrid"),
     (dict(moe_strategy="offload", moe_host_schedule="static"), "--moe-host-schedule is read only by --moe-strategy hybrid or cpu"),
     (dict(moe_strategy="hybrid", moe_host_staging="copy"), "--moe-host-dispatch mailbox stages by kernel only"),
-    (dict(moe_strategy="offload", moe_host_activations="int8"), "--moe-host-activations is read only by --moe-strategy hybrid or cpu"),
+    (dict(moe_strategy="offload", moe_host_activations="bf16"), "--moe-host-activations is read only by --moe-strategy hybrid or cpu"),
     (dict(moe_strategy="cpu", moe_host_activations="int4"), "--moe-host-activations 'int4' is unknown; choose one of: bf16, int8"),
     (dict(moe_strategy="uva", moe_uva_block_assignment="grouped"), "--moe-uva-block-assignment 'grouped' is unknown"),
 ])

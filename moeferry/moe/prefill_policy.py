@@ -55,15 +55,15 @@ DEMAND_STRATEGIES = ("offload", "hybrid", "cpu")
 
 def validate_demand_prefill(ec) -> None:
     """Demand prefill takes a chunk's experts the way a decode step does (the slot cache, or
-    the host for `cpu`), which only these strategies on a GPU have; refuse the flag elsewhere
-    rather than ignore it silently."""
+    the host for `cpu`), which only these strategies on a GPU have, and `cpu` on any device
+    (its chunks to the host kernel); refuse the flag elsewhere rather than ignore it silently."""
     value = parse_demand_tokens(ec.moe_prefill_demand_tokens)
-    if value in (0, "0"):
+    if value in (0, "0") or ec.moe_strategy == "cpu":
         return
     if ec.moe_strategy not in DEMAND_STRATEGIES or ec.torch_device.type != "cuda":
         raise ConfigError(
-            f"--moe-prefill-demand-tokens {value} needs GPU decode with --moe-strategy "
-            f"{' or '.join(DEMAND_STRATEGIES)} (got strategy {ec.moe_strategy!r} on {ec.torch_device.type})")
+            f"--moe-prefill-demand-tokens {value} needs GPU decode with --moe-strategy offload or hybrid, or "
+            f"--moe-strategy cpu (got strategy {ec.moe_strategy!r} on {ec.torch_device.type})")
 
 
 @dataclass

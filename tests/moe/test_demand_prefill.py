@@ -129,6 +129,7 @@ def test_demand_prefill_is_refused_without_gpu_offload_decode():
         with pytest.raises(ConfigError, match="needs GPU decode"):
             validate_demand_prefill(ec)
     validate_demand_prefill(EngineConfig(device="cpu", moe_prefill_demand_tokens=0))
+    validate_demand_prefill(EngineConfig(device="cpu", moe_strategy="cpu", moe_prefill_demand_tokens=8))
 
 
 def test_flag_values():
@@ -137,3 +138,22 @@ def test_flag_values():
         parse_demand_tokens("lots")
     with pytest.raises(ConfigError, match=">= 0"):
         parse_demand_tokens(-1)
+
+
+def test_cpu_on_a_cpu_device_takes_short_chunks_to_the_host_channel(tmp_path):
+    """`cpu` with --moe-prefill-demand-tokens on a machine without a GPU: chunks up to the
+    threshold go to the host channel (nothing copied into the stream buffers), longer ones
+    stream, and the tokens are `gpu`'s."""
+    from moeferry import LLM, SamplingParams
+    from tests.support.fixtures import family_configs, make_checkpoint
+
+    path = str(tmp_path / "ckpt")
+    make_checkpoint(dict(family_configs())["qwen3_moe"], path)
+    prompts = [[5, 17, 33, 2, 9, 71, 40], list(range(3, 40))]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    want = [o.token_ids for o in LLM(path, dtype="float32", device="cpu").generate(prompts, greedy)]
+    llm = LLM(path, dtype="float32", device="cpu", moe_strategy="cpu", moe_prefill_demand_tokens=16,
+              max_running_requests=1)
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == want
+    stats = llm.engine.runner.strategy.stats()
+    assert stats["prefill_chunks"]["demand"] >= 1 and stats["prefill_chunks"]["stream"] >= 1

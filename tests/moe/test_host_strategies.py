@@ -83,7 +83,8 @@ def test_cpu_prefill_streams_long_chunks_and_computes_short_ones_on_the_host(fam
 def test_cpu_and_hybrid_compute_quantized_experts_as_gpu_does(quantized_ckpt, dtype):
     """Decode steps through the host channel: a bf16 model's quantized experts in the compiled
     kernel (on this machine `gpu` runs the same kernel: the same bits), a float32 model's
-    through the reference (each step's top log-probs within 1e-5 of `gpu`'s reference path)."""
+    through the reference (each step's top log-probs within 1e-5 of `gpu`'s reference path); the
+    exact host path (--moe-host-activations bf16), the int8 one having its own test."""
     from moeferry.kernels.fused_moe import host as host_kernel
 
     path, options, experts = quantized_ckpt
@@ -96,7 +97,8 @@ def test_cpu_and_hybrid_compute_quantized_experts_as_gpu_does(quantized_ckpt, dt
     want_tokens, want_top = run(LLM(path, dtype=dtype, device="cpu", **options))
     for strategy, kwargs in (("cpu", {}), ("hybrid", dict(moe_cache_slots=experts, moe_host_share=0.5,
                                                            moe_collect_stats=True))):
-        llm = LLM(path, dtype=dtype, device="cpu", moe_strategy=strategy, **options, **kwargs)
+        llm = LLM(path, dtype=dtype, device="cpu", moe_strategy=strategy, moe_host_activations="bf16", **options,
+                  **kwargs)
         channel = llm.engine.runner.strategy.host.channel
         assert channel.compiled == (dtype == "bfloat16")
         calls = host_kernel.timing()["calls"]
