@@ -39,6 +39,8 @@ BENCHMARKS = {
                    "format (bf16, fp8, int4, mxfp4), the exact path against the int8 path",
     "multi_gpu": "decode tokens/s on one GPU and on two (--tensor-parallel-size 2, the experts split) under offload "
                  "at 25% and 50% of the experts resident, uniform or qwen3 routing",
+    "overlap": "a decode layer's GPU work alone and beside expert copies on another stream: the gather kernel at "
+               "several grid sizes and the copy engine, each side's speed",
     "profile": "where a decode step's device time goes: kernels by name, copy and compute time and their overlap, "
                "per strategy, lookahead and statistics setting (torch.profiler)",
     "predictor": "next-layer expert prediction (layer l+1's router on an earlier hidden state): recall of the true "

@@ -26,12 +26,14 @@ class GatherTuning:
     `python -m benchmarks.sweep_gather`.
 
     chunk_bytes: the work item, a chunk of one row; block_bytes: bytes one loop step moves;
-    programs_per_sm: the fixed grid (a call with no misses still launches it); num_warps.
+    programs_per_sm: the fixed grid (a call with no misses still launches it), at most
+    max_programs (0: no cap) programs; num_warps.
     """
 
     chunk_bytes: int = 64 * 1024
     block_bytes: int = 16 * 1024
     programs_per_sm: int = 1
+    max_programs: int = 0
     num_warps: int = 8
 
 

@@ -94,11 +94,13 @@ def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _num_programs(work_items: int, device: torch.device, programs_per_sm: int) -> int:
+def _num_programs(work_items: int, device: torch.device, tuning: GatherTuning) -> int:
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return max(1, min(work_items, programs_per_sm * _multiprocessors(index)))
-    return max(1, min(work_items, 8))
+        grid = tuning.programs_per_sm * _multiprocessors(index)
+    else:
+        grid = 8
+    return max(1, min(work_items, grid, tuning.max_programs or grid))
 
 
 def _launch(pairs, plan_src, plan_dst, plan_count, tuning: GatherTuning) -> None:
@@ -116,7 +118,7 @@ def _launch(pairs, plan_src, plan_dst, plan_count, tuning: GatherTuning) -> None
         unused = tuple(torch.empty(1, dtype=t.dtype, device=pairs[0][1].device) for t in pairs[0])
         pairs, row_words, chunks = pairs + [unused], row_words + [1], chunks + [0]
     (src0, dst0), (src1, dst1) = pairs
-    num_programs = _num_programs(plan_src.numel() * sum(chunks), dst0.device, tuning.programs_per_sm)
+    num_programs = _num_programs(plan_src.numel() * sum(chunks), dst0.device, tuning)
     needs_host_pointer = src0.device.type == "cpu" and dst0.device.type == "cuda"
 
     def run(wrap):
