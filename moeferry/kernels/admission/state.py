@@ -53,7 +53,8 @@ class SlotState:
     ``clock[1]`` int64. Plan: ``plan_src[P]``, ``plan_dst[P]`` int32, ``plan_count[1]`` int32
     with ``P = min(E, max_routes)``; a lookahead admission's own plan ``ahead_src``,
     ``ahead_dst[P]``, ``ahead_count[1]`` (its copies run beside the next call's, so they
-    never share a plan). Output: ``slot_ids[max_routes]`` int32. Scratch for the
+    never share a plan), views of one buffer ``ahead_plan[1 + 2P]`` (count, sources,
+    destinations) that a copy engine stages to the host in one copy. Output: ``slot_ids[max_routes]`` int32. Scratch for the
     Triton kernel (the reference does not touch it): ``expert_mark[E]`` int64,
     ``slot_key[S]`` int64, ``victim_key[P]`` int64, ``victim_slot[P]`` int32,
     ``ordered_victims[P]`` int32.
@@ -70,6 +71,7 @@ class SlotState:
     ahead_src: torch.Tensor
     ahead_dst: torch.Tensor
     ahead_count: torch.Tensor
+    ahead_plan: torch.Tensor
     slot_ids: torch.Tensor
     expert_mark: torch.Tensor
     slot_key: torch.Tensor
@@ -90,6 +92,7 @@ class SlotState:
         def buf(n, dtype, fill=0):
             return torch.full(n, fill, dtype=dtype, device=device)
 
+        ahead_plan = buf((1 + 2 * plan_size,), torch.int32)
         return cls(
             slot_of=buf((num_layers, num_experts), torch.int32, -1),
             owner_of=buf((num_slots,), torch.int32, -1),
@@ -99,9 +102,10 @@ class SlotState:
             plan_src=buf((plan_size,), torch.int32),
             plan_dst=buf((plan_size,), torch.int32),
             plan_count=buf((1,), torch.int32),
-            ahead_src=buf((plan_size,), torch.int32),
-            ahead_dst=buf((plan_size,), torch.int32),
-            ahead_count=buf((1,), torch.int32),
+            ahead_src=ahead_plan[1:1 + plan_size],
+            ahead_dst=ahead_plan[1 + plan_size:],
+            ahead_count=ahead_plan[:1],
+            ahead_plan=ahead_plan,
             slot_ids=buf((max_routes,), torch.int32, -1),
             expert_mark=buf((num_experts,), torch.int64),
             slot_key=buf((num_slots,), torch.int64),

@@ -22,16 +22,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from moeferry.kernels import cpp_build
 from moeferry.kernels.fused_moe import SILU, Activation, check_options, reference
 
 __all__ = ["ACTIVATIONS", "ACTIVATIONS_PRECISIONS", "BIAS_FORMATS", "FORMATS", "INT8_ISAS", "VECTOR_ISAS",
@@ -95,39 +91,14 @@ DEFAULT_ACTIVATIONS = "bf16"
 INT8_ISAS = {"portable": 0, "avx2": 1, "avx512_vnni": 2}
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("MOEFERRY_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "moeferry")
-    return Path(root) / "host_kernels"
-
-
-def _compiler() -> str:
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if not cxx:
-        raise HostKernelUnavailable("the host expert kernel needs a C++ compiler (g++): none on PATH")
-    return cxx
-
-
 @functools.lru_cache(maxsize=None)
 def library() -> ctypes.CDLL:
     """The compiled kernel, built once per (source, compiler, flags, CPU model) and cached on
     disk; a build happens at most once per machine and source version."""
-    cxx = _compiler()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    cpu = Path("/proc/cpuinfo").read_text(errors="replace") if Path("/proc/cpuinfo").exists() else ""
-    cpu_model = next((line for line in cpu.splitlines() if line.startswith("model name")), "")
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, version, *FLAGS, cpu_model]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"moeferry_host_experts_{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            done = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True)
-            if done.returncode != 0:
-                raise HostKernelUnavailable(f"building the host expert kernel failed: {done.stderr.strip()[-400:]}")
-            os.replace(built, target)  # atomic: a concurrent build never loads half a file
-        logger.info("built the host expert kernel: %s", target)
-    lib = ctypes.CDLL(str(target))
+    try:
+        lib = cpp_build.build(SOURCE, FLAGS, "moeferry_host_experts")
+    except cpp_build.BuildUnavailable as exc:
+        raise HostKernelUnavailable(f"the host expert kernel: {exc}") from None
     lib.moe_host_run.argtypes = [ctypes.c_void_p]
     lib.moe_host_run.restype = None
     lib.moe_host_has_avx512_bf16.restype = ctypes.c_int
