@@ -10,7 +10,9 @@
 // mailbox, enqueues one host-to-device copy per planned row and bank on a CUDA stream of its
 // own, then a write of the request's number into the mailbox's DONE word ([8]) behind them
 // (cuStreamWriteValue64: it lands once every copy before it has), which the GPU's wait kernel
-// reads. Requests come one at a time (the GPU posts the next after it has seen the last done).
+// reads (where the driver has no stream memory operations, the worker waits for the copies and
+// writes the word itself). Requests come one at a time (the GPU posts the next after it has
+// seen the last done).
 // A failed driver call sets [16] to its error code and still publishes the request done, so
 // the GPU never hangs; the Python side checks that word (copy_engine.py: `failed`).
 //
@@ -37,6 +39,7 @@ using CtxGetCurrent = CUresult (*)(CUcontext*);
 using CtxSetCurrent = CUresult (*)(CUcontext);
 using MemcpyHtoDAsync = CUresult (*)(CUdeviceptr, const void*, size_t, CUstream);
 using StreamWriteValue64 = CUresult (*)(CUstream, CUdeviceptr, uint64_t, unsigned int);
+using StreamSynchronize = CUresult (*)(CUstream);
 
 constexpr int kRequest = 0, kCall = 1, kDone = 8, kError = 16;
 
@@ -45,6 +48,7 @@ struct Driver {
   CtxSetCurrent ctx_set = nullptr;
   MemcpyHtoDAsync memcpy = nullptr;
   StreamWriteValue64 write_value = nullptr;
+  StreamSynchronize synchronize = nullptr;
 };
 
 template <typename F>
@@ -62,7 +66,9 @@ const char* load_driver(Driver* d) {
   d->ctx_set = symbol<CtxSetCurrent>(lib, "cuCtxSetCurrent", nullptr);
   d->memcpy = symbol<MemcpyHtoDAsync>(lib, "cuMemcpyHtoDAsync_v2", "cuMemcpyHtoDAsync");
   d->write_value = symbol<StreamWriteValue64>(lib, "cuStreamWriteValue64_v2", "cuStreamWriteValue64");
-  if (!d->ctx_get || !d->ctx_set || !d->memcpy || !d->write_value) return "a CUDA driver entry point is missing";
+  d->synchronize = symbol<StreamSynchronize>(lib, "cuStreamSynchronize", nullptr);
+  if (!d->ctx_get || !d->ctx_set || !d->memcpy || !d->write_value || !d->synchronize)
+    return "a CUDA driver entry point is missing";
   return nullptr;
 }
 
@@ -114,11 +120,13 @@ void copy_request(CopyWorker* w, int64_t request) {
       }
     }
   }
+  if (error != 0) __atomic_store_n(&t.box[kError], static_cast<int64_t>(error), __ATOMIC_RELEASE);
   const CUdeviceptr done = reinterpret_cast<CUdeviceptr>(&t.box[kDone]);
-  CUresult written = w->driver.write_value(t.stream, done, static_cast<uint64_t>(request), 0);
-  if (error != 0 || written != 0) {
-    __atomic_store_n(&t.box[kError], static_cast<int64_t>(error != 0 ? error : written), __ATOMIC_RELEASE);
-    if (written != 0) __atomic_store_n(&t.box[kDone], request, __ATOMIC_RELEASE);
+  if (w->driver.write_value(t.stream, done, static_cast<uint64_t>(request), 0) != 0) {
+    // no stream memory operations here: wait for the copies, then publish from this thread
+    const CUresult synced = w->driver.synchronize(t.stream);
+    if (synced != 0 && error == 0) __atomic_store_n(&t.box[kError], static_cast<int64_t>(synced), __ATOMIC_RELEASE);
+    __atomic_store_n(&t.box[kDone], request, __ATOMIC_RELEASE);
   }
 }
 
