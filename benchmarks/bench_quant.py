@@ -20,7 +20,7 @@ import sys
 import tempfile
 
 from benchmarks.common import (add_results_flag, add_routing_flag, command_line, force_routing, free_engine_memory,
-                               gpu_main, h2d_bandwidth, markdown_table, report, routed_section, routing_note,
+                               gpu_main, h2d_bandwidth, markdown_table, pivot, report, routed_section, routing_note,
                                timed_decode, unforce_routing)
 from moeferry.moe.formats import QUANTIZATIONS
 from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
@@ -133,6 +133,20 @@ def table_rows(records: list[dict], h2d: float) -> list[list]:
     return rows
 
 
+def wide_rows(rows: list[list]) -> tuple[list[str], list[list]]:
+    """`table_rows` regrouped a row per (format, share): each per-batch cell the batches' values
+    joined by " / " (the header says which batches); slots and bytes once."""
+    groups, batches = pivot(rows, key=lambda r: (r[0], r[1]), across=lambda r: r[2])
+    header = ["format", "resident", *(f"{name} ({' / '.join(map(str, batches))} requests)" for name in HEADER[3:8]),
+              *HEADER[8:]]
+    wide = []
+    for (described, share), by_batch in groups.items():
+        cells = [" / ".join(str(by_batch[b][i]) if b in by_batch else "-" for b in batches) for i in range(3, 8)]
+        first = next(iter(by_batch.values()))
+        wide.append([described, share, *cells, *first[8:]])
+    return header, wide
+
+
 def budget_rows(records: list[dict], cache_gb: float) -> list[list]:
     """Per format: bytes per expert and the experts `cache_gb` GiB of slots hold."""
     seen = {}
@@ -146,7 +160,7 @@ def main(argv, args) -> int:
     h2d = h2d_bandwidth()
     cfg_dir = write_config_dir(os.path.join(tempfile.mkdtemp(), "qwen3-30b-a3b"), QWEN3_30B_DIR_CONFIG)
     records = run(cfg_dir, args)
-    body = markdown_table(HEADER, table_rows(records, h2d))
+    body = markdown_table(*wide_rows(table_rows(records, h2d)))
     budget = "; ".join(f"{d} {b} ({n})" for d, b, n in budget_rows(records, args.cache_gb))
     notes = (f"{args.strategy}, {args.layers} layers of Qwen3-30B-A3B ({QWEN3_30B_DIR_CONFIG['num_experts']} experts, top-8), "
              f"dummy weights (fp8, int4, mxfp4: drawn in bf16, then quantized at load); "

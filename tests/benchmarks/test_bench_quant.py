@@ -53,7 +53,21 @@ def test_bench_quant_runs_end_to_end_on_the_cpu(tmp_path):
     assert all(len(row) == len(bench_quant.HEADER) for row in rows)
     assert [row[4] for row in rows if row[0] == "float32"] == ["1.00x"] * 2
     table = markdown_table(bench_quant.HEADER, rows)
+    header, wide = bench_quant.wide_rows(rows)
+    assert len(wide) == len(rows) and all(len(row) == len(header) for row in wide) and "(4 requests)" in header[2]
     assert "fp8 e4m3, 128x128 blocks" in table and "int4 W4A16, groups of 128" in table
     assert "mxfp4 e2m1, e8m0 scales per 32" in table
     assert [row[2] for row in bench_quant.budget_rows(records, 0.001)] == [
         by_format[f]["experts_in_budget"] for f in ("bf16", "fp8", "int4", "mxfp4")]
+
+
+def test_the_wide_table_joins_each_batchs_cells_in_one_row():
+    from benchmarks import bench_quant
+
+    rows = [[fmt, share, batch, f"{tok:.1f}", "1.00x", "1.00", "0.00", "1.00", 8, "9.000"]
+            for fmt in ("bf16", "int4") for share in ("100%", "25%") for batch, tok in ((1, 10.0), (4, 30.0))]
+    header, wide = bench_quant.wide_rows(rows)
+    assert header[:3] == ["format", "resident", "tok/s (1 / 4 requests)"] and header[-2:] == ["slots", "MiB/expert"]
+    assert wide[0] == ["bf16", "100%", "10.0 / 30.0", "1.00x / 1.00x", "1.00 / 1.00", "0.00 / 0.00", "1.00 / 1.00",
+                       8, "9.000"]
+    assert len(wide) == 4

@@ -111,7 +111,8 @@ def test_the_host_channel_replays_in_a_graph_as_it_runs_eagerly(dispatch):
 def test_host_strategies_generate_what_gpu_generates_on_quantized_and_biased_experts(tmp_path, family, fmt, strategy):
     """A tiny Qwen3-MoE in each quantized format (the fp8 and int4 checkpoint layouts; mxfp4 by
     --quantization), and a tiny gpt-oss (expert biases and the clamped SwiGLU) with bf16 or
-    mxfp4 experts: the host kernel computes its share of the misses inside the decode graph."""
+    mxfp4 experts: the host kernel computes its share of the misses inside the decode graph
+    (the exact path, the GPU's arithmetic)."""
     from moeferry import LLM, SamplingParams
     from tests.support.fixtures import family_configs, make_checkpoint, make_fp8_checkpoint, make_int4_checkpoint
 
@@ -126,7 +127,7 @@ def test_host_strategies_generate_what_gpu_generates_on_quantized_and_biased_exp
     prompts = [[5, 17, 33, 2, 9, 71, 40], [88, 3], list(range(10, 50))]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
     ref = LLM(str(tmp_path), **common).generate(prompts, params)
-    llm = LLM(str(tmp_path), moe_strategy=strategy, **common, **options)
+    llm = LLM(str(tmp_path), moe_strategy=strategy, moe_host_activations="bf16", **common, **options)
     assert llm.engine.runner.strategy.host.channel.compiled
     for want, got in zip(ref, llm.generate(prompts, params)):
         assert_same_until_a_near_tie(want, got)
