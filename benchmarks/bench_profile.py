@@ -87,13 +87,29 @@ def intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> 
     return total
 
 
+def effective_spans(events: list[dict]) -> list[tuple[float, float]]:
+    """Each event's span from when it could run: under programmatic dependent launch a kernel
+    starts early and waits for the one before it on its stream, so its start is taken as the
+    later of its own and that kernel's end (events in the order given)."""
+    spans = [(0.0, 0.0)] * len(events)
+    last_end: dict = {}
+    for i in sorted(range(len(events)), key=lambda i: float(events[i]["ts"])):
+        e = events[i]
+        start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+        stream = e.get("tid")
+        start = min(end, max(start, last_end.get(stream, start)))
+        last_end[stream] = max(end, last_end.get(stream, end))
+        spans[i] = (start, end)
+    return spans
+
+
 def step_summary(events: list[dict], steps: int) -> dict:
-    """Microseconds a step: the window from the first device event to the last, busy (anything
-    running), copy and compute busy, their overlap, idle; and per kernel name its calls and
-    time a step, largest first."""
+    """Microseconds a step, over the events' effective spans (`effective_spans`): the window
+    from the first device event to the last, busy (anything running), copy and compute busy,
+    their overlap, idle; and per kernel name its calls and time a step, largest first."""
     if not events:
         return {"window": 0.0, "busy": 0.0, "copy": 0.0, "compute": 0.0, "overlap": 0.0, "idle": 0.0, "kernels": []}
-    spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events]
+    spans = effective_spans(events)
     copies = union([s for s, e in zip(spans, events) if is_copy(e)])
     compute = union([s for s, e in zip(spans, events) if not is_copy(e)])
     window = max(end for _, end in spans) - min(start for start, _ in spans)
@@ -213,9 +229,11 @@ def main(argv, args) -> int:
                            "idle"], rows)
     notes = (f"{args.layers} layers of the Qwen3-30B-A3B shape, bf16, dummy weights, batch {args.batch}, "
              f"{'eager' if args.eager else 'CUDA graphs'}; {args.steps} decode steps under torch.profiler, µs a step. "
-             "Wall: the same steps timed without the profiler. Device window: first device event to last; busy: "
-             "anything running; copy: the slot cache's gather kernel and memcpys; compute: every other kernel; "
-             "copy ∥ compute: both at once; idle: nothing. " + routing_note(args.routing, args.routing_seed))
+             "Wall: the same steps timed without the profiler. Each kernel counted from when it could run (a kernel "
+             "launched early under programmatic dependent launch waits for the one before it on its stream). Device "
+             "window: first device event to last, the host's time between steps included; busy: anything running; "
+             "copy: the slot cache's gather kernel and memcpys; compute: every other kernel; copy ∥ compute: both at "
+             "once; idle: nothing. " + routing_note(args.routing, args.routing_seed))
     report("decode-profile", f"Where a decode step's device time goes, routing {args.routing}",
            command_line("benchmarks.bench_profile", argv), body, notes, args.results)
     return 0

@@ -13,9 +13,9 @@ def test_union_and_intersection_of_intervals():
 
 
 def test_step_summary_splits_copy_compute_overlap_and_idle():
-    events = [kernel("_gather_rows_kernel", 0, 10), kernel("fused_moe_kernel", 5, 10),
+    events = [kernel("_gather_rows_kernel", 0, 10), {**kernel("fused_moe_kernel", 5, 10), "tid": 2},
               kernel("rms_norm", 20, 5), kernel("Memcpy HtoD (Pinned -> Device)", 30, 10, cat="gpu_memcpy"),
-              kernel("_gather_rows_kernel", 100, 10), kernel("fused_moe_kernel", 105, 10),
+              kernel("_gather_rows_kernel", 100, 10), {**kernel("fused_moe_kernel", 105, 10), "tid": 2},
               kernel("rms_norm", 120, 5), kernel("Memcpy HtoD (Pinned -> Device)", 130, 10, cat="gpu_memcpy")]
     s = step_summary(events, steps=2)
     assert s["window"] == 140 / 2
@@ -37,3 +37,11 @@ def test_rows_take_a_lookahead_and_statistics_only_over_a_slot_cache():
     args = parse_args(["--strategies", "gpu", "offload", "--prefetch", "off", "oracle", "--stats", "on", "off"])
     rows = variants(args)
     assert rows[0] == ("gpu", "off", "off") and len(rows) == 1 + 4
+
+
+def test_a_kernel_launched_early_counts_from_the_end_of_the_one_before_it_on_its_stream():
+    from benchmarks.bench_profile import effective_spans
+
+    events = [{"ts": 0, "dur": 10, "tid": 7, "name": "a"}, {"ts": 2, "dur": 12, "tid": 7, "name": "b"},
+              {"ts": 3, "dur": 5, "tid": 9, "name": "c"}]
+    assert effective_spans(events) == [(0, 10), (10, 14), (3, 8)]
