@@ -71,12 +71,11 @@ def main(argv, args) -> int:
     from moeferry.kernels.gather_copy import GatherTuning
 
     tuning = GatherTuning(**({"programs_per_sm": args.programs_per_sm} if args.programs_per_sm else {}))
-    lines = ["#### Pinned H2D copy_", "", "| MiB | GB/s |", "|---:|---:|"]
-    for mib in H2D_SIZES_MIB:
-        lines.append(f"| {mib} | {h2d_bandwidth(mib << 20, args.iters) / 1e9:.1f} |")
-    lines += ["", f"#### Miss gather from pinned memory (programs per SM: {tuning.programs_per_sm})", "",
-              "| bank | misses | MiB | gather GB/s | copy_ GB/s (same bytes) | % of H2D |",
-              "|---|---:|---:|---:|---:|---:|"]
+    h2d = [f"{h2d_bandwidth(mib << 20, args.iters) / 1e9:.1f}" for mib in H2D_SIZES_MIB]
+    lines = [f"Pinned H2D copy_, GB/s at {' / '.join(map(str, H2D_SIZES_MIB))} MiB: {' / '.join(h2d)}.", "",
+             f"#### Miss gather from pinned memory (programs per SM: {tuning.programs_per_sm})", "",
+             "| bank | misses | MiB | gather GB/s | copy_ GB/s (same bytes) | % of H2D |",
+             "|---|---:|---:|---:|---:|---:|"]
     for name, shape in BANKS.items():
         args.experts = max(args.experts, max(args.misses))
         for misses in args.misses:

@@ -5,9 +5,10 @@ row, DMA). A lookahead pays only if the next layer's copies leave this layer's c
 speed: this measures whether they do, and what the copy keeps of its bandwidth.
 
 Compute: fused_moe of one token over 8 of 128 resident Qwen3-30B-A3B experts (bf16), and a
-2048 -> 5120 bf16 linear (cuBLAS; the attention's qkv projection). Copies: 16 experts' w13 and
-w2 rows (151 MB) from a pinned bank into device slots. Each figure is the median of --rounds
-runs; compute is timed over as many back-to-back calls as fit in half the copy.
+2048 -> 5120 bf16 linear (cuBLAS; the attention's qkv projection), each captured as a CUDA graph
+of back-to-back calls (as a decode step runs them: no host launch time in the figure). Copies:
+16 experts' w13 and w2 rows (151 MB) from a pinned bank into device slots. Each figure is the
+median of --rounds runs; the compute graph holds as many calls as fit in half the copy.
 
 GPU only: without CUDA it says so and exits 0.
 """
@@ -79,9 +80,20 @@ def copy_cases(programs: list[int]) -> tuple[dict, int]:
     return cases, nbytes
 
 
-def time_side_by_side(compute, copy, reps: int) -> tuple[float, float]:
-    """(µs per compute call, µs of the copy) with both queued at once on two streams; either
-    may be None (timed alone)."""
+def graphed(fn, reps: int) -> torch.cuda.CUDAGraph:
+    """`reps` back-to-back calls of `fn` captured as one graph (after an eager warm-up)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    return graph
+
+
+def time_side_by_side(compute: torch.cuda.CUDAGraph | None, reps: int, copy) -> tuple[float, float]:
+    """(µs per compute call, µs of the copy) with the copy and the compute graph's replay
+    queued at once on two streams; either may be None (timed alone)."""
     main, side = torch.cuda.current_stream(), torch.cuda.Stream()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     copy_start, copy_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -93,8 +105,8 @@ def time_side_by_side(compute, copy, reps: int) -> tuple[float, float]:
             copy()
             copy_end.record()
     start.record()
-    for _ in range(reps if compute is not None else 0):
-        compute()
+    if compute is not None:
+        compute.replay()
     end.record()
     torch.cuda.synchronize()
     compute_us = start.elapsed_time(end) * 1e3 / reps if compute is not None else 0.0
@@ -102,8 +114,8 @@ def time_side_by_side(compute, copy, reps: int) -> tuple[float, float]:
     return compute_us, copy_us
 
 
-def median_pair(compute, copy, reps: int, rounds: int) -> tuple[float, float]:
-    runs = [time_side_by_side(compute, copy, reps) for _ in range(rounds)]
+def median_pair(compute, reps: int, copy, rounds: int) -> tuple[float, float]:
+    runs = [time_side_by_side(compute, reps, copy) for _ in range(rounds)]
     return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
 
 
@@ -115,14 +127,15 @@ def main(argv, args) -> int:
         fn()
         fn()
     torch.cuda.synchronize()
-    alone_compute = {name: median_pair(fn, None, 50, args.rounds)[0] for name, fn in computes.items()}
+    probe = {name: graphed(fn, 20) for name, fn in computes.items()}
+    alone_compute = {name: median_pair(graph, 20, None, args.rounds)[0] for name, graph in probe.items()}
     rows = []
     for copy_name, copy in copies.items():
-        copy_alone = median_pair(None, copy, 1, args.rounds)[1]
+        copy_alone = median_pair(None, 1, copy, args.rounds)[1]
         row = [copy_name, f"{nbytes / copy_alone / 1e3:.1f}"]
         for name, fn in computes.items():
             reps = max(1, int(0.5 * copy_alone / alone_compute[name]))
-            beside, copy_beside = median_pair(fn, copy, reps, args.rounds)
+            beside, copy_beside = median_pair(graphed(fn, reps), reps, copy, args.rounds)
             row += [f"{nbytes / copy_beside / 1e3:.1f}", f"{alone_compute[name]:.1f}", f"{beside:.1f}",
                     f"{beside / alone_compute[name]:.2f}x"]
         rows.append(row)
@@ -131,8 +144,8 @@ def main(argv, args) -> int:
     for name in computes:
         header += [f"copy GB/s beside {name}", f"{name} µs alone", f"{name} µs beside the copy", "slowdown"]
     notes = (f"{COPIED} Qwen3-30B-A3B experts' w13 and w2 rows ({nbytes / 1e6:.0f} MB) from pinned memory into device "
-             "slots on a side stream, while the main stream runs the compute back to back for about half the copy's "
-             f"time; medians of {args.rounds} runs. fused_moe: one token, top-8 of 128 resident bf16 experts. "
+             "slots on a side stream, while the main stream replays a graph of the compute's calls for about half "
+             f"the copy's time; medians of {args.rounds} runs. fused_moe: one token, top-8 of 128 resident bf16 experts. "
              "linear: one token through a 2048 x 5120 bf16 weight (cuBLAS).")
     report("copy/beside-compute", "Copies beside compute", command_line("benchmarks.bench_overlap", argv),
            markdown_table(header, rows), notes, args.results)

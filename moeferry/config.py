@@ -66,8 +66,7 @@ CHOICES = {"load_format": lambda: LOAD_FORMATS, "device": lambda: DEVICES, "dtyp
            "moe_host_schedule": _choices("moeferry.kernels.fused_moe.host", "SCHEDULES"),
            "moe_host_activations": _choices("moeferry.kernels.fused_moe.host", "ACTIVATIONS_PRECISIONS"),
            "moe_uva_block_assignment": _choices("moeferry.kernels.fused_moe", "BLOCK_ASSIGNMENTS"),
-           "moe_prefetch": _choices("moeferry.moe.prefetch", "PREFETCH_MODES"),
-           "moe_prefetch_copy": _choices("moeferry.moe.prefetch", "PREFETCH_COPIES")}
+           "moe_prefetch": _choices("moeferry.moe.prefetch", "PREFETCH_MODES")}
 
 
 def flag(name: str) -> str:
@@ -130,7 +129,6 @@ READ_BY = {
     "moe_host_activations": ("moe_strategy", ("hybrid", "cpu")),
     "moe_timeline": ("moe_strategy", ("hybrid",)),
     "moe_prefetch": ("moe_strategy", ("offload", "hybrid")),
-    "moe_prefetch_copy": ("moe_prefetch", ("router",)),
     "moe_tuner_period": ("moe_strategy", ("hybrid",)),
     "moe_tuner_min_experts": ("moe_strategy", ("hybrid",)),
     "moe_uva_block_assignment": ("moe_strategy", ("uva",)),
@@ -237,9 +235,9 @@ class EngineConfig:
                                                        "at start-up)")
     moe_host_activations: str = option("int8", "MoE", "cpu or hybrid: the tokens' precision in the host kernel's "
                                                       "dots over int4 and mxfp4 experts: int8 (quantized per group, "
-                                                      "integer dots: 4-bit weights read at memory speed, perplexity "
-                                                      "within 0.1% of the GPU's) or bf16 (exact, the GPU's "
-                                                      "arithmetic; docs/host_channel.md)")
+                                                      "integer dots: 4-bit weights read at memory speed; held-out "
+                                                      "perplexity within a thousandth of the GPU path's) or bf16 "
+                                                      "(exact, the GPU's arithmetic; docs/host_channel.md)")
     moe_prefill_demand_tokens: int | str = option(0, "MoE", "offload, hybrid or cpu: a prefill chunk of at most this many tokens "
                                                             "loads only the experts it routes to, a longer one streams "
                                                             "every expert not resident; 0: always stream; auto: decided "
@@ -292,10 +290,6 @@ class EngineConfig:
     moe_host_schedule: str = option("dynamic", DEVELOPER, "cpu or hybrid: how the host kernel deals its work units "
                                                           "to its threads: dynamic (to whichever is free) or static "
                                                           "(in fixed blocks)")
-    moe_prefetch_copy: str = option("dma", DEVELOPER, "--moe-prefetch on a GPU: how the lookahead's copies run: "
-                                                      "dma (the copy engine, issued by a worker thread; the SMs "
-                                                      "stay with the compute) or gather (the gather kernel on a "
-                                                      "side stream)")
     moe_timeline: bool = option(False, DEVELOPER, "hybrid: stamp the points of every decode MoE layer inside the "
                                                   "decode graph, read back by benchmarks (moe/timeline.py)")
     moe_tuner_period: int = option(8, DEVELOPER, "hybrid: decode steps between two updates of the host's share "
