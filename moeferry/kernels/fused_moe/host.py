@@ -37,7 +37,7 @@ __all__ = ["ACTIVATIONS", "ACTIVATIONS_PRECISIONS", "BIAS_FORMATS", "FORMATS", "
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("host_experts.cpp")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 
 class HostKernelUnavailable(RuntimeError):
