@@ -70,6 +70,9 @@ def parse_args(argv):
                         "layer's router on this layer's input, meaningful under --routing model only); oracle (the "
                         "generated routes' next layer predicted at --oracle-recall, with as many wrong experts)")
     p.add_argument("--oracle-recall", type=float, default=0.8, help="the oracle prefetch's recall")
+    p.add_argument("--prefetch-programs", type=int, nargs="+", default=[0],
+                   help="prefetch rows once per grid cap of the gather that copies ahead (--moe-prefetch-programs; "
+                        "0: its full grid)")
     p.add_argument("--quantization", choices=["int4", "fp8", "mxfp4"], default=None,
                    help="the decode rows' experts quantized at load (default bf16; no llama.cpp column then)")
     add_results_flag(p)
@@ -205,10 +208,13 @@ def decode_rows(config_dir, args, h2d) -> tuple[list[list], float]:
     for strategy, shares in plan:
         if not shares:
             continue
-        lookaheads = args.prefetch if strategy in ("offload", "hybrid") else ["off"]
+        lookaheads = [(a, programs) for a in (args.prefetch if strategy in ("offload", "hybrid") else ["off"])
+                      for programs in (args.prefetch_programs if a != "off" else [0])]
         modes = host_channel_modes(args) if strategy in ("cpu", "hybrid") else [None]
-        for mode, lookahead in ((m, a) for m in modes for a in lookaheads):
+        for mode, (lookahead, programs) in ((m, a) for m in modes for a in lookaheads):
             options = dict(zip(("moe_host_dispatch", "moe_host_staging", "moe_host_schedule"), mode or ()))
+            if programs:
+                options["moe_prefetch_programs"] = programs
             engine = make_engine(config_dir, args, strategy, moe_prefetch="off" if lookahead == "off" else "router",
                                  **options)
             forced = force_routing(engine, args.routing, args.routing_seed,
@@ -223,7 +229,7 @@ def decode_rows(config_dir, args, h2d) -> tuple[list[list], float]:
                 engine.runner.recapture_graphs()  # the graphs bake in the router hooks and the pool
                 label = "hybrid, one layer of slots" if strategy == "hybrid" and share == 0.0 else strategy
                 label += mode_label(args, mode) if mode else ""
-                label += prefetch_label(args, lookahead)
+                label += prefetch_label(args, lookahead) + (f", gather on {programs} programs" if programs else "")
                 for batch in args.batch:
                     rows.append(decode_row(engine, args, label, share, batch, s.expert_bytes, h2d, host_bw))
             del engine, s

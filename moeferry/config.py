@@ -110,6 +110,7 @@ RANGES = {
     "moe_host_share": Bound(0, 1),
     "moe_tuner_period": Bound(1),
     "moe_tuner_min_experts": Bound(0),
+    "moe_prefetch_programs": Bound(0),
 }
 
 # The options only some strategies (or policies) read: set away from its default under any
@@ -129,6 +130,7 @@ READ_BY = {
     "moe_host_activations": ("moe_strategy", ("hybrid", "cpu")),
     "moe_timeline": ("moe_strategy", ("hybrid",)),
     "moe_prefetch": ("moe_strategy", ("offload", "hybrid")),
+    "moe_prefetch_programs": ("moe_prefetch", ("router",)),
     "moe_tuner_period": ("moe_strategy", ("hybrid",)),
     "moe_tuner_min_experts": ("moe_strategy", ("hybrid",)),
     "moe_uva_block_assignment": ("moe_strategy", ("uva",)),
@@ -290,6 +292,10 @@ class EngineConfig:
     moe_host_schedule: str = option("dynamic", DEVELOPER, "cpu or hybrid: how the host kernel deals its work units "
                                                           "to its threads: dynamic (to whichever is free) or static "
                                                           "(in fixed blocks)")
+    moe_prefetch_programs: int = option(0, DEVELOPER, "--moe-prefetch: at most this many programs in the gather "
+                                                      "kernel that copies ahead (0: its full grid, one per SM); "
+                                                      "fewer slow the compute beside them less (RESULTS "
+                                                      "copy/beside-compute)")
     moe_timeline: bool = option(False, DEVELOPER, "hybrid: stamp the points of every decode MoE layer inside the "
                                                   "decode graph, read back by benchmarks (moe/timeline.py)")
     moe_tuner_period: int = option(8, DEVELOPER, "hybrid: decode steps between two updates of the host's share "

@@ -30,6 +30,8 @@ from typing import Callable
 
 import torch
 
+from moeferry.kernels.gather_copy import GatherTuning
+
 PREFETCH_MODES = ("off", "router")
 
 
@@ -102,6 +104,7 @@ class Prefetch:
         if mode not in PREFETCH_MODES[1:]:
             raise ValueError(f"prefetch mode must be one of {PREFETCH_MODES[1:]}, got {mode!r}")
         self.mode, self.width = mode, model_config.top_k
+        self.tuning = GatherTuning(max_programs=engine_config.moe_prefetch_programs)  # the lookahead's gather grid
         self.collect_stats = engine_config.moe_collect_stats
         self.predictors: dict[int, Callable[[torch.Tensor, int], torch.Tensor]] = {}
         self.given: torch.Tensor | None = None
@@ -159,11 +162,11 @@ class Prefetch:
         if self.counts is not None:
             self.counts.ahead(moe_layer, predicted, cache.ahead_src, cache.ahead_count)
         if self.stream is None:
-            self.store.copy_ahead(nxt)
+            self.store.copy_ahead(nxt, self.tuning)
             return
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
-            self.store.copy_ahead(nxt)
+            self.store.copy_ahead(nxt, self.tuning)
         self.in_flight = True
 
     def _predict(self, layer_id: int, moe_layer: int, hidden: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from moeferry.kernels.admission import AdmissionTuning, SlotState, admit
-from moeferry.kernels.gather_copy import gather_copy, row_bytes
+from moeferry.kernels.gather_copy import GatherTuning, gather_copy, row_bytes
 from moeferry.moe.stats import PHASES, MoEStats
 
 DEFAULT_MAX_ROUTES = 8192
@@ -105,10 +105,13 @@ class SlotCache:
         """Whether a lookahead of ``predicted`` routes fits beside a call of ``routes``."""
         return self.num_slots >= min(self.num_experts, routes) + min(self.num_experts, predicted)
 
-    def copy_ahead(self, host_banks: list[torch.Tensor], slot_banks: list[torch.Tensor]) -> None:
-        """Copy the last lookahead admission's misses, as ``copy_misses`` copies a call's."""
+    def copy_ahead(self, host_banks: list[torch.Tensor], slot_banks: list[torch.Tensor],
+                   tuning: GatherTuning = GatherTuning()) -> None:
+        """Copy the last lookahead admission's misses, as ``copy_misses`` copies a call's (the
+        gather run with ``tuning``: a lookahead's copies run beside compute, which a smaller
+        grid slows less)."""
         s = self.state
-        gather_copy(host_banks, slot_banks, s.ahead_src, s.ahead_dst, s.ahead_count, impl=self.impl)
+        gather_copy(host_banks, slot_banks, s.ahead_src, s.ahead_dst, s.ahead_count, tuning=tuning, impl=self.impl)
 
     def load_experts(self, moe_layer: int, topk_ids: torch.Tensor, host_banks: list[torch.Tensor],
                      slot_banks: list[torch.Tensor], phase: str = "decode") -> torch.Tensor:

@@ -26,6 +26,7 @@ from functools import cached_property
 import torch
 
 from moeferry.kernels.fused_moe import BLOCK_ASSIGNMENTS, SILU, Activation
+from moeferry.kernels.gather_copy import GatherTuning
 from moeferry.moe import formats
 from moeferry.moe.banks import ExpertBanks, ExpertNeeds
 from moeferry.moe.formats import ExpertFormat
@@ -271,9 +272,9 @@ class SlotStore(ExpertStore):
                                            phase=phase)
         return self.pool, slot_ids
 
-    def copy_ahead(self, layer_id: int) -> None:
+    def copy_ahead(self, layer_id: int, tuning: GatherTuning = GatherTuning()) -> None:
         """Copy the last lookahead admission's misses (moe/prefetch.py) of layer `layer_id`."""
-        self.cache.copy_ahead(self.banks[layer_id].tensors(), self.pool.tensors())
+        self.cache.copy_ahead(self.banks[layer_id].tensors(), self.pool.tensors(), tuning)
 
     def residency(self) -> torch.Tensor:
         return self.cache.slot_of

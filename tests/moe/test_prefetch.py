@@ -218,3 +218,20 @@ def test_prefetch_in_the_decode_graph_generates_what_gpu_generates(strategy, tmp
     assert prefetch["copied"] > 0
     assert_counts_add_up(prefetch)
     assert torch.cuda.current_stream().query()
+
+
+def test_a_capped_lookahead_gather_copies_the_same_rows(tmp_path):
+    """--moe-prefetch-programs caps the grid of the gather that copies ahead: the same experts
+    arrive, the tokens are gpu's; a negative cap, or one without a prefetch, is refused."""
+    path = str(tmp_path / "ckpt")
+    config = dict(FAMILIES)["qwen3_moe"]
+    make_checkpoint(config, path)
+    want = tokens(LLM(path, dtype="float32", device="cpu"))
+    llm = prefetching(path, config.num_experts, moe_prefetch_programs=2)
+    assert llm.engine.runner.strategy.prefetch.tuning.max_programs == 2
+    assert tokens(llm) == want
+    assert llm.engine.runner.strategy.stats()["prefetch"]["copied"] > 0
+    with pytest.raises(ConfigError, match="--moe-prefetch-programs"):
+        LLM(path, dtype="float32", device="cpu", moe_strategy="offload", moe_prefetch_programs=2)
+    with pytest.raises(ConfigError, match="--moe-prefetch-programs"):
+        prefetching(path, config.num_experts, moe_prefetch_programs=-1)
