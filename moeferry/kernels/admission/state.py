@@ -54,8 +54,9 @@ class SlotState:
     with ``P = min(E, max_routes)``; a lookahead admission's own plan ``ahead_src``,
     ``ahead_dst[P]``, ``ahead_count[1]`` (its copies run beside the next call's, so they
     never share a plan), views of one buffer ``ahead_plan[1 + 2P]`` (count, sources,
-    destinations) that a copy engine stages to the host in one copy. Output: ``slot_ids[max_routes]`` int32. Scratch for the
-    Triton kernel (the reference does not touch it): ``expert_mark[E]`` int64,
+    destinations: kernels/gather_copy/copy_engine.py's plan, staged to the host in one copy).
+    Output: ``slot_ids[max_routes]`` int32. Scratch for the Triton kernel (the reference does
+    not touch it): ``expert_mark[E]`` int64,
     ``slot_key[S]`` int64, ``victim_key[P]`` int64, ``victim_slot[P]`` int32,
     ``ordered_victims[P]`` int32.
     """
