@@ -9,8 +9,9 @@
 # decode, 4 layers of 32 bf16 experts), quant (decode and accuracy
 # per expert format: bf16, fp8, int4, mxfp4), hybrid (the host channel: kernel GB/s, decode at 0-100%, the channels contending, the kernel beside busy processes, a layer timeline on the
 # GPU), structured (decode with a JSON-schema grammar against without; needs xgrammar), prefill (prefill tok/s
-# by share of the experts resident, multi-turn TTFT with and without prefix caching); default
-# tests,kernels,decode-quick.
+# by share of the experts resident, multi-turn TTFT with and without prefix caching), lookahead (the
+# lookahead prefetch: copies beside compute, the decode profile, prefetch rows per grid cap of its
+# gather, the host kernel per format); default tests,kernels,decode-quick.
 # Results: $OUT/results.md holds this call's benchmark sections alone; $OUT/RESULTS.md is
 # benchmarks/RESULTS.md with those sections regenerated (every stage but decode-quick, a smoke
 # run), to copy over benchmarks/RESULTS.md. MOEFERRY_COMMIT names the commit in the tables
@@ -76,6 +77,13 @@ has quant && run bench-quant python3 -m benchmarks.bench_quant --results "$RESUL
   && run bench-quant-accuracy python3 -m benchmarks.bench_quant_accuracy --device cuda --results "$RESULTS"
 has structured && run bench-structured python3 -m benchmarks.bench_structured --results "$RESULTS" "$CURRENT"
 has hybrid && run bench-hybrid python3 -m benchmarks.bench_hybrid --parts decode kernel contention timeline preemption --results "$RESULTS" "$CURRENT"
+if has lookahead; then
+  run bench-overlap python3 -m benchmarks.bench_overlap --results "$RESULTS" "$CURRENT"
+  run bench-profile python3 -m benchmarks.bench_profile --strategies gpu offload --prefetch off oracle --results "$RESULTS" "$CURRENT"
+  run bench-prefetch python3 -m benchmarks.bench_hybrid --parts decode --shares 0.25 0.5 --batch 1 --routing qwen3 \
+    --prefetch off oracle --oracle-recall 1.0 --prefetch-programs 0 8 16 --results "$RESULTS" "$CURRENT"
+  run bench-host-kernel python3 -m benchmarks.bench_host_kernel --threads 15 --batch 1 4 --results "$RESULTS" "$CURRENT"
+fi
 has serve && run bench-serve python3 -m benchmarks.bench_serve --results "$RESULTS" "$CURRENT"  # needs the serve extras
 echo; cat "$OUT/gpu.txt"; echo
 printf '%s\n' "${summary[@]}"
