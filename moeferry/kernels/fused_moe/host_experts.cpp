@@ -22,9 +22,12 @@
 // per row and bk = 32 values). A work unit first dequantizes its rows into a thread-local float32
 // tile, weight = float(value) * scale: one float32 multiply of the exact value of the code, the
 // bits of the reference's dequantize_blocks (reference.py). Then the same dots run with float32
-// weight rows. On a CPU with AVX2 and no AVX-512 path, fp8 rows are decoded in registers instead
-// (Fp8Avx2Dots): the same float32 weights fused into the dots, no tile. No quantized weight is rounded to bf16: an e4m3 or int4 value times a float32
-// scale generally has more significant bits than bf16 holds.
+// weight rows. fp8 rows are decoded in registers instead, the same float32 weights fused into the
+// dots, no tile (writing and rereading the tile made the fp8 path compute-bound at a third of
+// bf16's experts a second): Fp8Avx512Dots on the AVX-512 path, the tile's dots lane for lane
+// (the same bits), and Fp8Avx2Dots on a CPU with AVX2 and no AVX-512 path. No quantized weight
+// is rounded to bf16: an e4m3 or int4 value times a float32 scale generally has more
+// significant bits than bf16 holds.
 //
 // The int8 path (activations = kActInt8, int4 and MXFP4 banks; reference.py int8_expert_routes is
 // its oracle): the weights are read as integers, never dequantized. A row of activations (a
@@ -1006,6 +1009,84 @@ struct Fp8Avx2Dots {
   }
 };
 
+// 16 e4m3 bytes as their exact float32 values, as fp8x8_values (NaN codes quiet NaNs).
+AVX512_F32 inline __m512 fp8x16_values(__m128i bytes) {
+  const __m512i b = _mm512_cvtepu8_epi32(bytes);
+  const __m512i em = _mm512_and_si512(b, _mm512_set1_epi32(0x7f));
+  __m512 v = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(em, 20), _mm512_set1_epi32(120 << 23)));
+  v = _mm512_mask_mul_ps(v, _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(8), em), _mm512_cvtepi32_ps(em),
+                         _mm512_set1_ps(0.001953125f));
+  v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(em, _mm512_set1_epi32(0x7f)),
+                         _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)));
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
+}
+
+// acc[r * NT + t] = the dots of R fp8 rows w (each row's block scales along K, a block bk
+// values, bk % 16 == 0) with NT bf16 tokens x over L values, the weights decoded in registers:
+// each weight float(e4m3) * scale as the dequantized tile holds it, then the tile dots'
+// operations lane for lane (dots_avx512_f32_tile: 16 lanes of fused multiply-adds, the tail
+// masked, the lanes reduced), so the bits are the tile path's without writing the tile.
+template <int R, int NT>
+AVX512_F32 void fp8_dots_avx512_tile(const uint8_t* const* w, const float* const* scales, const uint16_t* const* x,
+                                     int64_t L, int64_t bk, float* acc) {
+  __m512 a[R][NT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) a[r][t] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < L; k += 16) {
+    const __mmask16 m = L - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (L - k)) - 1);
+    __m512 xv[NT];
+    for (int t = 0; t < NT; ++t) xv[t] = bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, x[t] + k));
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w[r] + k + kPrefetchBytes), _MM_HINT_T0);
+      const __m512 values = fp8x16_values(_mm_maskz_loadu_epi8(m, w[r] + k));
+      const __m512 wv = _mm512_maskz_mul_ps(m, values, _mm512_set1_ps(scales[r][k / bk]));
+      for (int t = 0; t < NT; ++t) a[r][t] = _mm512_fmadd_ps(wv, xv[t], a[r][t]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) acc[r * NT + t] = _mm512_reduce_add_ps(a[r][t]);
+}
+
+template <int R>
+void fp8_dots_avx512_rows(int NT, const uint8_t* const* w, const float* const* scales, const uint16_t* const* x,
+                          int64_t L, int64_t bk, float* acc) {
+  switch (NT) {
+    case 1: fp8_dots_avx512_tile<R, 1>(w, scales, x, L, bk, acc); break;
+    case 2: fp8_dots_avx512_tile<R, 2>(w, scales, x, L, bk, acc); break;
+    case 3: fp8_dots_avx512_tile<R, 3>(w, scales, x, L, bk, acc); break;
+    default: fp8_dots_avx512_tile<R, 4>(w, scales, x, L, bk, acc); break;
+  }
+}
+
+// The fp8 dots on AVX-512 (gate_up_unit_stored's and down_unit_stored's Dots), as Fp8Avx2Dots.
+struct Fp8Avx512Dots {
+  const MoEHostCall& c;
+  void operator()(int bank, const QuantMatrix& m, const int64_t* rows, int R, const int64_t* tokens, int NT,
+                  float* acc) const {
+    const uint8_t* w[4];
+    const float* scales[4];
+    const uint16_t* x[4];
+    for (int r = 0; r < R; ++r) {
+      w[r] = m.weights + rows[r] * m.row_bytes;
+      scales[r] = reinterpret_cast<const float*>(m.scales) + scale_row_of(c, bank, rows[r]) * m.scale_cols;
+    }
+    for (int t = 0; t < NT; ++t) x[t] = bank == 0 ? c.x + tokens[t] * c.H : c.act + tokens[t] * c.I;
+    switch (R) {
+      case 1: fp8_dots_avx512_rows<1>(NT, w, scales, x, m.cols, c.block_k, acc); break;
+      case 2: fp8_dots_avx512_rows<2>(NT, w, scales, x, m.cols, c.block_k, acc); break;
+      case 3: fp8_dots_avx512_rows<3>(NT, w, scales, x, m.cols, c.block_k, acc); break;
+      default: fp8_dots_avx512_rows<4>(NT, w, scales, x, m.cols, c.block_k, acc); break;
+    }
+  }
+};
+
+// Whether a call's fp8 banks are read on AVX-512 in registers: the AVX-512 path asked for,
+// blocks of a multiple of 16 values along K (else the dequantized tile).
+inline bool fp8_avx512_path(const MoEHostCall& c) {
+  return c.format == kFp8 && c.use_avx512 != 0 && c.block_k % 16 == 0;
+}
+
 // Whether a call's fp8 banks are read on AVX2 in registers: no AVX-512 path asked for, blocks of
 // a multiple of 8 values along K.
 inline bool fp8_avx2_path(const MoEHostCall& c) {
@@ -1111,7 +1192,7 @@ void moe_host_run(void* arg) {
     omp_set_schedule(omp_sched_dynamic, 1);
   else
     omp_set_schedule(omp_sched_static, 0);
-  const bool int8 = int8_path(c), fp8_avx2 = fp8_avx2_path(c);
+  const bool int8 = int8_path(c), fp8_avx2 = fp8_avx2_path(c), fp8_avx512 = fp8_avx512_path(c);
   Int8Rows tokens, acts;  // the int8 path's quantized x rows (by token) and act rows (by route)
   if (int8) {
     tokens.reset(c.T, c.H, c.block_k, dot_span(c), nibble_codes(c).offset);
@@ -1133,6 +1214,8 @@ void moe_host_run(void* arg) {
       int64_t i0 = (u % units_per_group) * kRowsA, i1 = std::min(c.I, i0 + kRowsA);
       if (int8)
         gate_up_unit_stored(c, g, order.data(), i0, i1, Int8Dots{c, tokens});
+      else if (fp8_avx512)
+        gate_up_unit_stored(c, g, order.data(), i0, i1, Fp8Avx512Dots{c});
       else if (fp8_avx2)
         gate_up_unit_stored(c, g, order.data(), i0, i1, Fp8Avx2Dots{c});
       else
@@ -1147,6 +1230,8 @@ void moe_host_run(void* arg) {
       int64_t n0 = u * kRowsB, n1 = std::min(c.H, n0 + kRowsB);
       if (int8)
         down_unit_stored(c, groups, order.data(), n0, n1, Int8Dots{c, acts});
+      else if (fp8_avx512)
+        down_unit_stored(c, groups, order.data(), n0, n1, Fp8Avx512Dots{c});
       else if (fp8_avx2)
         down_unit_stored(c, groups, order.data(), n0, n1, Fp8Avx2Dots{c});
       else
