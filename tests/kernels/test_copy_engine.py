@@ -88,3 +88,23 @@ def test_a_bad_layer_is_reported_not_hung():
     torch.cuda.synchronize()
     assert engine.error_code() == -1 and "CUDA driver error -1" in engine.failed()
     engine.close()
+
+
+@pytest.mark.gpu
+def test_the_main_thread_reading_a_result_back_does_not_stall_the_worker():
+    """The engine reads each step's tokens with a blocking device-to-host copy while the graph
+    still waits on the worker: if that copy held a driver lock the worker's calls need, the wait
+    would give up (flagged) instead of the copies landing."""
+    generator = torch.Generator().manual_seed(3)
+    host = [[random_bank(6, (4096,), torch.float32, generator).pin_memory()]]
+    slots = [random_bank(8, (4096,), torch.float32, generator, "cuda")]
+    engine = copy_engine.CopyEngine(host, slots, 4, torch.device("cuda"))
+    plan = _plan(4, 3, 6, 8, generator)
+    before = [byte_rows(bank).cpu().clone() for bank in slots]
+    engine.post(0, plan)
+    engine.wait(max_polls=1 << 22)
+    # a blocking read of a result queued behind the wait, as the engine reads a step's tokens
+    assert torch.ones(1, device="cuda").add_(1).tolist() == [2.0]
+    assert engine.failed() is None
+    _check(host, slots, before, 0, plan)
+    engine.close()

@@ -102,9 +102,10 @@ class CopyEngine:
         self.plan.copy_(plan, non_blocking=True)
         host_mailbox.post_request(self.box, self.counter, layer)
 
-    def wait(self) -> None:
-        """The current stream waits until the last posted request's copies have landed."""
-        host_mailbox.wait_done(self.box, self.counter)
+    def wait(self, max_polls: int = host_mailbox.MAX_POLLS) -> None:
+        """The current stream waits until the last posted request's copies have landed (or
+        gives up after `max_polls` reads, flagged: `failed`)."""
+        host_mailbox.wait_done(self.box, self.counter, max_polls)
 
     def error_code(self) -> int:
         """The driver's error code of a failed request (-1: a bad plan or layer), 0 while none
