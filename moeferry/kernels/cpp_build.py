@@ -32,14 +32,19 @@ def compiler() -> str:
     return cxx
 
 
+HEADERS = tuple(sorted(Path(__file__).parent.glob("*/*.h")))  # the headers the sources include
+
+
 def build(source: Path, flags: tuple[str, ...], name: str) -> ctypes.CDLL:
     """`source` compiled with `flags` into `name`_<key>.so under `cache_dir()` (once per machine
-    and source version; an atomic rename, so a concurrent build never loads half a file), loaded."""
+    and version of the source and the kernels' headers; an atomic rename, so a concurrent build
+    never loads half a file), loaded."""
     cxx = compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     cpu = Path("/proc/cpuinfo").read_text(errors="replace") if Path("/proc/cpuinfo").exists() else ""
     cpu_model = next((line for line in cpu.splitlines() if line.startswith("model name")), "")
-    key = hashlib.sha256("\0".join([source.read_text(), cxx, version, *flags, cpu_model]).encode()).hexdigest()[:16]
+    texts = [source.read_text(), *(header.read_text() for header in HEADERS)]
+    key = hashlib.sha256("\0".join([*texts, cxx, version, *flags, cpu_model]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}_{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -88,6 +88,8 @@
 #include <immintrin.h>
 #pragma GCC diagnostic pop
 
+#include "../host_mailbox/poll.h"
+
 extern "C" {
 
 // One call's arguments; host.py builds it with ctypes (the field order is the contract).
@@ -1245,8 +1247,6 @@ void moe_host_run(void* arg) {
 
 namespace {
 
-constexpr int kRequest = 0, kCall = 1, kDone = 8, kBadCall = 16;
-
 // A mailbox worker: the thread, the mailbox it polls and the table of calls it may run.
 struct MailboxWorker {
   int64_t* box;
@@ -1256,34 +1256,17 @@ struct MailboxWorker {
   std::thread thread;
 };
 
-// Poll the mailbox; run each request's call, then publish it done. Spins (with pause) while
-// requests come, and sleeps between polls after 20 ms without any (50 us, then 1 ms after a
-// second), so an idle engine does not keep a core busy.
+// Run each request's call, then publish it done (a request naming no call: kBadCall set).
 void worker_loop(MailboxWorker* w) {
-  int64_t seen = __atomic_load_n(&w->box[kDone], __ATOMIC_ACQUIRE);
-  auto last = std::chrono::steady_clock::now();
-  while (!w->stop.load(std::memory_order_relaxed)) {
-    const int64_t posted = __atomic_load_n(&w->box[kRequest], __ATOMIC_ACQUIRE);
-    if (posted == seen) {
-      const auto idle = std::chrono::steady_clock::now() - last;
-      if (idle > std::chrono::seconds(1))
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      else if (idle > std::chrono::milliseconds(20))
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
-      else
-        _mm_pause();
-      continue;
-    }
-    const int64_t index = __atomic_load_n(&w->box[kCall], __ATOMIC_ACQUIRE);
+  mailbox::poll(w->box, w->stop, [w](int64_t posted) {
+    const int64_t index = __atomic_load_n(&w->box[mailbox::kCall], __ATOMIC_ACQUIRE);
     MoEHostCall* call = index >= 0 && index < w->capacity ? w->calls[index] : nullptr;
     if (call != nullptr)
       moe_host_run(call);
     else
-      __atomic_store_n(&w->box[kBadCall], 1, __ATOMIC_RELEASE);
-    seen = posted;
-    __atomic_store_n(&w->box[kDone], posted, __ATOMIC_RELEASE);
-    last = std::chrono::steady_clock::now();
-  }
+      __atomic_store_n(&w->box[mailbox::kBadCall], 1, __ATOMIC_RELEASE);
+    __atomic_store_n(&w->box[mailbox::kDone], posted, __ATOMIC_RELEASE);
+  });
 }
 
 }  // namespace

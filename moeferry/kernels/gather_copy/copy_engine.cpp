@@ -22,12 +22,11 @@
 #include <dlfcn.h>
 
 #include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <thread>
-#include <vector>
-#include <immintrin.h>
+
+#include "../host_mailbox/poll.h"
 
 namespace {
 
@@ -41,7 +40,7 @@ using MemcpyHtoDAsync = CUresult (*)(CUdeviceptr, const void*, size_t, CUstream)
 using StreamWriteValue64 = CUresult (*)(CUstream, CUdeviceptr, uint64_t, unsigned int);
 using StreamSynchronize = CUresult (*)(CUstream);
 
-constexpr int kRequest = 0, kCall = 1, kDone = 8, kError = 16;
+constexpr int kError = mailbox::kBadCall;  // here: a failed request's error code
 
 struct Driver {
   CtxGetCurrent ctx_get = nullptr;
@@ -104,7 +103,7 @@ struct CopyWorker {
 // One request: every planned row of every bank, then the done write behind them.
 void copy_request(CopyWorker* w, int64_t request) {
   const MoECopyTable& t = w->table;
-  const int64_t layer = __atomic_load_n(&t.box[kCall], __ATOMIC_ACQUIRE);
+  const int64_t layer = __atomic_load_n(&t.box[mailbox::kCall], __ATOMIC_ACQUIRE);
   const int32_t count = t.plan[0];
   CUresult error = 0;
   if (layer < 0 || layer >= t.layers || count < 0 || count > t.capacity) {
@@ -121,38 +120,18 @@ void copy_request(CopyWorker* w, int64_t request) {
     }
   }
   if (error != 0) __atomic_store_n(&t.box[kError], static_cast<int64_t>(error), __ATOMIC_RELEASE);
-  const CUdeviceptr done = reinterpret_cast<CUdeviceptr>(&t.box[kDone]);
+  const CUdeviceptr done = reinterpret_cast<CUdeviceptr>(&t.box[mailbox::kDone]);
   if (w->driver.write_value(t.stream, done, static_cast<uint64_t>(request), 0) != 0) {
     // no stream memory operations here: wait for the copies, then publish from this thread
     const CUresult synced = w->driver.synchronize(t.stream);
     if (synced != 0 && error == 0) __atomic_store_n(&t.box[kError], static_cast<int64_t>(synced), __ATOMIC_RELEASE);
-    __atomic_store_n(&t.box[kDone], request, __ATOMIC_RELEASE);
+    __atomic_store_n(&t.box[mailbox::kDone], request, __ATOMIC_RELEASE);
   }
 }
 
-// Poll the mailbox as host_experts.cpp's worker does: spin while requests come, sleep between
-// polls once idle (50 us after 20 ms, 1 ms after a second).
 void worker_loop(CopyWorker* w) {
   w->driver.ctx_set(w->context);
-  int64_t* box = w->table.box;
-  int64_t seen = __atomic_load_n(&box[kDone], __ATOMIC_ACQUIRE);
-  auto last = std::chrono::steady_clock::now();
-  while (!w->stop.load(std::memory_order_relaxed)) {
-    const int64_t posted = __atomic_load_n(&box[kRequest], __ATOMIC_ACQUIRE);
-    if (posted == seen) {
-      const auto idle = std::chrono::steady_clock::now() - last;
-      if (idle > std::chrono::seconds(1))
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      else if (idle > std::chrono::milliseconds(20))
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
-      else
-        _mm_pause();
-      continue;
-    }
-    copy_request(w, posted);
-    seen = posted;
-    last = std::chrono::steady_clock::now();
-  }
+  mailbox::poll(w->table.box, w->stop, [w](int64_t request) { copy_request(w, request); });
 }
 
 }  // namespace
