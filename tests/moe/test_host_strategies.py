@@ -251,18 +251,20 @@ def test_both_schedules_give_the_same_bits_and_an_unknown_one_is_refused():
 
 
 def test_int8_host_activations_run_the_int8_path_and_stay_near_the_exact_one():
-    """--moe-host-activations int8 reaches the host kernel's calls: over int4 experts the host's
-    routes take the int8 path (not the exact bits), and the decode steps' log-probabilities stay
-    near the exact path's (the prefill streams: its token is the GPU path's under both)."""
+    """--moe-host-activations int8, the default, reaches the host kernel's calls: over int4
+    experts the host's routes take the int8 path (not the exact bits), and the decode steps'
+    log-probabilities stay near the exact path's (the prefill streams: its token is the GPU
+    path's under both)."""
     from moeferry.default_model import ensure_default_model
 
     path = ensure_default_model()
     params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=5, ignore_eos=True)
     prompts = [list(range(10, 40)), [5, 17, 33, 2, 9, 71, 40]]
     runs = {}
-    for activations in ("bf16", "int8"):
-        llm = LLM(path, dtype="bfloat16", device="cpu", quantization="int4", moe_strategy="cpu",
-                  moe_host_activations=activations)
+    for activations in ("bf16", None):  # None: the default, the int8 path
+        options = {} if activations is None else {"moe_host_activations": activations}
+        llm = LLM(path, dtype="bfloat16", device="cpu", quantization="int4", moe_strategy="cpu", **options)
+        activations = activations or "int8"
         assert llm.engine.runner.strategy.host.channel.options.activations == activations
         runs[activations] = [dict(step.top) for o in llm.generate(prompts, params) for step in o.logprobs[1:]]
     for exact, int8 in zip(runs["bf16"], runs["int8"]):
