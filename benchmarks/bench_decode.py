@@ -26,7 +26,7 @@ import torch
 
 from benchmarks.common import (MODEL_ROUTING, add_results_flag, add_routing_flag, command_line, force_routing,
                                free_engine_memory, gpu_main, h2d_bandwidth, hbm_bandwidth, markdown_table, report,
-                               routed_section, routing_note, timed_decode)
+                               routed_section, routing_note, set_statistics, timed_decode)
 from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
 
@@ -63,13 +63,6 @@ def make_engine(config_dir, args, strategy, slots=None, policy="lru"):
     if force_routing(engine, args.routing, args.routing_seed) is not None:
         engine.runner.recapture_graphs()  # the graphs draw the routes
     return engine
-
-
-def set_statistics(engine, on: bool) -> None:
-    """The offload cache's admission statistics on or off (as --moe-collect-stats would set
-    them), the decode graphs recaptured: the admission kernel compiles its counters in."""
-    engine.runner.strategy.store.cache.set_statistics(on)
-    engine.runner.recapture_graphs()
 
 
 def fastest(engine, args, batch: int) -> dict:

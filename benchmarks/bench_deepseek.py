@@ -29,7 +29,7 @@ import torch
 
 from benchmarks.common import (MODEL_ROUTING, add_results_flag, add_routing_flag, command_line, force_routing,
                                free_engine_memory, gpu_main, h2d_bandwidth, hbm_bandwidth, markdown_table, report,
-                               routed_section, routing_note, timed_decode)
+                               routed_section, routing_note, set_statistics, timed_decode)
 from tests.support.fixtures import DEEPSEEK_V3_DIR_CONFIG, write_config_dir
 
 HEADS, RANK, ROPE, PAGE_SIZE = 128, 512, 64, 16
@@ -96,7 +96,7 @@ def decode_rows(config_dir: str, cfg: dict, args, h2d: float, hbm: float, device
     """The decode section's rows for the model of `config_dir` (its config.json `cfg`), cut by
     `overrides` (make_engine's default: --layers with --dense-layers dense); bench_gpt_oss's
     section too."""
-    from benchmarks.bench_decode import decode_counters, dense_bytes, set_statistics
+    from benchmarks.bench_decode import decode_counters, dense_bytes
 
     experts = cfg.get("n_routed_experts") or cfg["num_local_experts"]
     moe_layers = args.layers - getattr(args, "dense_layers", 0)

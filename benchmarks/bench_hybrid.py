@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import (add_results_flag, add_routing_flag, command_line, force_routing, free_engine_memory,
-                               gpu_main, h2d_bandwidth, markdown_table, report, routed_section, routing_note, share_slots,
-                               timed_decode)
+                               gpu_main, h2d_bandwidth, markdown_table, report, routed_section, routing_note, set_statistics,
+                               share_slots, timed_decode)
 from moeferry.kernels.fused_moe.host import DEFAULT_SCHEDULE, SCHEDULES
 from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
@@ -118,15 +118,6 @@ def host_alone(strategy) -> float:
     top_k = strategy.model_config.top_k
     busy = host_call_time(strategy.banks, channel, top_k, 7) - strategy.host.speeds.host_call_s
     return top_k * strategy.expert_bytes / busy if busy > 0 else 0.0
-
-
-def set_statistics(engine, on: bool) -> None:
-    """The slot cache's and the prefetch's counters on or off, the decode graphs recaptured (a
-    strategy without them has nothing to switch)."""
-    s = engine.runner.strategy
-    if s.store.admits or s.prefetch is not None:
-        s.set_statistics(on)
-        engine.runner.recapture_graphs()
 
 
 def decode_row(engine, args, label, share, batch, expert_bytes, h2d, host_bw) -> list:

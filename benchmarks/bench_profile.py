@@ -22,7 +22,7 @@ import tempfile
 import torch
 
 from benchmarks.common import (add_results_flag, add_routing_flag, command_line, force_routing, free_engine_memory, gpu_main,
-                               markdown_table, report, routing_note, share_slots, timed_decode)
+                               markdown_table, report, routing_note, share_slots, start_decode, timed_decode)
 
 COPY_KERNELS = ("gather_rows", "memcpy", "Memcpy")
 
@@ -150,17 +150,8 @@ def make_engine(config_dir, args, strategy: str, prefetch: str, stats: str):
 def profile_decode(engine, args, trace_path: str | None) -> tuple[list[dict], float]:
     """The device events of `args.steps` decode steps of `args.batch` requests, and the wall
     time a step (µs) of as many steps timed without the profiler just before."""
-    from moeferry.sampling import SamplingParams
-
     wall = timed_decode(engine, args.batch, args.prompt_len, args.warmup, args.steps, lambda e: {})["step_s"] * 1e6
-    params = SamplingParams(temperature=0.0, max_tokens=args.warmup + args.steps + 1, ignore_eos=True)
-    gen = torch.Generator().manual_seed(args.batch)
-    reqs = [engine.add_request(torch.randint(engine.mc.vocab_size, (args.prompt_len,), generator=gen).tolist(), params)
-            for _ in range(args.batch)]
-    while any(r.in_prefill for r in reqs):
-        engine.step()
-    for _ in range(args.warmup):
-        engine.step()
+    start_decode(engine, args.batch, args.prompt_len, args.warmup, args.steps)
     torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
@@ -209,7 +200,7 @@ def main(argv, args) -> int:
 
     config_dir = tempfile.mkdtemp()
     write_config_dir(config_dir, QWEN3_30B_DIR_CONFIG)
-    rows, listings = [], []
+    rows = []
     for strategy, prefetch, stats in variants(args):
         engine = make_engine(config_dir, args, strategy, prefetch, stats)
         name = label(args, strategy, prefetch, stats)
@@ -219,10 +210,9 @@ def main(argv, args) -> int:
         s = step_summary(events, args.steps)
         rows.append([name, f"{wall:.0f}", f"{s['window']:.0f}", f"{s['busy']:.0f}", f"{s['copy']:.0f}",
                      f"{s['compute']:.0f}", f"{s['overlap']:.0f}", f"{s['idle']:.0f}"])
-        listings.append(f"{name}:\n" + markdown_table(["kernel", "calls a step", "µs a step"],
-                                                      [[short(n), f"{c:.1f}", f"{t:.1f}"] for n, c, t in
-                                                       s["kernels"][:args.top]]))
-        print(listings[-1] + "\n", flush=True)
+        print(f"{name}:\n" + markdown_table(["kernel", "calls a step", "µs a step"],
+                                             [[short(n), f"{c:.1f}", f"{t:.1f}"] for n, c, t in s["kernels"][:args.top]])
+              + "\n", flush=True)
         del engine
         free_engine_memory()
     body = markdown_table(["row", "wall µs a step", "device window", "busy", "copy", "compute", "copy ∥ compute",

@@ -21,7 +21,7 @@ import tempfile
 
 from benchmarks.common import (add_results_flag, add_routing_flag, command_line, force_routing, free_engine_memory,
                                gpu_main, h2d_bandwidth, markdown_table, pivot, report, routed_section, routing_note,
-                               timed_decode, unforce_routing)
+                               set_statistics, timed_decode, unforce_routing)
 from moeferry.moe.formats import QUANTIZATIONS
 from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
 
@@ -69,12 +69,6 @@ def _misses(engine) -> dict:
     return {"distinct": total["distinct"], "misses": total["misses"]}
 
 
-def _with_statistics(engine, on: bool) -> None:
-    from benchmarks.bench_decode import set_statistics
-
-    set_statistics(engine, on)
-
-
 def run(config_dir: str, args) -> list[dict]:
     """One record per (format, share, batch): tok/s and step time (statistics off, the fastest
     of the repeats), then misses and distinct experts per step (a run with statistics on)."""
@@ -96,9 +90,9 @@ def run(config_dir: str, args) -> list[dict]:
                 runs = [timed_decode(engine, batch, args.prompt_len, args.warmup, args.steps, lambda e: {})
                         for _ in range(max(1, args.repeats))]
                 best = min(runs, key=lambda r: r["step_s"])
-                _with_statistics(engine, True)
+                set_statistics(engine, True)
                 counted = timed_decode(engine, batch, args.prompt_len, args.warmup, args.steps, _misses)
-                _with_statistics(engine, False)
+                set_statistics(engine, False)
                 records.append({"format": fmt, "described": strategy.format_description(), "share": share,
                                 "batch": batch, "tok_s": best["tok_s"], "step_s": best["step_s"],
                                 "misses": counted["misses"], "distinct": counted["distinct"], "slots": slots,

@@ -246,13 +246,20 @@ def free_engine_memory() -> None:
             torch._C._host_emptyCache()
 
 
-def timed_decode(engine, batch: int, prompt_len: int, warmup: int, steps: int, counters, params=None) -> dict:
-    """Time `steps` whole engine steps of `batch` requests (greedy unless `params`, a
-    SamplingParams, says otherwise) with random prompts (fixed by `batch`), after their prefill
-    and `warmup` decode steps. Returns tok_s, step_s and the per-step change of every value in
-    the dict `counters(engine)` over exactly those steps."""
-    import time
+def set_statistics(engine, on: bool) -> None:
+    """The slot cache's and the prefetch's counters on or off (as --moe-collect-stats would set
+    them), the decode graphs recaptured: the kernels compile their counters in. A strategy
+    without them has nothing to switch."""
+    strategy = engine.runner.strategy
+    if strategy.store.admits or strategy.prefetch is not None:
+        strategy.set_statistics(on)
+        engine.runner.recapture_graphs()
 
+
+def start_decode(engine, batch: int, prompt_len: int, warmup: int, steps: int, params=None) -> None:
+    """`batch` requests with random prompts (fixed by `batch`), long enough for `warmup` +
+    `steps` decode steps (greedy unless `params`, a SamplingParams), through their prefill and
+    `warmup` decode steps: the next `steps` engine steps are decode steps of all of them."""
     from moeferry.sampling import SamplingParams
 
     gen = torch.Generator().manual_seed(batch)
@@ -264,6 +271,16 @@ def timed_decode(engine, batch: int, prompt_len: int, warmup: int, steps: int, c
         engine.step()
     for _ in range(warmup):
         engine.step()
+
+
+def timed_decode(engine, batch: int, prompt_len: int, warmup: int, steps: int, counters, params=None) -> dict:
+    """Time `steps` whole engine steps of `batch` requests (greedy unless `params`, a
+    SamplingParams, says otherwise) with random prompts (fixed by `batch`), after their prefill
+    and `warmup` decode steps. Returns tok_s, step_s and the per-step change of every value in
+    the dict `counters(engine)` over exactly those steps."""
+    import time
+
+    start_decode(engine, batch, prompt_len, warmup, steps, params)
     sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
     sync()
     before = counters(engine)

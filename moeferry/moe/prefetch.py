@@ -125,7 +125,6 @@ class Prefetch:
     def set_statistics(self, on: bool) -> None:
         """Count predictions from now on (fresh counters) or stop counting; recapture decode
         graphs after this."""
-        self.collect_stats = on
         self.counts = PrefetchCounts(len(self.store.banks), self.store.model_config.num_experts,
                                      self.store.device) if on else None
 

@@ -749,7 +749,8 @@ void int8_dots(const MoEHostCall& c, int bank, const QuantMatrix& m, const int64
     group_sums_portable(codes, s);
   float* ws = thread_buffer<float>(4 * x.groups);  // [g][r]: the four rows' scales side by side
   for (int r = 0; r < 4; ++r) int8_weight_scales(c, m, scale_row_of(c, bank, rows[std::min(r, R - 1)]), ws + r, 4);
-  for (int t = 0; t < NT; ++t) {  // the four rows in the lanes of one vector, each lane's operations in scalar order
+  // the four rows in the lanes of one vector, each lane's operations in the scalar order
+  for (int t = 0; t < NT; ++t) {
     const float* d = x.scales(xrows[t]);
     const int32_t* offset_sum = x.offset_sums(xrows[t]);
     const int32_t* sum = sums + t * x.groups * 4;
@@ -984,22 +985,33 @@ void fp8_dots_avx2_rows(int R, const uint8_t* const* w, const float* const* scal
   }
 }
 
-// The fp8 dots on AVX2 (gate_up_unit_stored's and down_unit_stored's Dots): bank 0's tokens are
-// rows of x, bank 1's routes rows of act.
+// The stored bytes and the block scales of rows rows[0 .. R) of fp8 matrix m (bank `bank`).
+inline void fp8_rows(const MoEHostCall& c, int bank, const QuantMatrix& m, const int64_t* rows, int R,
+                     const uint8_t** w, const float** scales) {
+  for (int r = 0; r < R; ++r) {
+    w[r] = m.weights + rows[r] * m.row_bytes;
+    scales[r] = reinterpret_cast<const float*>(m.scales) + scale_row_of(c, bank, rows[r]) * m.scale_cols;
+  }
+}
+
+// The bf16 row the fp8 dots read for `token`: bank 0's tokens are rows of x, bank 1's routes
+// rows of act.
+inline const uint16_t* fp8_dot_input(const MoEHostCall& c, int bank, int64_t token) {
+  return bank == 0 ? c.x + token * c.H : c.act + token * c.I;
+}
+
+// The fp8 dots on AVX2 (gate_up_unit_stored's and down_unit_stored's Dots).
 struct Fp8Avx2Dots {
   const MoEHostCall& c;
   void operator()(int bank, const QuantMatrix& m, const int64_t* rows, int R, const int64_t* tokens, int NT,
                   float* acc) const {
     const uint8_t* w[4];
     const float* scales[4];
-    for (int r = 0; r < R; ++r) {
-      w[r] = m.weights + rows[r] * m.row_bytes;
-      scales[r] = reinterpret_cast<const float*>(m.scales) + scale_row_of(c, bank, rows[r]) * m.scale_cols;
-    }
+    fp8_rows(c, bank, m, rows, R, w, scales);
     for (int t0 = 0; t0 < NT; t0 += 2) {
       const int P = std::min(2, NT - t0);
       const uint16_t* x[2];
-      for (int p = 0; p < P; ++p) x[p] = bank == 0 ? c.x + tokens[t0 + p] * c.H : c.act + tokens[t0 + p] * c.I;
+      for (int p = 0; p < P; ++p) x[p] = fp8_dot_input(c, bank, tokens[t0 + p]);
       float part[8];
       if (P == 2)
         fp8_dots_avx2_rows<2>(R, w, scales, x, m.cols, c.block_k, part);
@@ -1069,11 +1081,8 @@ struct Fp8Avx512Dots {
     const uint8_t* w[4];
     const float* scales[4];
     const uint16_t* x[4];
-    for (int r = 0; r < R; ++r) {
-      w[r] = m.weights + rows[r] * m.row_bytes;
-      scales[r] = reinterpret_cast<const float*>(m.scales) + scale_row_of(c, bank, rows[r]) * m.scale_cols;
-    }
-    for (int t = 0; t < NT; ++t) x[t] = bank == 0 ? c.x + tokens[t] * c.H : c.act + tokens[t] * c.I;
+    fp8_rows(c, bank, m, rows, R, w, scales);
+    for (int t = 0; t < NT; ++t) x[t] = fp8_dot_input(c, bank, tokens[t]);
     switch (R) {
       case 1: fp8_dots_avx512_rows<1>(NT, w, scales, x, m.cols, c.block_k, acc); break;
       case 2: fp8_dots_avx512_rows<2>(NT, w, scales, x, m.cols, c.block_k, acc); break;
