@@ -151,6 +151,10 @@ class Sampler:
         self._slot_of: dict[int, int] = {}
         self._masks = TokenMasks(num_slots, mask_words(vocab), pinned=device.type == "cuda")
         self._masks_copied = torch.cuda.Event() if device.type == "cuda" else None
+        # the step's tokens come back through pinned memory and an event: a pageable read would
+        # block in the driver while the step's graph may still wait on a host worker
+        self._host_tokens = torch.zeros(num_slots, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._tokens_read = torch.cuda.Event() if device.type == "cuda" else None
         self._flagged: dict[int, torch.Tensor] = {}  # whole flag buffers that may hold a 1
 
     @staticmethod
@@ -236,11 +240,20 @@ class Sampler:
     def read(self, buffers: SampleBuffers, reqs) -> "SampledTokens":
         """The tokens of the first len(reqs) rows, and the log-probs of those that asked."""
         n = len(reqs)
-        tokens = buffers.tokens[:n].tolist()
+        tokens = self._read_tokens(buffers.tokens[:n])
         wanted = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         if not wanted:
             return SampledTokens(tokens, [None] * n)
         return SampledTokens(tokens, self._logprobs(buffers, reqs, wanted))
+
+    def _read_tokens(self, tokens: torch.Tensor) -> list[int]:
+        if self._tokens_read is None or tokens.numel() > self._host_tokens.numel():
+            return tokens.tolist()
+        host = self._host_tokens[:tokens.numel()]
+        host.copy_(tokens, non_blocking=True)
+        self._tokens_read.record()
+        self._tokens_read.synchronize()
+        return host.tolist()
 
     def _logprobs(self, buffers: SampleBuffers, reqs, wanted: list[int]) -> list[TokenLogprobs | None]:
         out: list[TokenLogprobs | None] = [None] * len(reqs)

@@ -91,20 +91,27 @@ def test_a_bad_layer_is_reported_not_hung():
 
 
 @pytest.mark.gpu
-def test_the_main_thread_reading_a_result_back_does_not_stall_the_worker():
-    """The engine reads each step's tokens with a blocking device-to-host copy while the graph
-    still waits on the worker: if that copy held a driver lock the worker's calls need, the wait
-    would give up (flagged) instead of the copies landing."""
+def test_the_engine_reading_a_step_s_tokens_does_not_stall_the_worker():
+    """The engine reads each step's tokens while the graph may still wait on the worker. A
+    pageable read (`tensor.tolist()`) blocks in the driver in a way that stalls the worker's
+    calls until the wait gives up (seen on an H100: the engine hung); the sampler reads through
+    pinned memory and an event, which leaves the worker its calls."""
+    from types import SimpleNamespace
+
+    from moeferry.engine.sampler import SampleBuffers, Sampler
+
     generator = torch.Generator().manual_seed(3)
     host = [[random_bank(6, (4096,), torch.float32, generator).pin_memory()]]
     slots = [random_bank(8, (4096,), torch.float32, generator, "cuda")]
     engine = copy_engine.CopyEngine(host, slots, 4, torch.device("cuda"))
+    sampler = Sampler(2, 16, torch.device("cuda"))
+    buffers = SampleBuffers.allocate(1, 16, torch.device("cuda"))
     plan = _plan(4, 3, 6, 8, generator)
     before = [byte_rows(bank).cpu().clone() for bank in slots]
     engine.post(0, plan)
     engine.wait(max_polls=1 << 22)
-    # a blocking read of a result queued behind the wait, as the engine reads a step's tokens
-    assert torch.ones(1, device="cuda").add_(1).tolist() == [2.0]
+    buffers.tokens.fill_(7)  # a step's tokens, queued behind the wait
+    assert sampler.read(buffers, [SimpleNamespace(params=SimpleNamespace(logprobs=None))]).tokens == [7]
     assert engine.failed() is None
     _check(host, slots, before, 0, plan)
     engine.close()
