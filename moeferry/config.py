@@ -66,7 +66,8 @@ CHOICES = {"load_format": lambda: LOAD_FORMATS, "device": lambda: DEVICES, "dtyp
            "moe_host_schedule": _choices("moeferry.kernels.fused_moe.host", "SCHEDULES"),
            "moe_host_activations": _choices("moeferry.kernels.fused_moe.host", "ACTIVATIONS_PRECISIONS"),
            "moe_uva_block_assignment": _choices("moeferry.kernels.fused_moe", "BLOCK_ASSIGNMENTS"),
-           "moe_prefetch": _choices("moeferry.moe.prefetch", "PREFETCH_MODES")}
+           "moe_prefetch": _choices("moeferry.moe.prefetch", "PREFETCH_MODES"),
+           "moe_prefetch_copy": _choices("moeferry.moe.prefetch", "PREFETCH_COPIES")}
 
 
 def flag(name: str) -> str:
@@ -131,6 +132,7 @@ READ_BY = {
     "moe_timeline": ("moe_strategy", ("hybrid",)),
     "moe_prefetch": ("moe_strategy", ("offload", "hybrid")),
     "moe_prefetch_programs": ("moe_prefetch", ("router",)),
+    "moe_prefetch_copy": ("moe_prefetch", ("router",)),
     "moe_tuner_period": ("moe_strategy", ("hybrid",)),
     "moe_tuner_min_experts": ("moe_strategy", ("hybrid",)),
     "moe_uva_block_assignment": ("moe_strategy", ("uva",)),
@@ -296,6 +298,10 @@ class EngineConfig:
                                                       "kernel that copies ahead (0: its full grid, one per SM); "
                                                       "fewer slow the compute beside them less (RESULTS "
                                                       "copy/beside-compute)")
+    moe_prefetch_copy: str = option("dma", DEVELOPER, "--moe-prefetch on a GPU: how the lookahead's copies run: "
+                                                      "dma (the copy engine, issued by a worker thread, so the SMs "
+                                                      "stay with the compute) or gather (the gather kernel on a "
+                                                      "side stream)")
     moe_timeline: bool = option(False, DEVELOPER, "hybrid: stamp the points of every decode MoE layer inside the "
                                                   "decode graph, read back by benchmarks (moe/timeline.py)")
     moe_tuner_period: int = option(8, DEVELOPER, "hybrid: decode steps between two updates of the host's share "

@@ -33,6 +33,7 @@ import torch
 from moeferry.kernels.gather_copy import GatherTuning
 
 PREFETCH_MODES = ("off", "router")
+PREFETCH_COPIES = ("gather", "dma")
 
 
 class PrefetchCounts:
@@ -105,11 +106,17 @@ class Prefetch:
             raise ValueError(f"prefetch mode must be one of {PREFETCH_MODES[1:]}, got {mode!r}")
         self.mode, self.width = mode, model_config.top_k
         self.tuning = GatherTuning(max_programs=engine_config.moe_prefetch_programs)  # the lookahead's gather grid
+        self.copy = engine_config.moe_prefetch_copy
         self.collect_stats = engine_config.moe_collect_stats
         self.predictors: dict[int, Callable[[torch.Tensor, int], torch.Tensor]] = {}
         self.given: torch.Tensor | None = None
         self.store = self.stream = self.counts = None
-        self.in_flight = False  # copies forked onto the side stream and not yet joined
+        # hybrid: which predicted experts the device channel fetches, (moe layer, ids) -> ids with
+        # -1 for those left to the host when the layer routes (moe/split_policy.py device_part)
+        self.ahead_part: Callable[[int, torch.Tensor], torch.Tensor] | None = None
+        self.copier = None  # a CopyEngine over the store's current pool (--moe-prefetch-copy dma on a GPU)
+        self._copier_key = None  # the pool's addresses and the plan's size it was started for
+        self.in_flight = False  # copies started (side stream or copy engine) and not yet joined
         self.next_layer: dict[int, int] = {}  # model layer id -> the next MoE layer's, whose experts it predicts
 
     def attach_predictor(self, layer_id: int, predict: Callable[[torch.Tensor, int], torch.Tensor]) -> None:
@@ -134,11 +141,22 @@ class Prefetch:
         self.given = predictions
 
     def join(self) -> None:
-        """The current stream waits for the lookahead copies in flight, if any were forked (a
+        """The current stream waits for the lookahead copies in flight, if any were started (a
         capture may only wait on a side stream that joined it)."""
-        if self.stream is not None and self.in_flight:
-            torch.cuda.current_stream().wait_stream(self.stream)
+        if self.in_flight:
+            if self.copier is not None:
+                self.copier.wait()
+            elif self.stream is not None:
+                torch.cuda.current_stream().wait_stream(self.stream)
         self.in_flight = False
+
+    def check(self) -> None:
+        """Raise EngineFailed if a lookahead copy went wrong (its slots would hold stale rows):
+        reads pinned memory only, no device sync."""
+        from moeferry.errors import EngineFailed
+
+        if self.copier is not None and self.copier.error_code():
+            raise EngineFailed(f"lookahead prefetch: {self.copier.failed()}")
 
     def observe(self, layer_id: int, topk_ids: torch.Tensor) -> None:
         """Count a layer's routes against its prediction (the first MoE layer, which nothing
@@ -157,16 +175,39 @@ class Prefetch:
             return
         moe_layer = self.store.moe_layer_of[nxt]
         predicted = self._predict(nxt, moe_layer, hidden)
-        cache.admit_ahead(moe_layer, predicted)
+        cache.admit_ahead(moe_layer, predicted if self.ahead_part is None else self.ahead_part(moe_layer, predicted))
         if self.counts is not None:
             self.counts.ahead(moe_layer, predicted, cache.ahead_src, cache.ahead_count)
         if self.stream is None:
             self.store.copy_ahead(nxt, self.tuning)
             return
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            self.store.copy_ahead(nxt, self.tuning)
+        copier = self._copy_engine()
+        if copier is not None:
+            copier.post(moe_layer, cache.ahead_plan)
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                self.store.copy_ahead(nxt, self.tuning)
         self.in_flight = True
+
+    def _copy_engine(self):
+        """The copy engine over the store's current pool under --moe-prefetch-copy dma (started
+        again after the pool was rebuilt: its table holds the pool's addresses), else None."""
+        from moeferry.kernels.gather_copy import copy_engine
+
+        if self.copy != "dma" or not copy_engine.available(self.store.device):
+            return None
+        pool = self.store.pool.tensors()
+        key = (tuple(t.data_ptr() for t in pool), self.store.cache.ahead_plan.numel())
+        if self.copier is None or self._copier_key != key:
+            if torch.cuda.is_current_stream_capturing():  # graph capture runs eager warm-ups first
+                raise RuntimeError("the prefetch's copy engine starts in an eager forward, not inside a capture")
+            if self.copier is not None:
+                self.copier.close()
+            host = [self.store.banks[layer].tensors() for layer in sorted(self.store.banks)]
+            self.copier = copy_engine.CopyEngine(host, pool, (key[1] - 1) // 2, self.store.device)
+            self._copier_key = key
+        return self.copier
 
     def _predict(self, layer_id: int, moe_layer: int, hidden: torch.Tensor) -> torch.Tensor:
         if self.given is not None:
@@ -178,7 +219,8 @@ class Prefetch:
             self.counts.reset()
 
     def stats(self) -> dict:
-        out = {"mode": self.mode, "predictor": "given" if self.given is not None else self.mode}
+        out = {"mode": self.mode, "predictor": "given" if self.given is not None else self.mode,
+               "copy": "dma" if self.copier is not None else "gather"}
         if self.counts is not None:
             out.update(self.counts.snapshot(self.store.expert_bytes))
         return {"prefetch": out}

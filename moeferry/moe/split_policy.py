@@ -146,6 +146,10 @@ class AllToHost:
             tally += distinct.sum()
         return topk_ids, None
 
+    def device_part(self, predicted_ids: torch.Tensor, residency: torch.Tensor) -> torch.Tensor:
+        """Of a lookahead's predicted experts, none for the device: every route is the host's."""
+        return torch.full_like(predicted_ids, -1)
+
     def decode_step(self) -> None:
         pass
 
@@ -170,6 +174,7 @@ class ByChannelSpeed:
         """With the channels' speeds measured at start-up: the tuner and the rotation counter."""
         self.tuner = SplitTuner(speeds, device, self.settings)
         self.rotation = torch.zeros(1, dtype=torch.int64, device=device)
+        self.ahead_rotation = torch.zeros(1, dtype=torch.int64, device=device)
 
     def routes(self, moe_layer: int, topk_ids: torch.Tensor, residency: torch.Tensor,
                tally: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,6 +183,14 @@ class ByChannelSpeed:
         the experts the host takes."""
         host_ids, device_ids, _ = split_routes(topk_ids, residency, self.tuner.split, self.rotation, tally)
         return host_ids, device_ids
+
+    def device_part(self, predicted_ids: torch.Tensor, residency: torch.Tensor) -> torch.Tensor:
+        """Of a lookahead's predicted experts (moe/prefetch.py), those the device channel fetches
+        ahead: the hits and the device's share of the misses, by the same split (-1 for the
+        host's share, which stays a miss and is split again when the layer routes). Copies
+        ahead run beside compute, so this share of the predicted misses is hidden; a split of
+        nothing but the prefetch would leave the host idle and the copies on the critical path."""
+        return split_routes(predicted_ids, residency, self.tuner.split, self.ahead_rotation)[1]
 
     def decode_step(self) -> None:
         self.tuner.decode_step()

@@ -112,8 +112,14 @@ class MoEStrategy:
         if self.host is not None:
             self.host.finalize(self.banks, self.device, self.dtype)
             self.split.start(self.host.speeds, self.device)
+            if self.prefetch is not None :
+                self.prefetch.ahead_part = self._ahead_part
         if self.engine_config.moe_timeline:
             self.timeline = LayerTimeline(HYBRID_POINTS, len(self.moe_layer_of), self.device)
+
+    def _ahead_part(self, moe_layer: int, predicted_ids: torch.Tensor) -> torch.Tensor:
+        """The predicted experts the lookahead fetches under a split: the device channel's part."""
+        return self.split.device_part(predicted_ids, self.store.residency()[moe_layer])
 
     def begin_forward(self, is_decode: bool, num_tokens: int) -> None:
         """Called before every eager model forward (a replayed decode graph runs none)."""
@@ -126,9 +132,11 @@ class MoEStrategy:
 
     def begin_decode_step(self) -> None:
         """Called on the host before every decode step, a graph's replay or an eager forward
-        alike: host-side bookkeeping only."""
+        alike: host-side bookkeeping only (a failed lookahead copy raises EngineFailed here)."""
         if self.split is not None:
             self.split.decode_step()
+        if self.prefetch is not None:
+            self.prefetch.check()
 
     def restart_cache(self) -> None:
         """Back to the state after `finalize`, statistics zeroed, in place (captured graphs stay

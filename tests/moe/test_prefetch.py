@@ -70,6 +70,24 @@ def test_hybrid_with_prefetch_generates_what_gpu_generates(family_ckpt):
     assert_counts_add_up(stats["prefetch"])
 
 
+def test_under_hybrid_the_lookahead_fetches_only_the_device_channels_share(tmp_path):
+    """The split decides the lookahead's copies too: a host that takes every miss leaves the
+    copy channel nothing to fetch ahead (predictions still made and counted); one that takes
+    none leaves every predicted miss to it. The tokens are gpu's either way."""
+    path = str(tmp_path / "ckpt")
+    config = dict(FAMILIES)["qwen3_moe"]
+    make_checkpoint(config, path)
+    want = tokens(LLM(path, dtype="float32", device="cpu"))
+    copied = {}
+    for share in (1.0, 0.0):
+        llm = prefetching(path, config.num_experts, "hybrid", moe_host_share=share)
+        assert tokens(llm) == want, share
+        prefetch = llm.engine.runner.strategy.stats()["prefetch"]
+        assert prefetch["predicted"] > 0
+        copied[share] = prefetch["copied"]
+    assert copied[1.0] == 0 < copied[0.0]
+
+
 def test_prefetch_over_quantized_experts_generates_what_gpu_generates(quantized_ckpt):
     path, options, experts = quantized_ckpt
     want = tokens(LLM(path, dtype="bfloat16", device="cpu", **options))
@@ -203,19 +221,21 @@ def test_prefetch_is_refused_where_nothing_reads_it(strategy, tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("copy", ["gather", "dma"])
 @pytest.mark.parametrize("strategy", ["offload", "hybrid"])
-def test_prefetch_in_the_decode_graph_generates_what_gpu_generates(strategy, tmp_path):
-    """On the GPU the lookahead copies run on a side stream inside the captured decode graph."""
+def test_prefetch_in_the_decode_graph_generates_what_gpu_generates(strategy, copy, tmp_path):
+    """On the GPU the lookahead copies run beside the compute inside the captured decode graph,
+    by the gather kernel on a side stream or by the copy engine's worker."""
     path = str(tmp_path / "ckpt")
     config = dict(FAMILIES)["qwen3_moe"]
     make_checkpoint(config, path)
     want = tokens(LLM(path, dtype="bfloat16"))
     extra = {"moe_host_share": 0.5} if strategy == "hybrid" else {}
     llm = LLM(path, dtype="bfloat16", moe_strategy=strategy, moe_cache_slots=2 * config.num_experts,
-              moe_prefetch="router", moe_collect_stats=True, **extra)
+              moe_prefetch="router", moe_prefetch_copy=copy, moe_collect_stats=True, **extra)
     assert tokens(llm) == want
     prefetch = llm.engine.runner.strategy.stats()["prefetch"]
-    assert prefetch["copied"] > 0
+    assert prefetch["copied"] > 0 and prefetch["copy"] == copy
     assert_counts_add_up(prefetch)
     assert torch.cuda.current_stream().query()
 

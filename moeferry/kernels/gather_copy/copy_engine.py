@@ -12,9 +12,10 @@ arrives. The SM gather (triton.py) reads host memory with loads from every SM, w
 kernel running beside it several-fold; the copy engine leaves the SMs to the compute (RESULTS
 copy/beside-compute).
 
-Status: tested on a GPU on its own, eagerly and inside a captured graph
-(tests/kernels/test_copy_engine.py); not yet a way the engine copies: wired into the
-lookahead's decode graph, its first engine run hung (docs/offload.md, Prefetch).
+The lookahead prefetch copies through it by default (moe/prefetch.py, --moe-prefetch-copy).
+The main thread must not read results back with a pageable copy while a graph waits on the
+worker: that read blocks in the driver and stalls the worker's calls (the engine's sampler
+reads through pinned memory and an event; tests/kernels/test_copy_engine.py).
 
 Invariants: one request in flight (`post` after the last `wait`); the banks' tensors outlive
 the engine (their addresses are in its table); `close` (or the engine's collection) stops the
