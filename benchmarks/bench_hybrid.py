@@ -529,7 +529,8 @@ def main(argv, args) -> int:
     if "decode" in args.parts:
         rows, host_bw = decode_rows(config_dir, args, h2d)
         prefetch = args.prefetch != ["off"]
-        report(routed_section("hybrid/decode", args.routing) + ("/prefetch" if prefetch else ""),
+        report(routed_section("hybrid/decode", args.routing) + ("/prefetch" if prefetch else "")
+               + (f"/{args.quantization}" if args.quantization else ""),
                f"Decode with {'the lookahead prefetch' if prefetch else 'the host channel'}, routing {args.routing}",
                command,
                markdown_table(DECODE_HEADER, rows),
