@@ -73,7 +73,10 @@ def parse_args(argv):
     p.add_argument("--prefetch-programs", type=int, nargs="+", default=[0],
                    help="prefetch rows once per grid cap of the gather that copies ahead (--moe-prefetch-programs; "
                         "0: its full grid)")
-    p.add_argument("--prefetch-copy", nargs="+", choices=["gather", "dma"], default=["gather"],
+    p.add_argument("--prefetch-experts", type=int, nargs="+", default=[0],
+                   help="prefetch rows once per cap on a layer's predicted misses copied ahead "
+                        "(--moe-prefetch-experts; 0: all)")
+    p.add_argument("--prefetch-copy", nargs="+", choices=["gather", "dma"], default=["dma"],
                    help="prefetch rows once per way of copying ahead (--moe-prefetch-copy; gather rows once per "
                         "--prefetch-programs)")
     p.add_argument("--quantization", choices=["int4", "fp8", "mxfp4"], default=None,
@@ -187,10 +190,12 @@ def prefetch_note(args) -> str:
               "on demand, useful prefetches, host).")
 
 
-def prefetch_ways(args) -> list[tuple[str, int]]:
-    """(copy, gather grid cap) of each prefetch row: the gather once per cap, the copy engine once."""
-    return ([("gather", programs) for programs in args.prefetch_programs] if "gather" in args.prefetch_copy else []) \
+def prefetch_ways(args) -> list[tuple[str, int, int]]:
+    """(copy, gather grid cap, misses cap) of each prefetch row: the gather once per grid cap,
+    the copy engine once, each once per misses cap."""
+    ways = ([("gather", programs) for programs in args.prefetch_programs] if "gather" in args.prefetch_copy else []) \
         + ([("dma", 0)] if "dma" in args.prefetch_copy else [])
+    return [(copy, programs, cap) for copy, programs in ways for cap in args.prefetch_experts]
 
 
 def prefetch_label(args, lookahead: str) -> str:
@@ -209,14 +214,12 @@ def decode_rows(config_dir, args, h2d) -> tuple[list[list], float]:
         if not shares:
             continue
         lookaheads = [(a, *way) for a in (args.prefetch if strategy in ("offload", "hybrid") else ["off"])
-                      for way in (prefetch_ways(args) if a != "off" else [("gather", 0)])]
+                      for way in (prefetch_ways(args) if a != "off" else [("dma", 0, 0)])]
         modes = host_channel_modes(args) if strategy in ("cpu", "hybrid") else [None]
-        for mode, (lookahead, copy, programs) in ((m, a) for m in modes for a in lookaheads):
+        for mode, (lookahead, copy, programs, cap) in ((m, a) for m in modes for a in lookaheads):
             options = dict(zip(("moe_host_dispatch", "moe_host_staging", "moe_host_schedule"), mode or ()))
-            if programs:
-                options["moe_prefetch_programs"] = programs
-            if copy != "gather":
-                options["moe_prefetch_copy"] = copy
+            if lookahead != "off":
+                options.update(moe_prefetch_copy=copy, moe_prefetch_programs=programs, moe_prefetch_experts=cap)
             engine = make_engine(config_dir, args, strategy, moe_prefetch="off" if lookahead == "off" else "router",
                                  **options)
             forced = force_routing(engine, args.routing, args.routing_seed,
@@ -232,7 +235,8 @@ def decode_rows(config_dir, args, h2d) -> tuple[list[list], float]:
                 label = "hybrid, one layer of slots" if strategy == "hybrid" and share == 0.0 else strategy
                 label += mode_label(args, mode) if mode else ""
                 label += prefetch_label(args, lookahead) + (f", gather on {programs} programs" if programs else "")
-                label += ", copy engine" if copy == "dma" else ""
+                label += ", gather" if copy == "gather" and len(args.prefetch_copy) > 1 else ""
+                label += f", at most {cap} a layer" if cap else ""
                 for batch in args.batch:
                     rows.append(decode_row(engine, args, label, share, batch, s.expert_bytes, h2d, host_bw))
             del engine, s

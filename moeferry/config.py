@@ -112,6 +112,7 @@ RANGES = {
     "moe_tuner_period": Bound(1),
     "moe_tuner_min_experts": Bound(0),
     "moe_prefetch_programs": Bound(0),
+    "moe_prefetch_experts": Bound(0),
 }
 
 # The options only some strategies (or policies) read: set away from its default under any
@@ -133,6 +134,7 @@ READ_BY = {
     "moe_prefetch": ("moe_strategy", ("offload", "hybrid")),
     "moe_prefetch_programs": ("moe_prefetch", ("router",)),
     "moe_prefetch_copy": ("moe_prefetch", ("router",)),
+    "moe_prefetch_experts": ("moe_prefetch", ("router",)),
     "moe_tuner_period": ("moe_strategy", ("hybrid",)),
     "moe_tuner_min_experts": ("moe_strategy", ("hybrid",)),
     "moe_uva_block_assignment": ("moe_strategy", ("uva",)),
@@ -298,6 +300,10 @@ class EngineConfig:
                                                       "kernel that copies ahead (0: its full grid, one per SM); "
                                                       "fewer slow the compute beside them less (RESULTS "
                                                       "copy/beside-compute)")
+    moe_prefetch_experts: int = option(0, DEVELOPER, "--moe-prefetch: at most this many of a layer's predicted "
+                                                     "misses copied ahead, each row's most likely experts first "
+                                                     "(0: all): copies ahead hide only behind one layer's compute, "
+                                                     "and a wrong one delays the next layer's own copies")
     moe_prefetch_copy: str = option("dma", DEVELOPER, "--moe-prefetch on a GPU: how the lookahead's copies run: "
                                                       "dma (the copy engine, issued by a worker thread, so the SMs "
                                                       "stay with the compute) or gather (the gather kernel on a "

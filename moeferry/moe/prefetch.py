@@ -107,6 +107,7 @@ class Prefetch:
         self.mode, self.width = mode, model_config.top_k
         self.tuning = GatherTuning(max_programs=engine_config.moe_prefetch_programs)  # the lookahead's gather grid
         self.copy = engine_config.moe_prefetch_copy
+        self.max_misses = engine_config.moe_prefetch_experts  # predicted misses fetched per layer (0: all)
         self.collect_stats = engine_config.moe_collect_stats
         self.predictors: dict[int, Callable[[torch.Tensor, int], torch.Tensor]] = {}
         self.given: torch.Tensor | None = None
@@ -175,7 +176,8 @@ class Prefetch:
             return
         moe_layer = self.store.moe_layer_of[nxt]
         predicted = self._predict(nxt, moe_layer, hidden)
-        cache.admit_ahead(moe_layer, predicted if self.ahead_part is None else self.ahead_part(moe_layer, predicted))
+        fetched = predicted if self.ahead_part is None else self.ahead_part(moe_layer, predicted)
+        cache.admit_ahead(moe_layer, self._capped(moe_layer, fetched) if self.max_misses else fetched)
         if self.counts is not None:
             self.counts.ahead(moe_layer, predicted, cache.ahead_src, cache.ahead_count)
         if self.stream is None:
@@ -208,6 +210,18 @@ class Prefetch:
             self.copier = copy_engine.CopyEngine(host, pool, (key[1] - 1) // 2, self.store.device)
             self._copier_key = key
         return self.copier
+
+    def _capped(self, moe_layer: int, ids: torch.Tensor) -> torch.Tensor:
+        """`ids` [T, width] (each row best first) with every predicted miss past the first
+        `max_misses` set to -1, taken rank by rank (every row's first choice, then every row's
+        second...); hits are kept (they cost no copy). A miss two rows predict counts twice."""
+        num_experts = self.store.model_config.num_experts
+        by_rank = ids.t().reshape(-1)
+        valid = (by_rank >= 0) & (by_rank < num_experts)
+        resident = self.store.residency()[moe_layer].index_select(0, by_rank.clamp(0, num_experts - 1)) >= 0
+        miss = valid & ~resident
+        kept = ~miss | (miss.long().cumsum(0) <= self.max_misses)
+        return torch.where(kept, by_rank, -1).view(ids.shape[1], ids.shape[0]).t().contiguous()
 
     def _predict(self, layer_id: int, moe_layer: int, hidden: torch.Tensor) -> torch.Tensor:
         if self.given is not None:

@@ -159,6 +159,42 @@ def test_an_always_right_predictor_leaves_no_decode_miss_past_the_first_layer(tm
     assert_counts_add_up(prefetch)
 
 
+def test_a_capped_lookahead_copies_at_most_its_cap_a_layer(tmp_path):
+    """--moe-prefetch-experts N: each lookahead copies at most N predicted misses, the rest
+    left to the layer's own admission; the tokens are gpu's, capped or not."""
+    path = str(tmp_path / "ckpt")
+    config = dict(FAMILIES)["qwen3_moe"]
+    make_checkpoint(config, path)
+    plans = {}
+    for cap in (0, 1):
+        llm = prefetching(path, config.num_experts, max_running_requests=1, moe_prefetch_experts=cap)
+        forced = ForcedRouting.install(llm.engine, get_profile("uniform"), seed=4, oracle_recall=1.0)
+        llm.engine.runner.strategy.prefetch.predict_from(forced.predictions)
+        plans[cap] = lookahead_copies(llm.engine.runner.strategy.store.cache)
+        assert tokens(llm, PROMPTS[:2]) == tokens(forced_gpu(path, seed=4), PROMPTS[:2]), cap
+    assert max(plans[0]) > 1 and max(plans[1]) == 1
+    assert sum(plans[1]) < sum(plans[0])
+
+
+def lookahead_copies(cache) -> list[int]:
+    """Each later lookahead's planned copies, in order (cache.admit_ahead wrapped)."""
+    counts = []
+    admit_ahead = cache.admit_ahead
+
+    def counted(*args):
+        admit_ahead(*args)
+        counts.append(int(cache.state.ahead_count[0]))
+
+    cache.admit_ahead = counted
+    return counts
+
+
+def forced_gpu(path, seed):
+    gpu = LLM(path, dtype="float32", device="cpu", max_running_requests=1)
+    ForcedRouting.install(gpu.engine, get_profile("uniform"), seed=seed)
+    return gpu
+
+
 def test_no_room_beside_the_computing_layer_means_no_lookahead(family_ckpt):
     """A cache of one layer's experts cannot take a second layer's beside the first: prefetch
     stands aside and the tokens are still gpu's."""
