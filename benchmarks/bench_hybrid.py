@@ -69,7 +69,8 @@ def parse_args(argv):
                    help="offload and hybrid rows with each lookahead: off; router (--moe-prefetch router: the next "
                         "layer's router on this layer's input, meaningful under --routing model only); oracle (the "
                         "generated routes' next layer predicted at --oracle-recall, with as many wrong experts)")
-    p.add_argument("--oracle-recall", type=float, default=0.8, help="the oracle prefetch's recall")
+    p.add_argument("--oracle-recall", type=float, nargs="+", default=[0.8],
+                   help="the oracle prefetch's recall (oracle rows once per value)")
     p.add_argument("--prefetch-programs", type=int, nargs="+", default=[0],
                    help="prefetch rows once per grid cap of the gather that copies ahead (--moe-prefetch-programs; "
                         "0: its full grid)")
@@ -183,7 +184,7 @@ def prefetch_note(args) -> str:
     if args.prefetch == ["off"]:
         return ""
     return (" Prefetch: " + (f"oracle: each of the next layer's routed experts predicted with probability "
-                             f"{args.oracle_recall:g}, each one missed replaced by an expert it does not route "
+                             f"{' or '.join(f'{r:g}' for r in args.oracle_recall)} (as the row says), each one missed replaced by an expert it does not route "
                              "(moeferry/routing/profiles.py OraclePredictor); " if "oracle" in args.prefetch else "")
             + "prefetched / useful: experts copied ahead per step, and those of them the layer routed. The PCIe "
               "floor counts every copy (demand and ahead); the two-channel floor only the routed misses (copied "
@@ -198,10 +199,10 @@ def prefetch_ways(args) -> list[tuple[str, int, int]]:
     return [(copy, programs, cap) for copy, programs in ways for cap in args.prefetch_experts]
 
 
-def prefetch_label(args, lookahead: str) -> str:
+def prefetch_label(lookahead: str, recall: float | None) -> str:
     if lookahead == "off":
         return ""
-    return ", prefetch " + (f"oracle {args.oracle_recall:g}" if lookahead == "oracle" else lookahead)
+    return ", prefetch " + (f"oracle {recall:g}" if lookahead == "oracle" else lookahead)
 
 
 def decode_rows(config_dir, args, h2d) -> tuple[list[list], float]:
@@ -213,17 +214,18 @@ def decode_rows(config_dir, args, h2d) -> tuple[list[list], float]:
     for strategy, shares in plan:
         if not shares:
             continue
-        lookaheads = [(a, *way) for a in (args.prefetch if strategy in ("offload", "hybrid") else ["off"])
+        lookaheads = [(a, recall, *way) for a in (args.prefetch if strategy in ("offload", "hybrid") else ["off"])
+                      for recall in (args.oracle_recall if a == "oracle" else [None])
                       for way in (prefetch_ways(args) if a != "off" else [("dma", 0, 0)])]
         modes = host_channel_modes(args) if strategy in ("cpu", "hybrid") else [None]
-        for mode, (lookahead, copy, programs, cap) in ((m, a) for m in modes for a in lookaheads):
+        for mode, (lookahead, recall, copy, programs, cap) in ((m, a) for m in modes for a in lookaheads):
             options = dict(zip(("moe_host_dispatch", "moe_host_staging", "moe_host_schedule"), mode or ()))
             if lookahead != "off":
                 options.update(moe_prefetch_copy=copy, moe_prefetch_programs=programs, moe_prefetch_experts=cap)
             engine = make_engine(config_dir, args, strategy, moe_prefetch="off" if lookahead == "off" else "router",
                                  **options)
             forced = force_routing(engine, args.routing, args.routing_seed,
-                                   oracle_recall=args.oracle_recall if lookahead == "oracle" else None)
+                                   oracle_recall=recall)
             s = engine.runner.strategy
             if lookahead == "oracle":
                 s.prefetch.predict_from(forced.predictions)
@@ -234,7 +236,7 @@ def decode_rows(config_dir, args, h2d) -> tuple[list[list], float]:
                 engine.runner.recapture_graphs()  # the graphs bake in the router hooks and the pool
                 label = "hybrid, one layer of slots" if strategy == "hybrid" and share == 0.0 else strategy
                 label += mode_label(args, mode) if mode else ""
-                label += prefetch_label(args, lookahead) + (f", gather on {programs} programs" if programs else "")
+                label += prefetch_label(lookahead, recall) + (f", gather on {programs} programs" if programs else "")
                 label += ", gather" if copy == "gather" and len(args.prefetch_copy) > 1 else ""
                 label += f", at most {cap} a layer" if cap else ""
                 for batch in args.batch:

@@ -25,6 +25,7 @@ from benchmarks.common import (add_results_flag, add_routing_flag, command_line,
                                markdown_table, report, routing_note, share_slots, start_decode, timed_decode)
 
 COPY_KERNELS = ("gather_rows", "memcpy", "Memcpy")
+WAIT_KERNELS = ("wait_done",)  # a kernel spinning on a host worker's done word (copy engine, host experts)
 
 
 def parse_args(argv):
@@ -57,6 +58,10 @@ def device_events(trace: dict) -> list[dict]:
 
 def is_copy(event: dict) -> bool:
     return event.get("cat") == "gpu_memcpy" or any(k in event["name"] for k in COPY_KERNELS)
+
+
+def is_wait(event: dict) -> bool:
+    return any(k in event["name"] for k in WAIT_KERNELS)
 
 
 def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -105,13 +110,16 @@ def effective_spans(events: list[dict]) -> list[tuple[float, float]]:
 
 def step_summary(events: list[dict], steps: int) -> dict:
     """Microseconds a step, over the events' effective spans (`effective_spans`): the window
-    from the first device event to the last, busy (anything running), copy and compute busy,
-    their overlap, idle; and per kernel name its calls and time a step, largest first."""
+    from the first device event to the last, busy (anything running), copy, compute and waiting
+    busy (a kernel spinning on a host worker is neither copy nor compute), copy and compute's
+    overlap, idle; and per kernel name its calls and time a step, largest first."""
     if not events:
-        return {"window": 0.0, "busy": 0.0, "copy": 0.0, "compute": 0.0, "overlap": 0.0, "idle": 0.0, "kernels": []}
+        return {"window": 0.0, "busy": 0.0, "copy": 0.0, "compute": 0.0, "waiting": 0.0, "overlap": 0.0, "idle": 0.0,
+                "kernels": []}
     spans = effective_spans(events)
     copies = union([s for s, e in zip(spans, events) if is_copy(e)])
-    compute = union([s for s, e in zip(spans, events) if not is_copy(e)])
+    compute = union([s for s, e in zip(spans, events) if not is_copy(e) and not is_wait(e)])
+    waiting = union([s for s, e in zip(spans, events) if is_wait(e)])
     window = max(end for _, end in spans) - min(start for start, _ in spans)
     busy = covered(union(spans))
     by_name: dict[str, list[float]] = {}
@@ -121,7 +129,7 @@ def step_summary(events: list[dict], steps: int) -> dict:
         calls_time[1] += end - start
     kernels = sorted(((name, n / steps, t / steps) for name, (n, t) in by_name.items()), key=lambda k: -k[2])
     return {"window": window / steps, "busy": busy / steps, "copy": covered(copies) / steps,
-            "compute": covered(compute) / steps, "overlap": intersection(copies, compute) / steps,
+            "compute": covered(compute) / steps, "waiting": covered(waiting) / steps, "overlap": intersection(copies, compute) / steps,
             "idle": (window - busy) / steps, "kernels": kernels}
 
 
@@ -209,21 +217,22 @@ def main(argv, args) -> int:
         events, wall = profile_decode(engine, args, trace)
         s = step_summary(events, args.steps)
         rows.append([name, f"{wall:.0f}", f"{s['window']:.0f}", f"{s['busy']:.0f}", f"{s['copy']:.0f}",
-                     f"{s['compute']:.0f}", f"{s['overlap']:.0f}", f"{s['idle']:.0f}"])
+                     f"{s['compute']:.0f}", f"{s['waiting']:.0f}", f"{s['overlap']:.0f}", f"{s['idle']:.0f}"])
         print(f"{name}:\n" + markdown_table(["kernel", "calls a step", "µs a step"],
                                              [[short(n), f"{c:.1f}", f"{t:.1f}"] for n, c, t in s["kernels"][:args.top]])
               + "\n", flush=True)
         del engine
         free_engine_memory()
-    body = markdown_table(["row", "wall µs a step", "device window", "busy", "copy", "compute", "copy ∥ compute",
-                           "idle"], rows)
+    body = markdown_table(["row", "wall µs a step", "device window", "busy", "copy", "compute", "waiting",
+                           "copy ∥ compute", "idle"], rows)
     notes = (f"{args.layers} layers of the Qwen3-30B-A3B shape, bf16, dummy weights, batch {args.batch}, "
              f"{'eager' if args.eager else 'CUDA graphs'}; {args.steps} decode steps under torch.profiler, µs a step. "
              "Wall: the same steps timed without the profiler. Each kernel counted from when it could run (a kernel "
              "launched early under programmatic dependent launch waits for the one before it on its stream). Device "
              "window: first device event to last, the host's time between steps included; busy: anything running; "
-             "copy: the slot cache's gather kernel and memcpys; compute: every other kernel; copy ∥ compute: both at "
-             "once; idle: nothing. " + routing_note(args.routing, args.routing_seed))
+             "copy: the slot cache's gather kernel and memcpys; waiting: kernels spinning on a host worker's done "
+             "word (the copy engine's copies, the host's experts); compute: every other kernel; copy ∥ compute: "
+             "both at once; idle: nothing. " + routing_note(args.routing, args.routing_seed))
     report("decode-profile", f"Where a decode step's device time goes, routing {args.routing}",
            command_line("benchmarks.bench_profile", argv), body, notes, args.results)
     return 0

@@ -10,8 +10,8 @@
 # per expert format: bf16, fp8, int4, mxfp4), hybrid (the host channel: kernel GB/s, decode at 0-100%, the channels contending, the kernel beside busy processes, a layer timeline on the
 # GPU), structured (decode with a JSON-schema grammar against without; needs xgrammar), prefill (prefill tok/s
 # by share of the experts resident, multi-turn TTFT with and without prefix caching), lookahead (the
-# lookahead prefetch: copies beside compute, the decode profile, prefetch rows per grid cap of its
-# gather, the host kernel per format); default tests,kernels,decode-quick.
+# lookahead prefetch: copies beside compute, the decode profile, prefetch rows per oracle recall and
+# cap on the misses copied ahead, the host kernel per format); default tests,kernels,decode-quick.
 # Results: $OUT/results.md holds this call's benchmark sections alone; $OUT/RESULTS.md is
 # benchmarks/RESULTS.md with those sections regenerated (every stage but decode-quick, a smoke
 # run), to copy over benchmarks/RESULTS.md. MOEFERRY_COMMIT names the commit in the tables
@@ -81,7 +81,7 @@ if has lookahead; then
   run bench-overlap python3 -m benchmarks.bench_overlap --results "$RESULTS" "$CURRENT"
   run bench-profile python3 -m benchmarks.bench_profile --strategies gpu offload --prefetch off oracle --results "$RESULTS" "$CURRENT"
   run bench-prefetch python3 -m benchmarks.bench_hybrid --parts decode --shares 0.25 0.5 --batch 1 --routing qwen3 \
-    --prefetch off oracle --oracle-recall 1.0 --prefetch-programs 0 8 16 --results "$RESULTS" "$CURRENT"
+    --prefetch off oracle --oracle-recall 1.0 0.8 --prefetch-experts 0 1 --results "$RESULTS" "$CURRENT"
   run bench-host-kernel python3 -m benchmarks.bench_host_kernel --threads 15 --batch 1 4 --results "$RESULTS" "$CURRENT"
 fi
 has serve && run bench-serve python3 -m benchmarks.bench_serve --results "$RESULTS" "$CURRENT"  # needs the serve extras

@@ -26,6 +26,14 @@ def test_step_summary_splits_copy_compute_overlap_and_idle():
     assert dict((n, (c, t)) for n, c, t in s["kernels"])["rms_norm"] == (1.0, 5.0)
 
 
+def test_a_kernel_waiting_on_a_host_worker_is_neither_copy_nor_compute():
+    events = [kernel("Memcpy HtoD (Pinned -> Device)", 0, 10, cat="gpu_memcpy"), {**kernel("_wait_done_kernel", 0, 12),
+                                                                                "tid": 2},
+              kernel("rms_norm", 20, 5)]
+    s = step_summary(events, steps=1)
+    assert s["waiting"] == 12 and s["compute"] == 5 and s["copy"] == 10 and s["overlap"] == 0
+
+
 def test_only_device_events_count():
     trace = {"traceEvents": [kernel("k", 0, 1), kernel("cudaLaunchKernel", 0, 1, cat="cuda_runtime"),
                              {"ph": "i", "cat": "kernel", "name": "x", "ts": 0}]}
