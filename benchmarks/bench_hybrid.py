@@ -65,6 +65,9 @@ def parse_args(argv):
     p.add_argument("--schedule", nargs="+", choices=list(SCHEDULES), default=[DEFAULT_SCHEDULE],
                    help="cpu and hybrid rows once per host-kernel schedule (kernels/fused_moe/host.py SCHEDULES)")
     add_routing_flag(p)
+    p.add_argument("--host-share", type=lambda v: None if v == "tuned" else float(v), nargs="+", default=[None],
+                   help="hybrid rows once per host share of the misses: a fixed one (--moe-host-share) or tuned "
+                        "(the default)")
     p.add_argument("--prefetch", nargs="+", choices=["off", "router", "oracle"], default=["off"],
                    help="offload and hybrid rows with each lookahead: off; router (--moe-prefetch router: the next "
                         "layer's router on this layer's input, meaningful under --routing model only); oracle (the "
@@ -158,19 +161,20 @@ def decode_row(engine, args, label, share, batch, expert_bytes, h2d, host_bw) ->
     return row
 
 
-def host_channel_modes(args) -> list[tuple[str, str, str]]:
-    """(dispatch, staging, schedule) to run the host strategies' rows with: each staging under
-    the host-function dispatch, and the mailbox (which stages by kernel), each under every
-    schedule asked for."""
+def host_channel_modes(args) -> list[tuple[str, str, str, float | None]]:
+    """(dispatch, staging, schedule, host share or None: tuned) to run the host strategies' rows
+    with: each staging under the host-function dispatch, and the mailbox (which stages by
+    kernel), each under every schedule and host share asked for."""
     modes = [("host_function", staging) for staging in args.staging] if "host_function" in args.dispatch else []
     modes += [("mailbox", "kernel")] if "mailbox" in args.dispatch else []
-    return [(dispatch, staging, schedule) for dispatch, staging in modes for schedule in args.schedule]
+    return [(dispatch, staging, schedule, share) for dispatch, staging in modes for schedule in args.schedule
+            for share in args.host_share]
 
 
-def mode_label(args, mode: tuple[str, str, str]) -> str:
+def mode_label(args, mode: tuple[str, str, str, float | None]) -> str:
     """What tells a row's host-channel mode from the others' in the table ("" when one mode runs)."""
-    dispatch, staging, schedule = mode
-    words = []
+    dispatch, staging, schedule, share = mode
+    words = [] if args.host_share == [None] else [f"host share {share:g}" if share is not None else "host share tuned"]
     if len({m[:2] for m in host_channel_modes(args)}) > 1:
         words.append("mailbox" if dispatch == "mailbox" else f"{staging} staging")
     if len(args.schedule) > 1:
@@ -219,7 +223,9 @@ def decode_rows(config_dir, args, h2d) -> tuple[list[list], float]:
                       for way in (prefetch_ways(args) if a != "off" else [("dma", 0, 0)])]
         modes = host_channel_modes(args) if strategy in ("cpu", "hybrid") else [None]
         for mode, (lookahead, recall, copy, programs, cap) in ((m, a) for m in modes for a in lookaheads):
-            options = dict(zip(("moe_host_dispatch", "moe_host_staging", "moe_host_schedule"), mode or ()))
+            options = dict(zip(("moe_host_dispatch", "moe_host_staging", "moe_host_schedule"), mode[:3] if mode else ()))
+            if mode and mode[3] is not None and strategy == "hybrid":
+                options["moe_host_share"] = mode[3]
             if lookahead != "off":
                 options.update(moe_prefetch_copy=copy, moe_prefetch_programs=programs, moe_prefetch_experts=cap)
             engine = make_engine(config_dir, args, strategy, moe_prefetch="off" if lookahead == "off" else "router",

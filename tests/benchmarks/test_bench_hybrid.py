@@ -66,16 +66,19 @@ def test_the_preemption_part_times_each_schedule_alone_and_beside_busy_processes
     assert all(float(r[3]) > 0 for r in rows)
 
 
-def test_host_rows_run_once_per_dispatch_and_schedule_and_say_which():
-    """--schedule and --dispatch multiply the host strategies' rows; a row's label names only
-    what varies between them."""
+def test_host_rows_run_once_per_dispatch_schedule_and_share_and_say_which():
+    """--schedule, --dispatch and --host-share multiply the host strategies' rows; a row's label
+    names only what varies between them."""
     one = bench_hybrid.parse_args([])
-    assert bench_hybrid.host_channel_modes(one) == [("mailbox", "kernel", bench_hybrid.DEFAULT_SCHEDULE)]
+    assert bench_hybrid.host_channel_modes(one) == [("mailbox", "kernel", bench_hybrid.DEFAULT_SCHEDULE, None)]
     assert bench_hybrid.mode_label(one, bench_hybrid.host_channel_modes(one)[0]) == ""
     both = bench_hybrid.parse_args(["--schedule", "static", "dynamic", "--dispatch", "host_function", "mailbox"])
     modes = bench_hybrid.host_channel_modes(both)
-    assert modes == [("host_function", "kernel", "static"), ("host_function", "kernel", "dynamic"),
-                     ("mailbox", "kernel", "static"), ("mailbox", "kernel", "dynamic")]
+    assert modes == [("host_function", "kernel", "static", None), ("host_function", "kernel", "dynamic", None),
+                     ("mailbox", "kernel", "static", None), ("mailbox", "kernel", "dynamic", None)]
     assert [bench_hybrid.mode_label(both, m) for m in modes] == [
         ", kernel staging, static schedule", ", kernel staging, dynamic schedule",
         ", mailbox, static schedule", ", mailbox, dynamic schedule"]
+    shares = bench_hybrid.parse_args(["--host-share", "tuned", "0.5"])
+    assert [bench_hybrid.mode_label(shares, m) for m in bench_hybrid.host_channel_modes(shares)] == [
+        ", host share tuned", ", host share 0.5"]
