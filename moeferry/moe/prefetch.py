@@ -1,18 +1,22 @@
 """Lookahead prefetch: while a decode MoE layer computes, the experts predicted for the next MoE
-layer are admitted into the slot cache and copied on a side stream, so that when the next
-layer routes, only the mispredicted misses are left to copy.
+layer are admitted into the slot cache and copied beside it, so that when the next layer
+routes, only the mispredicted misses are left to copy.
 
 One decode MoE layer with prefetch (MoEStrategy.forward; all device work, inside the decode
 CUDA graph, no host sync):
 
-    join     the main stream waits for the side stream: the previous lookahead's copies are
-             done before this layer admits (nothing of the cache's is written twice at once)
+    join     the main stream waits for the previous lookahead's copies (the copy engine's done
+             word, or the side stream) before this layer admits (nothing of the cache's is
+             written twice at once)
     observe  (statistics only) the layer's routes against what was predicted and copied for it
     locate   the layer's own admission and its misses' copies, on the main stream
     ahead    the next MoE layer's predicted experts admitted without a clock step, so this
              layer's slots stay out of the candidates (kernels/admission/reference.py: never
-             evicted while it computes); their copies forked onto the side stream
-    compute  this layer's fused MoE on the main stream, beside the side stream's copies
+             evicted while it computes); under a route split only the device channel's part
+             (`ahead_part`), at most --moe-prefetch-experts misses; their copies posted to the
+             copy engine (--moe-prefetch-copy dma, kernels/gather_copy/copy_engine.py) or
+             forked onto a side stream as a gather (gather)
+    compute  this layer's fused MoE on the main stream, beside the copies
 
 A wrong prediction costs copies, never correctness: the next layer's own admission finds what
 it routes, hit or miss, as it would without prefetch, and the kernels read the same rows.

@@ -112,7 +112,7 @@ class MoEStrategy:
         if self.host is not None:
             self.host.finalize(self.banks, self.device, self.dtype)
             self.split.start(self.host.speeds, self.device)
-            if self.prefetch is not None :
+            if self.prefetch is not None:
                 self.prefetch.ahead_part = self._ahead_part
         if self.engine_config.moe_timeline:
             self.timeline = LayerTimeline(HYBRID_POINTS, len(self.moe_layer_of), self.device)
