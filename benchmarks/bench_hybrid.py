@@ -188,7 +188,8 @@ def prefetch_note(args) -> str:
     if args.prefetch == ["off"]:
         return ""
     return (" Prefetch: " + (f"oracle: each of the next layer's routed experts predicted with probability "
-                             f"{' or '.join(f'{r:g}' for r in args.oracle_recall)} (as the row says), each one missed replaced by an expert it does not route "
+                             f"{' or '.join(f'{r:g}' for r in args.oracle_recall)} (as the row says), each one "
+                             "missed replaced by an expert it does not route "
                              "(moeferry/routing/profiles.py OraclePredictor); " if "oracle" in args.prefetch else "")
             + "prefetched / useful: experts copied ahead per step, and those of them the layer routed. The PCIe "
               "floor counts every copy (demand and ahead); the two-channel floor only the routed misses (copied "
@@ -542,6 +543,7 @@ def main(argv, args) -> int:
         rows, host_bw = decode_rows(config_dir, args, h2d)
         prefetch = args.prefetch != ["off"]
         report(routed_section("hybrid/decode", args.routing) + ("/prefetch" if prefetch else "")
+               + ("/host-share" if args.host_share != [None] else "")
                + (f"/{args.quantization}" if args.quantization else ""),
                f"Decode with {'the lookahead prefetch' if prefetch else 'the host channel'}, routing {args.routing}",
                command,
