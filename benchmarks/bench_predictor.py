@@ -7,7 +7,10 @@ trained on), and every family's tiny checkpoint (tests/support/fixtures.py: rand
 weights, random prompts). Each prompt is prefilled once; every token of every prefill counts,
 each consecutive pair of MoE layers. Inputs (predict.INPUTS): `moe_input`, layer l's MoE
 input; `residual`, the stream entering layer l+1 under its post-attention norm;
-`residual_input_norm`, the same under its input norm.
+`residual_input_norm`, the same under its input norm; and `fitted`, a linear map from layer
+l's MoE input to layer l+1's router scores fitted on other prompts (predict.FittedPredictors:
+the built-in model's on the held-out text's first part, evaluated on its last part; the tiny
+checkpoints' on other random prompts).
 
 Recall@W = true experts among the W predicted / experts routed (top-k), at W = k and 2k.
 Wasted = predicted experts not routed, per token and layer, in experts and in bytes (an
@@ -32,6 +35,7 @@ from benchmarks.common import add_results_flag, command_line, markdown_table, pi
 
 DATA = pathlib.Path(__file__).resolve().parent.parent / "tests" / "data"
 QWEN3_30B_EXPERT_MB = 3 * 2048 * 768 * 2 / 1e6
+FIT_PART = (0.0, 0.6)  # the held-out text's part the fitted predictors see; the rest is measured
 # one row per model and input (rows_of); the table has one row per model, a cell per figure
 # holding every input's value in INPUTS order
 ROW_FIELDS = ["model", "experts, top-k", "layer pairs", "tokens", "input", "recall@k", "wasted experts/token/layer @k",
@@ -45,27 +49,32 @@ def parse_args(argv):
     p.add_argument("--models", nargs="+", default=["builtin", "families"], choices=["builtin", "families"])
     p.add_argument("--prompts", type=int, default=16, help="held-out windows (built-in) or random prompts")
     p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--fit-prompts", type=int, default=64, help="prompts the fitted predictors are fitted on")
+    p.add_argument("--ridge", type=float, default=1e-3, help="the fit's ridge (FittedPredictors.fit)")
     p.add_argument("--device", default="cpu")
     add_results_flag(p)
     return p.parse_args(argv)
 
 
-def held_out_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
-    """`count` windows of `length` tokens spread over the held-out text, as the training recipe
-    streams it (paragraphs separated by a blank line, each novel ended by <|endoftext|>)."""
+def held_out_prompts(tokenizer, count: int, length: int, part: tuple[float, float] = (0.0, 1.0)) -> list[list[int]]:
+    """`count` windows of `length` tokens spread over `part` (fractions of its tokens) of the
+    held-out text, as the training recipe streams it (paragraphs separated by a blank line, each
+    novel ended by <|endoftext|>)."""
     novels = [n.splitlines() for n in (DATA / "austen_heldout.txt").read_text().strip("\n").split("\n\n")]
     ids = tokenizer("".join("\n\n".join(paras) + "<|endoftext|>" for paras in novels))["input_ids"]
+    ids = ids[int(part[0] * len(ids)):int(part[1] * len(ids))]
     stride = max(length, (len(ids) - length) // max(1, count))
     return [ids[s:s + length] for s in range(0, len(ids) - length, stride)][:count]
 
 
-def measure(llm, prompts: list[list[int]]) -> tuple[object, int]:
-    """The PredictorProbe's counts over one prefill of each prompt, and the tokens counted."""
+def measure(llm, prompts: list[list[int]], fitted=None, collect: bool = False) -> tuple[object, int]:
+    """The PredictorProbe's counts (and samples, with `collect`) over one prefill of each
+    prompt, and the tokens counted."""
     from moeferry.routing.predict import PredictorProbe
     from moeferry.sampling import SamplingParams
 
     engine = llm.engine
-    probe = PredictorProbe(engine.runner.model, engine.mc)
+    probe = PredictorProbe(engine.runner.model, engine.mc, fitted=fitted, collect=collect)
     try:
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
     finally:
@@ -73,14 +82,20 @@ def measure(llm, prompts: list[list[int]]) -> tuple[object, int]:
     return probe, sum(len(p) for p in prompts)
 
 
-def rows_of(name: str, llm, probe, tokens: int) -> list[list]:
-    from moeferry.routing.predict import INPUTS
+def fitted_on(llm, prompts: list[list[int]], ridge: float):
+    """FittedPredictors fitted on one prefill of each of `prompts`."""
+    from moeferry.routing.predict import FittedPredictors
 
+    probe, _ = measure(llm, prompts, collect=True)
+    return FittedPredictors.fit(probe.samples, ridge)
+
+
+def rows_of(name: str, llm, probe, tokens: int) -> list[list]:
     mc = llm.engine.mc
     k, pairs = mc.top_k, len(probe.pairs)
     expert_kb = 3 * mc.hidden_size * mc.moe_intermediate_size * 2 / 1e3
     rows = []
-    for inp in INPUTS:
+    for inp in probe.names:
         one, two = probe.counts[inp, k], probe.counts[inp, 2 * k]
         per = max(1, tokens * pairs)
         w1, w2 = one.wasted / per, two.wasted / per
@@ -95,8 +110,9 @@ def builtin_rows(args) -> list[list]:
     from moeferry.llm import LLM
 
     llm = LLM(DEFAULT_MODEL_NAME, device=args.device, dtype="float32", max_prefill_tokens=4 * args.prompt_len)
-    prompts = held_out_prompts(llm.tokenizer, args.prompts, args.prompt_len)
-    probe, tokens = measure(llm, prompts)
+    fitted = fitted_on(llm, held_out_prompts(llm.tokenizer, args.fit_prompts, args.prompt_len, FIT_PART), args.ridge)
+    prompts = held_out_prompts(llm.tokenizer, args.prompts, args.prompt_len, (FIT_PART[1], 1.0))
+    probe, tokens = measure(llm, prompts, fitted)
     return rows_of("built-in (trained, held-out Austen)", llm, probe, tokens)
 
 
@@ -112,8 +128,9 @@ def family_rows(args) -> list[list]:
             make_checkpoint(config, path)
             llm = LLM(path, device=args.device, dtype="float32", max_prefill_tokens=4 * args.prompt_len)
             vocab = llm.engine.mc.vocab_size
+            fit = [torch.randint(vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(args.fit_prompts)]
             prompts = [torch.randint(vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(args.prompts)]
-            probe, tokens = measure(llm, prompts)
+            probe, tokens = measure(llm, prompts, fitted_on(llm, fit, args.ridge))
             rows += rows_of(f"{name} (tiny, random)", llm, probe, tokens)
             print(rows[-1], flush=True)
             del llm
@@ -122,11 +139,9 @@ def family_rows(args) -> list[list]:
 
 def wide_table(rows: list[list]) -> str:
     """One row per model; each figure's cell lists its value per input, in INPUTS order."""
-    from moeferry.routing.predict import INPUTS
-
     groups, inputs = pivot(rows, key=lambda r: tuple(r[:4]), across=lambda r: r[4])
     at = {name: ROW_FIELDS.index(name) for name in SHOWN}
-    header = ROW_FIELDS[:4] + [f"{name}: {' / '.join(INPUTS)}" for name in SHOWN]
+    header = ROW_FIELDS[:4] + [f"{name}: {' / '.join(inputs)}" for name in SHOWN]
     return markdown_table(header, [[*key, *(" / ".join(g[i][at[name]] for i in inputs) for name in SHOWN)]
                                    for key, g in groups.items()])
 

@@ -15,6 +15,10 @@ Inputs it can be given (`INPUTS`, measured by benchmarks/bench_predictor.py):
 `predict_experts(router, hidden, width)` (layers/moe.py, beside the routers it reads) is the
 predictor: the `width` experts the router scores highest (width >= top_k predicts more than it
 will route: more recall, more bytes).
+
+`FittedPredictors` is the trained alternative, measured beside it: per pair of consecutive MoE
+layers a linear map from layer l's MoE input (the earliest input) to layer l+1's router scores,
+fitted by ridge regression on hidden states a probe recorded (`PredictorProbe(collect=True)`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from moeferry.layers.linear import Linear
-from moeferry.layers.moe import predict_experts
+from moeferry.layers.moe import predict_experts, router_scores
 
 INPUTS = ("moe_input", "residual", "residual_input_norm")
 
@@ -36,6 +40,41 @@ def routed_ids(block, hidden: torch.Tensor) -> torch.Tensor:
     if isinstance(router, Linear):
         return router.forward(hidden).float().topk(block.top_k, dim=1).indices
     return router.forward(hidden)[1].long()
+
+
+class FittedPredictors:
+    """Linear next-layer predictors: `weights[nxt]` [H + 1, E] float32 maps layer prev's MoE
+    input (a ones column appended for the bias) to MoE layer `nxt`'s router scores; the
+    prediction is their top `width`. Fitted by `fit` from recorded pairs, so they cost one small
+    GEMM a layer and no change to the model."""
+
+    def __init__(self, weights: dict[int, torch.Tensor]):
+        self.weights = weights
+
+    @classmethod
+    def fit(cls, samples: dict[int, list[tuple[torch.Tensor, torch.Tensor]]], ridge: float = 1e-3) -> "FittedPredictors":
+        """Ridge regression per layer, in float64: W = (X'X + lambda D)^-1 X'Y over the recorded
+        (MoE input [T, H], next router scores [T, E]) pairs, lambda = `ridge` times the mean of
+        X'X's diagonal, D the identity with the bias's entry 0 (the bias is not shrunk)."""
+        weights = {}
+        for nxt, pairs in samples.items():
+            x = torch.cat([h for h, _ in pairs]).double()
+            x = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], dim=1)
+            y = torch.cat([t for _, t in pairs]).double()
+            gram = x.T @ x
+            shrink = torch.ones(gram.shape[0], dtype=x.dtype)
+            shrink[-1] = 0.0
+            gram += torch.diag(shrink) * ridge * gram.diagonal()[:-1].mean()
+            weights[nxt] = torch.linalg.solve(gram, x.T @ y).float()
+        return cls(weights)
+
+    def scores(self, nxt: int, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.weights[nxt].to(hidden.device)
+        return hidden.float() @ w[:-1] + w[-1]
+
+    def predict(self, nxt: int, hidden: torch.Tensor, width: int) -> torch.Tensor:
+        """Layer `nxt`'s predicted experts [T, width], best first, from the previous MoE layer's input."""
+        return self.scores(nxt, hidden).topk(width, dim=1).indices
 
 
 # ---- measuring it on a model's own routing ----------------------------------------------------
@@ -62,13 +101,19 @@ class Recall:
 class PredictorProbe:
     """Forward hooks on a model that capture, in every forward, each MoE layer's input and the
     stream entering the next MoE layer, and count how well each of INPUTS predicts the next
-    MoE layer's routes at each width in `widths` (multiples of top_k, e.g. (1, 2)). Pairs are
-    consecutive MoE layers (a dense layer between two is skipped over). `remove()` ends it."""
+    MoE layer's routes at each width in `widths` (multiples of top_k, e.g. (1, 2)), and so do
+    `fitted` predictors if given (counted as "fitted"). With `collect`, each pair's (MoE input,
+    next router scores) is also kept in `samples`, keyed by the next layer, for
+    `FittedPredictors.fit`. Pairs are consecutive MoE layers (a dense layer between two is
+    skipped over). `remove()` ends it."""
 
-    def __init__(self, model, mc, widths=(1, 2)):
+    def __init__(self, model, mc, widths=(1, 2), fitted: FittedPredictors | None = None, collect: bool = False):
         self.model, self.mc = model, mc
         self.widths = tuple(w * mc.top_k for w in widths)
-        self.counts = {(name, w): Recall(w) for name in INPUTS for w in self.widths}
+        self.fitted, self.collect = fitted, collect
+        self.names = INPUTS + (("fitted",) if fitted is not None else ())
+        self.counts = {(name, w): Recall(w) for name in self.names for w in self.widths}
+        self.samples: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._moe_in: dict[int, torch.Tensor] = {}
         self._stream: dict[int, torch.Tensor] = {}
         ids = list(mc.moe_layer_ids)
@@ -100,9 +145,14 @@ class PredictorProbe:
         hidden = {"moe_input": self._moe_in[prev], "residual": layer.post_attention_layernorm(stream),
                   "residual_input_norm": layer.input_layernorm(stream)}
         true = routed_ids(block, next_input)
-        for name, h in hidden.items():
+        if self.collect:
+            self.samples.setdefault(nxt, []).append(
+                (self._moe_in[prev].float().cpu(), router_scores(block.route_module, next_input).cpu()))
+        for name in self.names:
             for width in self.widths:
-                pred = predict_experts(block.route_module, h, min(width, self.mc.num_experts))
+                w = min(width, self.mc.num_experts)
+                pred = (self.fitted.predict(nxt, self._moe_in[prev], w) if name == "fitted"
+                        else predict_experts(block.route_module, hidden[name], w))
                 c = self.counts[name, width]
                 c.hits += int((pred[:, :, None] == true[:, None, :]).any(dim=2).sum())
                 c.routed += true.numel()
