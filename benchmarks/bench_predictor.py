@@ -153,7 +153,9 @@ def main(argv=None) -> int:
         family_rows(args) if "families" in args.models else [])
     notes = (f"{args.prompts} prompts of {args.prompt_len} tokens per model, one prefill each, on {args.device}, "
              "float32. Predictor: layer l+1's own router on the input named (moeferry/routing/predict.py), its "
-             "top W experts. Wasted: predicted experts layer l+1 did not route, per token and layer pair, and "
+             f"top W experts; fitted: a linear map from layer l's MoE input to layer l+1's router scores, ridge "
+             f"{args.ridge:g}, fitted on {args.fit_prompts} other prompts (the built-in model's from the held-out "
+             f"text's first {FIT_PART[1]:.0%}, its measured windows from the rest). Wasted: predicted experts layer l+1 did not route, per token and layer pair, and "
              "what they weigh at Qwen3-30B-A3B's 9.44 MB an expert. The tiny checkpoints' weights are "
              "random: their figures test the predictor's plumbing on each family's router, not what a trained "
              "model of that family would recall.")
