@@ -49,8 +49,11 @@ def parse_args(argv):
     p.add_argument("--models", nargs="+", default=["builtin", "families"], choices=["builtin", "families"])
     p.add_argument("--prompts", type=int, default=16, help="held-out windows (built-in) or random prompts")
     p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--fit-prompts", type=int, default=64, help="prompts the fitted predictors are fitted on")
-    p.add_argument("--ridge", type=float, default=1e-3, help="the fit's ridge (FittedPredictors.fit)")
+    p.add_argument("--fit-prompts", type=int, default=200, help="prompts the fitted predictors are fitted on")
+    p.add_argument("--fit-hidden", type=int, default=512,
+                   help="the fitted predictors' MLP width (FittedPredictors.fit_mlp); 0: a Linear by ridge "
+                        "regression (FittedPredictors.fit)")
+    p.add_argument("--ridge", type=float, default=1e-3, help="the Linear fit's ridge")
     p.add_argument("--device", default="cpu")
     add_results_flag(p)
     return p.parse_args(argv)
@@ -82,12 +85,22 @@ def measure(llm, prompts: list[list[int]], fitted=None, collect: bool = False) -
     return probe, sum(len(p) for p in prompts)
 
 
-def fitted_on(llm, prompts: list[list[int]], ridge: float):
-    """FittedPredictors fitted on one prefill of each of `prompts`."""
+def fitted_on(llm, prompts: list[list[int]], args):
+    """FittedPredictors fitted on one prefill of each of `prompts` (an MLP of --fit-hidden, or a
+    Linear by ridge regression)."""
     from moeferry.routing.predict import FittedPredictors
 
     probe, _ = measure(llm, prompts, collect=True)
-    return FittedPredictors.fit(probe.samples, ridge)
+    if args.fit_hidden:
+        return FittedPredictors.fit_mlp(probe.samples, llm.engine.mc.top_k, hidden=args.fit_hidden)
+    return FittedPredictors.fit(probe.samples, args.ridge)
+
+
+def fitted_description(args) -> str:
+    what = (f"an MLP of {args.fit_hidden} (GELU) trained on the routed experts (binary cross-entropy, full-batch Adam)"
+            if args.fit_hidden else f"a Linear fitted to the router scores by ridge regression ({args.ridge:g})")
+    return (f"fitted: from layer l's MoE input, {what}, on {args.fit_prompts} other prompts (the built-in model's "
+            f"from the held-out text's first {FIT_PART[1]:.0%}, its measured windows from the rest)")
 
 
 def rows_of(name: str, llm, probe, tokens: int) -> list[list]:
@@ -110,7 +123,7 @@ def builtin_rows(args) -> list[list]:
     from moeferry.llm import LLM
 
     llm = LLM(DEFAULT_MODEL_NAME, device=args.device, dtype="float32", max_prefill_tokens=4 * args.prompt_len)
-    fitted = fitted_on(llm, held_out_prompts(llm.tokenizer, args.fit_prompts, args.prompt_len, FIT_PART), args.ridge)
+    fitted = fitted_on(llm, held_out_prompts(llm.tokenizer, args.fit_prompts, args.prompt_len, FIT_PART), args)
     prompts = held_out_prompts(llm.tokenizer, args.prompts, args.prompt_len, (FIT_PART[1], 1.0))
     probe, tokens = measure(llm, prompts, fitted)
     return rows_of("built-in (trained, held-out Austen)", llm, probe, tokens)
@@ -130,7 +143,7 @@ def family_rows(args) -> list[list]:
             vocab = llm.engine.mc.vocab_size
             fit = [torch.randint(vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(args.fit_prompts)]
             prompts = [torch.randint(vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(args.prompts)]
-            probe, tokens = measure(llm, prompts, fitted_on(llm, fit, args.ridge))
+            probe, tokens = measure(llm, prompts, fitted_on(llm, fit, args))
             rows += rows_of(f"{name} (tiny, random)", llm, probe, tokens)
             print(rows[-1], flush=True)
             del llm
@@ -153,10 +166,8 @@ def main(argv=None) -> int:
         family_rows(args) if "families" in args.models else [])
     notes = (f"{args.prompts} prompts of {args.prompt_len} tokens per model, one prefill each, on {args.device}, "
              "float32. Predictor: layer l+1's own router on the input named (moeferry/routing/predict.py), its "
-             f"top W experts; fitted: a linear map from layer l's MoE input to layer l+1's router scores, ridge "
-             f"{args.ridge:g}, fitted on {args.fit_prompts} other prompts (the built-in model's from the held-out "
-             f"text's first {FIT_PART[1]:.0%}, its measured windows from the rest). Wasted: predicted experts layer l+1 did not route, per token and layer pair, and "
-             "what they weigh at Qwen3-30B-A3B's 9.44 MB an expert. The tiny checkpoints' weights are "
+             f"top W experts; {fitted_description(args)}. Wasted: predicted experts layer l+1 did not route, "
+             "per token and layer pair, and what they weigh at Qwen3-30B-A3B's 9.44 MB an expert. The tiny checkpoints' weights are "
              "random: their figures test the predictor's plumbing on each family's router, not what a trained "
              "model of that family would recall.")
     report("predictor", "Next-layer expert prediction: recall and wasted prefetch",

@@ -17,8 +17,9 @@ predictor: the `width` experts the router scores highest (width >= top_k predict
 will route: more recall, more bytes).
 
 `FittedPredictors` is the trained alternative, measured beside it: per pair of consecutive MoE
-layers a linear map from layer l's MoE input (the earliest input) to layer l+1's router scores,
-fitted by ridge regression on hidden states a probe recorded (`PredictorProbe(collect=True)`).
+layers a map from layer l's MoE input (the earliest input) to layer l+1's router scores, a
+Linear by ridge regression or a small MLP, fitted on hidden states a probe recorded
+(`PredictorProbe(collect=True)`).
 """
 
 from __future__ import annotations
@@ -43,38 +44,67 @@ def routed_ids(block, hidden: torch.Tensor) -> torch.Tensor:
 
 
 class FittedPredictors:
-    """Linear next-layer predictors: `weights[nxt]` [H + 1, E] float32 maps layer prev's MoE
-    input (a ones column appended for the bias) to MoE layer `nxt`'s router scores; the
-    prediction is their top `width`. Fitted by `fit` from recorded pairs, so they cost one small
-    GEMM a layer and no change to the model."""
+    """Trained next-layer predictors: `maps[nxt]`, a module from layer prev's MoE input [T, H]
+    to MoE layer `nxt`'s router scores [T, E] (or logits ranking the same way); the prediction is
+    their top `width`. Fitted from recorded pairs, by ridge regression (`fit`: one Linear) or
+    by a small MLP trained on the routed experts (`fit_mlp`), so they cost a GEMV or two a layer
+    and no change to the model."""
 
-    def __init__(self, weights: dict[int, torch.Tensor]):
-        self.weights = weights
+    def __init__(self, maps: dict[int, torch.nn.Module]):
+        self.maps = maps
+
+    @staticmethod
+    def _pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.cat([h for h, _ in pairs]).float(), torch.cat([t for _, t in pairs]).float()
 
     @classmethod
     def fit(cls, samples: dict[int, list[tuple[torch.Tensor, torch.Tensor]]], ridge: float = 1e-3) -> "FittedPredictors":
         """Ridge regression per layer, in float64: W = (X'X + lambda D)^-1 X'Y over the recorded
-        (MoE input [T, H], next router scores [T, E]) pairs, lambda = `ridge` times the mean of
-        X'X's diagonal, D the identity with the bias's entry 0 (the bias is not shrunk)."""
-        weights = {}
+        (MoE input [T, H], next router scores [T, E]) pairs, X with a ones column, lambda =
+        `ridge` times the mean of X'X's diagonal, D the identity with the bias's entry 0."""
+        maps = {}
         for nxt, pairs in samples.items():
-            x = torch.cat([h for h, _ in pairs]).double()
-            x = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], dim=1)
-            y = torch.cat([t for _, t in pairs]).double()
+            h, y = cls._pairs(pairs)
+            x = torch.cat([h.double(), torch.ones(h.shape[0], 1, dtype=torch.float64)], dim=1)
             gram = x.T @ x
             shrink = torch.ones(gram.shape[0], dtype=x.dtype)
             shrink[-1] = 0.0
             gram += torch.diag(shrink) * ridge * gram.diagonal()[:-1].mean()
-            weights[nxt] = torch.linalg.solve(gram, x.T @ y).float()
-        return cls(weights)
+            w = torch.linalg.solve(gram, x.T @ y.double()).float()
+            linear = torch.nn.Linear(h.shape[1], y.shape[1])
+            with torch.no_grad():
+                linear.weight.copy_(w[:-1].T)
+                linear.bias.copy_(w[-1])
+            maps[nxt] = linear
+        return cls(maps)
 
-    def scores(self, nxt: int, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.weights[nxt].to(hidden.device)
-        return hidden.float() @ w[:-1] + w[-1]
+    @classmethod
+    def fit_mlp(cls, samples: dict[int, list[tuple[torch.Tensor, torch.Tensor]]], top_k: int, hidden: int = 512,
+                steps: int = 600, lr: float = 3e-3, seed: int = 0) -> "FittedPredictors":
+        """Per layer an MLP (Linear, GELU, Linear) trained full-batch with Adam for `steps` on
+        the binary cross-entropy of each expert being among the next layer's top-k scored
+        (the routed experts, for a softmax router), from a seeded initialisation."""
+        maps = {}
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            for nxt, pairs in samples.items():
+                x, y = cls._pairs(pairs)
+                target = torch.zeros_like(y).scatter_(1, y.topk(top_k, dim=1).indices, 1.0)
+                mlp = torch.nn.Sequential(torch.nn.Linear(x.shape[1], hidden), torch.nn.GELU(),
+                                          torch.nn.Linear(hidden, y.shape[1]))
+                opt = torch.optim.Adam(mlp.parameters(), lr=lr, weight_decay=1e-4)
+                for _ in range(steps):
+                    opt.zero_grad()
+                    torch.nn.functional.binary_cross_entropy_with_logits(mlp(x), target).backward()
+                    opt.step()
+                maps[nxt] = mlp.requires_grad_(False)
+        return cls(maps)
 
+    @torch.no_grad()
     def predict(self, nxt: int, hidden: torch.Tensor, width: int) -> torch.Tensor:
         """Layer `nxt`'s predicted experts [T, width], best first, from the previous MoE layer's input."""
-        return self.scores(nxt, hidden).topk(width, dim=1).indices
+        module = self.maps[nxt].to(hidden.device)
+        return module(hidden.float()).topk(width, dim=1).indices
 
 
 # ---- measuring it on a model's own routing ----------------------------------------------------
