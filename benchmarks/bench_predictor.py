@@ -32,6 +32,7 @@ import tempfile
 import torch
 
 from benchmarks.common import add_results_flag, command_line, markdown_table, pivot, report
+from moeferry.routing.predict import fit_on, probe_prefills, windows
 
 DATA = pathlib.Path(__file__).resolve().parent.parent / "tests" / "data"
 QWEN3_30B_EXPERT_MB = 3 * 2048 * 768 * 2 / 1e6
@@ -65,35 +66,13 @@ def held_out_prompts(tokenizer, count: int, length: int, part: tuple[float, floa
     novel ended by <|endoftext|>)."""
     novels = [n.splitlines() for n in (DATA / "austen_heldout.txt").read_text().strip("\n").split("\n\n")]
     ids = tokenizer("".join("\n\n".join(paras) + "<|endoftext|>" for paras in novels))["input_ids"]
-    ids = ids[int(part[0] * len(ids)):int(part[1] * len(ids))]
-    stride = max(length, (len(ids) - length) // max(1, count))
-    return [ids[s:s + length] for s in range(0, len(ids) - length, stride)][:count]
-
-
-def measure(llm, prompts: list[list[int]], fitted=None, collect: bool = False) -> tuple[object, int]:
-    """The PredictorProbe's counts (and samples, with `collect`) over one prefill of each
-    prompt, and the tokens counted."""
-    from moeferry.routing.predict import PredictorProbe
-    from moeferry.sampling import SamplingParams
-
-    engine = llm.engine
-    probe = PredictorProbe(engine.runner.model, engine.mc, fitted=fitted, collect=collect)
-    try:
-        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-    finally:
-        probe.remove()
-    return probe, sum(len(p) for p in prompts)
+    return windows(ids[int(part[0] * len(ids)):int(part[1] * len(ids))], count, length)
 
 
 def fitted_on(llm, prompts: list[list[int]], args):
     """FittedPredictors fitted on one prefill of each of `prompts` (an MLP of --fit-hidden, or a
     Linear by ridge regression)."""
-    from moeferry.routing.predict import FittedPredictors
-
-    probe, _ = measure(llm, prompts, collect=True)
-    if args.fit_hidden:
-        return FittedPredictors.fit_mlp(probe.samples, llm.engine.mc.top_k, hidden=args.fit_hidden)
-    return FittedPredictors.fit(probe.samples, args.ridge)
+    return fit_on(llm, prompts, args.fit_hidden, args.ridge).to(args.device)
 
 
 def fitted_description(args) -> str:
@@ -125,7 +104,7 @@ def builtin_rows(args) -> list[list]:
     llm = LLM(DEFAULT_MODEL_NAME, device=args.device, dtype="float32", max_prefill_tokens=4 * args.prompt_len)
     fitted = fitted_on(llm, held_out_prompts(llm.tokenizer, args.fit_prompts, args.prompt_len, FIT_PART), args)
     prompts = held_out_prompts(llm.tokenizer, args.prompts, args.prompt_len, (FIT_PART[1], 1.0))
-    probe, tokens = measure(llm, prompts, fitted)
+    probe, tokens = probe_prefills(llm, prompts, fitted)
     return rows_of("built-in (trained, held-out Austen)", llm, probe, tokens)
 
 
@@ -143,7 +122,7 @@ def family_rows(args) -> list[list]:
             vocab = llm.engine.mc.vocab_size
             fit = [torch.randint(vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(args.fit_prompts)]
             prompts = [torch.randint(vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(args.prompts)]
-            probe, tokens = measure(llm, prompts, fitted_on(llm, fit, args))
+            probe, tokens = probe_prefills(llm, prompts, fitted_on(llm, fit, args))
             rows += rows_of(f"{name} (tiny, random)", llm, probe, tokens)
             print(rows[-1], flush=True)
             del llm

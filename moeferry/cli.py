@@ -232,6 +232,35 @@ def _cmd_routing_simulate(args) -> int:
     return 0
 
 
+def _cmd_routing_fit(args) -> int:
+    """Next-layer predictors fitted on windows of a text, for --moe-prefetch fitted (routing/predict.py)."""
+    from moeferry.llm import LLM
+    from moeferry.routing.predict import fit_on, windows
+
+    try:
+        with open(args.text, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--text {args.text}: {getattr(exc, 'strerror', None) or exc}") from None
+    llm = LLM(args.model, device=args.device, dtype="float32", max_prefill_tokens=4 * args.prompt_len)
+    if llm.tokenizer is None:
+        raise UsageError(f"{args.model} has no tokenizer to read --text with")
+    ids = llm.tokenizer(text)["input_ids"]
+    prompts = windows(ids, args.prompts, args.prompt_len)
+    if not prompts:
+        raise UsageError(f"--text {args.text}: {len(ids)} tokens, fewer than one window of --prompt-len "
+                         f"{args.prompt_len}")
+    fitted = fit_on(llm, prompts, args.hidden, args.ridge)
+    try:
+        fitted.save(args.output)
+    except OSError as exc:
+        raise UsageError(f"cannot write {args.output}: {exc.strerror or exc}") from None
+    kind = f"an MLP of {args.hidden}" if args.hidden else "a Linear"
+    print(f"wrote {len(fitted.maps)} predictors ({kind} each) fitted on {len(prompts)} windows of {args.prompt_len} "
+          f"tokens to {args.output}")
+    return 0
+
+
 def _cmd_routing_generate(args) -> int:
     """A trace of generated routes (routing/profiles.py), replayable by `routing simulate`."""
     from moeferry.routing.profiles import get_profile, write_trace
@@ -272,6 +301,21 @@ def add_routing_commands(sub) -> None:
                      help="bytes one expert moves (default: a Qwen3-30B-A3B expert in bf16)")
     gen.add_argument("-o", "--output", required=True, help="the trace file to write")
     gen.set_defaults(func=_cmd_routing_generate)
+    fit = commands.add_parser(
+        "fit", help="fit next-layer expert predictors on a text, for --moe-prefetch fitted",
+        description="Prefills windows of a text through the model, records each MoE layer's input beside the next "
+                    "MoE layer's router scores, fits a predictor per pair of layers (a small MLP, or with --hidden 0 "
+                    "a Linear by ridge regression) and writes them for --moe-prefetch-predictor. Their recall on "
+                    "held-out text: benchmarks/bench_predictor.py.")
+    fit.add_argument("model", help="a checkpoint directory or cached model id, as --model")
+    fit.add_argument("--text", required=True, help="a UTF-8 text file like what the model will serve")
+    fit.add_argument("--prompts", type=bounded(int, 1), default=200, help="windows of the text prefilled")
+    fit.add_argument("--prompt-len", type=bounded(int, 2), default=128, help="tokens a window")
+    fit.add_argument("--hidden", type=bounded(int, 0), default=512, help="the MLP's width (0: a Linear)")
+    fit.add_argument("--ridge", type=bounded(float, 0.0), default=1e-3, help="--hidden 0: the fit's ridge")
+    fit.add_argument("--device", default="cpu", help="where the model runs (cpu or cuda)")
+    fit.add_argument("-o", "--output", required=True, help="the predictors file to write (safetensors)")
+    fit.set_defaults(func=_cmd_routing_fit)
     sim = commands.add_parser(
         "simulate", help="replay a trace through the slot cache's admission: hit rates, copies, predicted tok/s",
         description="Replays a trace through the slot cache's own admission at each cache size and policy. "

@@ -132,9 +132,10 @@ READ_BY = {
     "moe_host_activations": ("moe_strategy", ("hybrid", "cpu")),
     "moe_timeline": ("moe_strategy", ("hybrid",)),
     "moe_prefetch": ("moe_strategy", ("offload", "hybrid")),
-    "moe_prefetch_programs": ("moe_prefetch", ("router",)),
-    "moe_prefetch_copy": ("moe_prefetch", ("router",)),
-    "moe_prefetch_experts": ("moe_prefetch", ("router",)),
+    "moe_prefetch_programs": ("moe_prefetch", ("router", "fitted")),
+    "moe_prefetch_copy": ("moe_prefetch", ("router", "fitted")),
+    "moe_prefetch_experts": ("moe_prefetch", ("router", "fitted")),
+    "moe_prefetch_predictor": ("moe_prefetch", ("fitted",)),
     "moe_tuner_period": ("moe_strategy", ("hybrid",)),
     "moe_tuner_min_experts": ("moe_strategy", ("hybrid",)),
     "moe_uva_block_assignment": ("moe_strategy", ("uva",)),
@@ -229,8 +230,11 @@ class EngineConfig:
                                                "(0, 1]")
     moe_prefetch: str = option("off", "MoE", "offload or hybrid: while a decode layer computes, copy the experts "
                                              "the next layer's router predicts from this layer's input (router), "
-                                             "or not (off); a wrong guess costs copies, never tokens "
-                                             "(docs/offload.md, Prefetch)")
+                                             "or fitted predictors do (fitted: --moe-prefetch-predictor), or not "
+                                             "(off); a wrong guess costs copies, never tokens (docs/offload.md, "
+                                             "Prefetch)")
+    moe_prefetch_predictor: str | None = option(None, "MoE", "--moe-prefetch fitted: the predictors file `moeferry "
+                                                             "routing fit` wrote for this model")
     moe_collect_stats: bool = option(False, "MoE", "offload, uva, hybrid or cpu: count the expert cache's hits, misses and routes "
                                                    "(in /v1/stats and /metrics); a little time per step")
     moe_host_threads: int = option(0, "MoE", "cpu or hybrid: threads of the host expert kernel (0: one per "
@@ -418,6 +422,11 @@ def _check_together(ec: EngineConfig) -> None:
                           f"(--page-size): give at least {ec.page_size}")
     if ec.chat_template is not None and not os.path.isfile(ec.chat_template):
         raise ConfigError(f"--chat-template {ec.chat_template}: no such file")
+    predictor = ec.moe_prefetch_predictor
+    if ec.moe_prefetch == "fitted" and (predictor is None or not os.path.isfile(predictor)):
+        missing = "" if predictor is None else f" ({predictor}: no such file)"
+        raise ConfigError(f"--moe-prefetch fitted needs --moe-prefetch-predictor, a file `moeferry routing fit` "
+                          f"wrote{missing}")
     sizes = [flag(n) for n in ("moe_cache_slots", "moe_cache_gb", "cpu_offload_gb") if getattr(ec, n) is not None]
     if len(sizes) > 1:
         raise ConfigError(f"{' and '.join(sizes)} each size the expert cache: give one of them")
@@ -444,7 +453,7 @@ def _check_together(ec: EngineConfig) -> None:
 
 
 # What the ranks of --tensor-parallel-size do not split yet: refused, naming the option.
-NOT_SPLIT_ACROSS_RANKS = {"moe_prefetch": ("router",)}
+NOT_SPLIT_ACROSS_RANKS = {"moe_prefetch": ("router", "fitted")}
 
 
 def _check_ranks(ec: EngineConfig) -> None:

@@ -36,7 +36,7 @@ import torch
 
 from moeferry.kernels.gather_copy import GatherTuning
 
-PREFETCH_MODES = ("off", "router")
+PREFETCH_MODES = ("off", "router", "fitted")
 PREFETCH_COPIES = ("gather", "dma")
 
 
@@ -100,6 +100,22 @@ class PrefetchCounts:
                 "per_layer_recall": recall}
 
 
+def fitted_predictors(path: str, layer_ids: list[int], model_config, device: torch.device) -> dict:
+    """The predictors of `moeferry routing fit`'s file at `path`, as Prefetch calls them,
+    (hidden, width) -> ids per predicted layer, on `device` (ConfigError for a file that does not
+    fit the model)."""
+    from moeferry.errors import ConfigError
+    from moeferry.routing.predict import FittedPredictors
+
+    try:
+        fitted = FittedPredictors.load(path)
+        fitted.check(layer_ids, model_config.hidden_size, model_config.num_experts)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--moe-prefetch-predictor {path}: {exc}") from None
+    fitted.to(device)
+    return {nxt: (lambda hidden, width, nxt=nxt: fitted.predict(nxt, hidden, width)) for nxt in layer_ids}
+
+
 class Prefetch:
     """The lookahead part of a strategy over a slot-cache store (module docstring). The MoE
     blocks attach their predictors as they are built; `finalize` takes the store once its
@@ -110,6 +126,7 @@ class Prefetch:
             raise ValueError(f"prefetch mode must be one of {PREFETCH_MODES[1:]}, got {mode!r}")
         self.mode, self.width = mode, model_config.top_k
         self.tuning = GatherTuning(max_programs=engine_config.moe_prefetch_programs)  # the lookahead's gather grid
+        self.predictor_path = engine_config.moe_prefetch_predictor  # --moe-prefetch fitted's file
         self.copy = engine_config.moe_prefetch_copy
         self.max_misses = engine_config.moe_prefetch_experts  # predicted misses fetched per layer (0: all)
         self.collect_stats = engine_config.moe_collect_stats
@@ -131,6 +148,8 @@ class Prefetch:
     def finalize(self, store, device: torch.device) -> None:
         order = sorted(store.banks)
         self.store, self.next_layer = store, dict(zip(order, order[1:]))
+        if self.mode == "fitted":
+            self.predictors = fitted_predictors(self.predictor_path, order[1:], store.model_config, device)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.set_statistics(self.collect_stats)
 

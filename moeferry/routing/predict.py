@@ -32,6 +32,7 @@ from moeferry.layers.linear import Linear
 from moeferry.layers.moe import predict_experts, router_scores
 
 INPUTS = ("moe_input", "residual", "residual_input_norm")
+PREDICTOR_FORMAT = "moeferry-next-layer-predictors-1"
 
 
 def routed_ids(block, hidden: torch.Tensor) -> torch.Tensor:
@@ -100,11 +101,66 @@ class FittedPredictors:
                 maps[nxt] = mlp.requires_grad_(False)
         return cls(maps)
 
+    def save(self, path: str) -> None:
+        """One safetensors file: each map's parameters under "<next layer id>.<name>", the kind
+        of map (linear or mlp) in the metadata."""
+        from safetensors.torch import save_file
+
+        kinds = {"linear" if isinstance(m, torch.nn.Linear) else "mlp" for m in self.maps.values()}
+        tensors = {f"{nxt}.{name}": t.detach().contiguous().cpu() for nxt, m in self.maps.items()
+                   for name, t in m.state_dict().items()}
+        save_file(tensors, path, metadata={"kind": kinds.pop(), "format": PREDICTOR_FORMAT})
+
+    @classmethod
+    def load(cls, path: str) -> "FittedPredictors":
+        """What `save` wrote (ValueError, one line, for a file that is not one)."""
+        from safetensors import safe_open
+
+        try:
+            with safe_open(path, "pt") as f:
+                meta = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as exc:  # safetensors raises its own error types for a bad header
+            raise ValueError(f"{path}: not a predictors file ({str(exc).splitlines()[0]})") from None
+        if meta.get("format") != PREDICTOR_FORMAT or meta.get("kind") not in ("linear", "mlp"):
+            raise ValueError(f"{path}: not a predictors file written by `moeferry routing fit`")
+        layers: dict[int, dict[str, torch.Tensor]] = {}
+        for key, t in tensors.items():
+            nxt, name = key.split(".", 1)
+            layers.setdefault(int(nxt), {})[name] = t
+        maps = {}
+        for nxt, params in layers.items():
+            if meta["kind"] == "linear":
+                out, inp = params["weight"].shape
+                module = torch.nn.Linear(inp, out)
+            else:
+                hidden, inp = params["0.weight"].shape
+                module = torch.nn.Sequential(torch.nn.Linear(inp, hidden), torch.nn.GELU(),
+                                             torch.nn.Linear(hidden, params["2.weight"].shape[0]))
+            module.load_state_dict(params)
+            maps[nxt] = module.requires_grad_(False)
+        return cls(maps)
+
+    def check(self, layer_ids: list[int], hidden_size: int, num_experts: int) -> None:
+        """ValueError (one line) unless the maps predict exactly `layer_ids` (every MoE layer
+        but the first) from `hidden_size` inputs to `num_experts` scores."""
+        if sorted(self.maps) != sorted(layer_ids):
+            raise ValueError(f"the predictors are for layers {sorted(self.maps)}, the model's MoE layers after the "
+                             f"first are {sorted(layer_ids)}")
+        for nxt, m in self.maps.items():
+            first, last = (m, m) if isinstance(m, torch.nn.Linear) else (m[0], m[-1])
+            if first.in_features != hidden_size or last.out_features != num_experts:
+                raise ValueError(f"the predictor of layer {nxt} maps {first.in_features} to {last.out_features}, "
+                                 f"the model needs {hidden_size} to {num_experts}")
+
+    def to(self, device) -> "FittedPredictors":
+        self.maps = {nxt: m.to(device) for nxt, m in self.maps.items()}
+        return self
+
     @torch.no_grad()
     def predict(self, nxt: int, hidden: torch.Tensor, width: int) -> torch.Tensor:
         """Layer `nxt`'s predicted experts [T, width], best first, from the previous MoE layer's input."""
-        module = self.maps[nxt].to(hidden.device)
-        return module(hidden.float()).topk(width, dim=1).indices
+        return self.maps[nxt](hidden.float()).topk(width, dim=1).indices
 
 
 # ---- measuring it on a model's own routing ----------------------------------------------------
@@ -192,3 +248,32 @@ class PredictorProbe:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+
+
+def windows(ids: list[int], count: int, length: int) -> list[list[int]]:
+    """Up to `count` windows of `length` tokens spread evenly over `ids`."""
+    stride = max(length, (len(ids) - length) // max(1, count))
+    return [ids[s:s + length] for s in range(0, len(ids) - length, stride)][:count]
+
+
+def probe_prefills(llm, prompts: list[list[int]], fitted: FittedPredictors | None = None,
+                   collect: bool = False) -> tuple[PredictorProbe, int]:
+    """A PredictorProbe over one prefill of each prompt (an LLM's engine), and the tokens counted."""
+    from moeferry.sampling import SamplingParams
+
+    engine = llm.engine
+    probe = PredictorProbe(engine.runner.model, engine.mc, fitted=fitted, collect=collect)
+    try:
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    finally:
+        probe.remove()
+    return probe, sum(len(p) for p in prompts)
+
+
+def fit_on(llm, prompts: list[list[int]], hidden: int = 512, ridge: float = 1e-3) -> FittedPredictors:
+    """Predictors fitted on one prefill of each of `prompts`: an MLP of `hidden` per layer pair
+    (`FittedPredictors.fit_mlp`), or with hidden 0 a Linear by ridge regression (`fit`)."""
+    probe, _ = probe_prefills(llm, prompts, collect=True)
+    if hidden:
+        return FittedPredictors.fit_mlp(probe.samples, llm.engine.mc.top_k, hidden=hidden)
+    return FittedPredictors.fit(probe.samples, ridge)

@@ -3,6 +3,8 @@
 wrong still does, at a cost in copies only; a predictor that is always right leaves no decode
 miss past the first layer; and the statistics add up."""
 
+import os
+
 import pytest
 import torch
 
@@ -26,7 +28,7 @@ def prefetching(path, experts, strategy="offload", layers=3, top_k=None, **optio
     still misses: a two-layer model's holds one layer and one token's routes."""
     slots = 2 * experts if layers > 2 else experts + top_k
     return LLM(path, dtype="float32", device="cpu", moe_strategy=strategy, moe_cache_slots=slots,
-               moe_prefetch="router", moe_collect_stats=True, **options)
+               moe_collect_stats=True, **{"moe_prefetch": "router", **options})
 
 
 def gpu_and_room(path):
@@ -291,3 +293,54 @@ def test_a_capped_lookahead_gather_copies_the_same_rows(tmp_path):
         LLM(path, dtype="float32", device="cpu", moe_strategy="offload", moe_prefetch_programs=2)
     with pytest.raises(ConfigError, match="--moe-prefetch-programs"):
         prefetching(path, config.num_experts, moe_prefetch_programs=-1)
+
+
+def test_fitted_predictors_from_routing_fit_drive_the_lookahead(tmp_path, capsys):
+    """`moeferry routing fit` writes predictors that --moe-prefetch fitted loads: the lookahead
+    predicts with them, copies ahead, and the tokens are gpu's (the built-in model, fitted on
+    the held-out text)."""
+    from moeferry.cli import main
+    from moeferry.default_model import DEFAULT_MODEL_NAME
+
+    predictors = str(tmp_path / "predictors.safetensors")
+    text = os.path.join(os.path.dirname(__file__), "..", "data", "austen_heldout.txt")
+    assert main(["routing", "fit", DEFAULT_MODEL_NAME, "--text", text, "--prompts", "8", "--prompt-len", "64",
+                 "--hidden", "32", "-o", predictors]) == 0
+    assert "wrote 5 predictors (an MLP of 32 each) fitted on 8 windows of 64 tokens" in capsys.readouterr().out
+    want = tokens(LLM(DEFAULT_MODEL_NAME, dtype="float32", device="cpu"))
+    llm = prefetching(DEFAULT_MODEL_NAME, 32, moe_prefetch="fitted", moe_prefetch_predictor=predictors)
+    assert tokens(llm) == want
+    prefetch = llm.engine.runner.strategy.stats()["prefetch"]
+    assert prefetch["mode"] == prefetch["predictor"] == "fitted" and prefetch["copied"] > 0
+    assert_counts_add_up(prefetch)
+
+
+def test_routing_fit_refuses_a_model_without_a_tokenizer(tmp_path, capsys):
+    from tests.test_cli import run_cli
+
+    path = str(tmp_path / "ckpt")
+    make_checkpoint(dict(FAMILIES)["qwen3_moe"], path)
+    text = tmp_path / "text.txt"
+    text.write_text("some text")
+    line = run_cli(["routing", "fit", path, "--text", str(text), "-o", str(tmp_path / "p")], capsys)
+    assert "has no tokenizer to read --text with" in line
+
+
+def test_fitted_prefetch_refuses_a_missing_or_foreign_predictors_file(tmp_path):
+    """Without a file, or with one fitted for another model's layers, the engine says which in one line."""
+    from moeferry.routing.predict import FittedPredictors
+
+    path = str(tmp_path / "ckpt")
+    config = dict(FAMILIES)["qwen3_moe"]
+    make_checkpoint(config, path)
+    with pytest.raises(ConfigError, match="--moe-prefetch fitted needs --moe-prefetch-predictor"):
+        prefetching(path, config.num_experts, moe_prefetch="fitted")
+    foreign = str(tmp_path / "foreign.safetensors")
+    FittedPredictors({7: torch.nn.Linear(config.hidden_size, config.num_experts)}).save(foreign)
+    with pytest.raises(ConfigError, match="predictors are for layers \\[7\\]") as info:
+        prefetching(path, config.num_experts, moe_prefetch="fitted", moe_prefetch_predictor=foreign)
+    assert "\n" not in str(info.value)
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not a safetensors file")
+    with pytest.raises(ConfigError, match="not a predictors file"):
+        prefetching(path, config.num_experts, moe_prefetch="fitted", moe_prefetch_predictor=str(bad))

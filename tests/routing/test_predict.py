@@ -5,10 +5,10 @@ text; the predictor is its router's own ranking, and forced-route hooks do not t
 import pytest
 import torch
 
-from benchmarks.bench_predictor import held_out_prompts, measure
+from benchmarks.bench_predictor import held_out_prompts
 from moeferry import LLM
 from moeferry.routing.forced import ForcedRouting
-from moeferry.routing.predict import INPUTS, predict_experts, routed_ids
+from moeferry.routing.predict import INPUTS, predict_experts, probe_prefills, routed_ids
 from moeferry.routing.profiles import get_profile
 from tests.support.fixtures import family_configs, make_checkpoint
 
@@ -20,7 +20,7 @@ def builtin_probe():
     from moeferry.default_model import DEFAULT_MODEL_NAME
 
     llm = LLM(DEFAULT_MODEL_NAME, device="cpu", dtype="float32", max_prefill_tokens=512)
-    probe, tokens = measure(llm, held_out_prompts(llm.tokenizer, 6, 96))
+    probe, tokens = probe_prefills(llm, held_out_prompts(llm.tokenizer, 6, 96))
     return llm, probe, tokens
 
 
@@ -105,6 +105,6 @@ def test_on_the_built_in_model_a_fitted_predictor_recalls_more_than_the_router_f
 
     llm = LLM(DEFAULT_MODEL_NAME, device="cpu", dtype="float32", max_prefill_tokens=512)
     fitted = fitted_on(llm, held_out_prompts(llm.tokenizer, 32, 96, FIT_PART), parse_args(["--fit-hidden", "0"]))
-    probe, _ = measure(llm, held_out_prompts(llm.tokenizer, 6, 96, (FIT_PART[1], 1.0)), fitted)
+    probe, _ = probe_prefills(llm, held_out_prompts(llm.tokenizer, 6, 96, (FIT_PART[1], 1.0)), fitted)
     k = llm.engine.mc.top_k
     assert probe.counts["fitted", k].recall > probe.counts["moe_input", k].recall + 0.05
