@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 
 from moeferry.kernels.gather_copy import GatherTuning
+from moeferry.moe.predictors import FittedPredictors
 
 PREFETCH_MODES = ("off", "router", "fitted")
 PREFETCH_COPIES = ("gather", "dma")
@@ -105,7 +106,6 @@ def fitted_predictors(path: str, layer_ids: list[int], model_config, device: tor
     (hidden, width) -> ids per predicted layer, on `device` (ConfigError for a file that does not
     fit the model)."""
     from moeferry.errors import ConfigError
-    from moeferry.routing.predict import FittedPredictors
 
     try:
         fitted = FittedPredictors.load(path)

@@ -328,7 +328,7 @@ def test_routing_fit_refuses_a_model_without_a_tokenizer(tmp_path, capsys):
 
 def test_fitted_prefetch_refuses_a_missing_or_foreign_predictors_file(tmp_path):
     """Without a file, or with one fitted for another model's layers, the engine says which in one line."""
-    from moeferry.routing.predict import FittedPredictors
+    from moeferry.moe.predictors import FittedPredictors
 
     path = str(tmp_path / "ckpt")
     config = dict(FAMILIES)["qwen3_moe"]

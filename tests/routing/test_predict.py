@@ -68,7 +68,7 @@ def test_the_predictor_on_a_layers_own_input_is_its_route_and_ignores_router_hoo
 
 def test_a_fitted_predictor_recovers_a_linear_scoring_exactly():
     """Scores that are a linear function of the input (plus a bias) are fitted to their ranking."""
-    from moeferry.routing.predict import FittedPredictors
+    from moeferry.moe.predictors import FittedPredictors
 
     gen = torch.Generator().manual_seed(4)
     weight, bias = torch.randn(24, 10, generator=gen), torch.randn(10, generator=gen)
@@ -84,7 +84,7 @@ def test_a_fitted_predictor_recovers_a_linear_scoring_exactly():
 def test_a_fitted_mlp_learns_which_experts_a_scoring_ranks_first():
     """An MLP fitted on the top-k of a linear scoring recalls most of that top-k on new inputs (at
     least 0.8, where chance is 0.25), and the same seed fits the same predictor."""
-    from moeferry.routing.predict import FittedPredictors
+    from moeferry.moe.predictors import FittedPredictors
 
     gen = torch.Generator().manual_seed(5)
     weight = torch.randn(16, 8, generator=gen)
