@@ -52,8 +52,8 @@ def parse_args(argv):
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--fit-prompts", type=int, default=200, help="prompts the fitted predictors are fitted on")
     p.add_argument("--fit-hidden", type=int, default=512,
-                   help="the fitted predictors' MLP width (FittedPredictors.fit_mlp); 0: a Linear by ridge "
-                        "regression (FittedPredictors.fit)")
+                   help="the built-in model's fitted predictors' MLP width (FittedPredictors.fit_mlp); 0: a "
+                        "Linear by ridge regression (FittedPredictors.fit), as the tiny checkpoints' always are")
     p.add_argument("--ridge", type=float, default=1e-3, help="the Linear fit's ridge")
     p.add_argument("--device", default="cpu")
     add_results_flag(p)
@@ -69,17 +69,19 @@ def held_out_prompts(tokenizer, count: int, length: int, part: tuple[float, floa
     return windows(ids[int(part[0] * len(ids)):int(part[1] * len(ids))], count, length)
 
 
-def fitted_on(llm, prompts: list[list[int]], args):
-    """FittedPredictors fitted on one prefill of each of `prompts` (an MLP of --fit-hidden, or a
-    Linear by ridge regression)."""
-    return fit_on(llm, prompts, args.fit_hidden, args.ridge).to(args.device)
+def fitted_on(llm, prompts: list[list[int]], args, hidden: int):
+    """FittedPredictors fitted on one prefill of each of `prompts` (an MLP of `hidden`, or with 0
+    a Linear by ridge regression)."""
+    return fit_on(llm, prompts, hidden, args.ridge).to(args.device)
 
 
 def fitted_description(args) -> str:
-    what = (f"an MLP of {args.fit_hidden} (GELU) trained on the routed experts (binary cross-entropy, full-batch Adam)"
-            if args.fit_hidden else f"a Linear fitted to the router scores by ridge regression ({args.ridge:g})")
-    return (f"fitted: from layer l's MoE input, {what}, on {args.fit_prompts} other prompts (the built-in model's "
-            f"from the held-out text's first {FIT_PART[1]:.0%}, its measured windows from the rest)")
+    linear = f"a Linear fitted to the router scores by ridge regression ({args.ridge:g})"
+    what = (f"an MLP of {args.fit_hidden} (GELU) trained on the routed experts (binary cross-entropy, full-batch "
+            f"Adam)" if args.fit_hidden else linear)
+    return (f"fitted: from layer l's MoE input, on {args.fit_prompts} other prompts, for the built-in model {what} "
+            f"(fitted on the held-out text's first {FIT_PART[1]:.0%}, measured on the rest), for the tiny "
+            f"checkpoints {linear}")
 
 
 def rows_of(name: str, llm, probe, tokens: int) -> list[list]:
@@ -102,7 +104,8 @@ def builtin_rows(args) -> list[list]:
     from moeferry.llm import LLM
 
     llm = LLM(DEFAULT_MODEL_NAME, device=args.device, dtype="float32", max_prefill_tokens=4 * args.prompt_len)
-    fitted = fitted_on(llm, held_out_prompts(llm.tokenizer, args.fit_prompts, args.prompt_len, FIT_PART), args)
+    fitted = fitted_on(llm, held_out_prompts(llm.tokenizer, args.fit_prompts, args.prompt_len, FIT_PART), args,
+                       args.fit_hidden)
     prompts = held_out_prompts(llm.tokenizer, args.prompts, args.prompt_len, (FIT_PART[1], 1.0))
     probe, tokens = probe_prefills(llm, prompts, fitted)
     return rows_of("built-in (trained, held-out Austen)", llm, probe, tokens)
@@ -122,7 +125,7 @@ def family_rows(args) -> list[list]:
             vocab = llm.engine.mc.vocab_size
             fit = [torch.randint(vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(args.fit_prompts)]
             prompts = [torch.randint(vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(args.prompts)]
-            probe, tokens = probe_prefills(llm, prompts, fitted_on(llm, fit, args))
+            probe, tokens = probe_prefills(llm, prompts, fitted_on(llm, fit, args, hidden=0))
             rows += rows_of(f"{name} (tiny, random)", llm, probe, tokens)
             print(rows[-1], flush=True)
             del llm

@@ -104,7 +104,7 @@ def test_on_the_built_in_model_a_fitted_predictor_recalls_more_than_the_router_f
     from moeferry.default_model import DEFAULT_MODEL_NAME
 
     llm = LLM(DEFAULT_MODEL_NAME, device="cpu", dtype="float32", max_prefill_tokens=512)
-    fitted = fitted_on(llm, held_out_prompts(llm.tokenizer, 32, 96, FIT_PART), parse_args(["--fit-hidden", "0"]))
+    fitted = fitted_on(llm, held_out_prompts(llm.tokenizer, 32, 96, FIT_PART), parse_args([]), hidden=0)
     probe, _ = probe_prefills(llm, held_out_prompts(llm.tokenizer, 6, 96, (FIT_PART[1], 1.0)), fitted)
     k = llm.engine.mc.top_k
     assert probe.counts["fitted", k].recall > probe.counts["moe_input", k].recall + 0.05
