@@ -247,7 +247,7 @@ class Sampler:
         return SampledTokens(tokens, self._logprobs(buffers, reqs, wanted))
 
     def _read_tokens(self, tokens: torch.Tensor) -> list[int]:
-        if self._tokens_read is None or tokens.numel() > self._host_tokens.numel():
+        if self._tokens_read is None:  # on the CPU: nothing to wait for
             return tokens.tolist()
         host = self._host_tokens[:tokens.numel()]
         host.copy_(tokens, non_blocking=True)

@@ -3,8 +3,8 @@ layers, a small module from layer l's MoE input to layer l+1's router scores, fi
 states recorded from the model (routing/predict.py records them and measures the predictors;
 `moeferry routing fit` writes them), loaded by the lookahead (moe/prefetch.py).
 
-The file: safetensors, each map's parameters under "<next layer id>.<name>", the kind of map
-(linear or mlp) and PREDICTOR_FORMAT in the metadata.
+The file: safetensors, each map's parameters under "<next layer id>.<name>" (a Linear's
+"weight" and "bias", an MLP's "0.*" and "2.*"), PREDICTOR_FORMAT in the metadata.
 """
 
 from __future__ import annotations
@@ -72,14 +72,12 @@ class FittedPredictors:
         return cls(maps)
 
     def save(self, path: str) -> None:
-        """One safetensors file: each map's parameters under "<next layer id>.<name>", the kind
-        of map (linear or mlp) in the metadata."""
+        """One safetensors file (the module docstring's layout)."""
         from safetensors.torch import save_file
 
-        kinds = {"linear" if isinstance(m, torch.nn.Linear) else "mlp" for m in self.maps.values()}
         tensors = {f"{nxt}.{name}": t.detach().contiguous().cpu() for nxt, m in self.maps.items()
                    for name, t in m.state_dict().items()}
-        save_file(tensors, path, metadata={"kind": kinds.pop(), "format": PREDICTOR_FORMAT})
+        save_file(tensors, path, metadata={"format": PREDICTOR_FORMAT})
 
     @classmethod
     def load(cls, path: str) -> "FittedPredictors":
@@ -92,7 +90,7 @@ class FittedPredictors:
                 tensors = {k: f.get_tensor(k) for k in f.keys()}
         except Exception as exc:  # safetensors raises its own error types for a bad header
             raise ValueError(f"{path}: not a predictors file ({str(exc).splitlines()[0]})") from None
-        if meta.get("format") != PREDICTOR_FORMAT or meta.get("kind") not in ("linear", "mlp"):
+        if meta.get("format") != PREDICTOR_FORMAT:
             raise ValueError(f"{path}: not a predictors file written by `moeferry routing fit`")
         layers: dict[int, dict[str, torch.Tensor]] = {}
         for key, t in tensors.items():
@@ -100,7 +98,7 @@ class FittedPredictors:
             layers.setdefault(int(nxt), {})[name] = t
         maps = {}
         for nxt, params in layers.items():
-            if meta["kind"] == "linear":
+            if "weight" in params:  # a Linear; else an MLP's layers 0 and 2
                 out, inp = params["weight"].shape
                 module = torch.nn.Linear(inp, out)
             else:
