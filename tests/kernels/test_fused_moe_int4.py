@@ -81,14 +81,15 @@ def test_triton_matches_reference_on_int4_banks(dtype, num_tokens, assignment, g
 
 
 def force_split_fields(monkeypatch, block_k: int | None = None, **fields) -> list[bool]:
-    """Every fused_moe tile config asks for split-field dots (and K tiles of `block_k` when
-    given, and any other FusedMoEConfig `fields`); the returned list collects, per GEMM launch,
-    whether the kernel really took them (K tiles deep enough)."""
+    """Every fused_moe tile config asks for split-field dots on the tensor-core kernel, naive
+    calls too (no route GEMV), and K tiles of `block_k` when given, and any other FusedMoEConfig
+    `fields`; the returned list collects, per GEMM launch, whether the kernel really took them
+    (K tiles deep enough)."""
     taken = []
     select, splits = fm.select_config, fm._splits_fields
 
     def forced(*args, **kwargs):
-        config = replace(select(*args, **kwargs), split_fields=True, **fields)
+        config = replace(select(*args, **kwargs), split_fields=True, route_gemv=False, **fields)
         return config if block_k is None else replace(config, block_k=block_k)
     monkeypatch.setattr(fm, "select_config", forced)
 

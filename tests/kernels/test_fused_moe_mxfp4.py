@@ -153,8 +153,12 @@ def test_split_field_tiles_match_reference_on_mxfp4_banks(monkeypatch, dtype, nu
 
 
 def record_word_tiles(monkeypatch) -> list[bool]:
-    """Per MXFP4 GEMM launch, whether its K tiles read the bytes as int32 words."""
+    """Per MXFP4 GEMM launch of the tensor-core kernel (naive calls too: the route GEMV is
+    turned off), whether its K tiles read the bytes as int32 words."""
     taken, words = [], fm._mxfp4_words
+    select = fm.select_config
+    monkeypatch.setattr(fm, "select_config", lambda *args, **kwargs: replace(select(*args, **kwargs),
+                                                                             route_gemv=False))
 
     def recording(*args):
         taken.append(words(*args))

@@ -99,6 +99,45 @@ def test_the_fused_moe_gemm_compiles_for_sm90(weight_format, tmp_path):
     assert f"{weight_format} compiled" in _compiled(COMPILE, weight_format, cache_dir=tmp_path)
 
 
+GEMV = PTXAS + r"""
+from moeferry.kernels.fused_moe.gemv import FP8, INT4, MXFP4, PLAIN, _route_gemv_kernel as kernel, select_gemv_config
+import torch
+
+FORMATS = {  # weight, scale pointer, stored dtype (the tiles), constexprs
+    "bf16": ("bf16", "fp32", torch.bfloat16, dict(FORMAT=PLAIN.value, PACK=1, GROUP=1, SCALE_BN=1)),
+    "fp8": ("fp8e4nv", "fp32", torch.float8_e4m3fn, dict(FORMAT=FP8.value, PACK=1, GROUP=128, SCALE_BN=128)),
+    "int4": ("i32", "fp32", torch.int32, dict(FORMAT=INT4.value, PACK=8, GROUP=128, SCALE_BN=1)),
+    "mxfp4": ("i32", "u8", torch.uint8, dict(FORMAT=MXFP4.value, PACK=8, GROUP=32, SCALE_BN=1)),
+}
+ALIGNED_INTS = ("stride_am", "stride_be", "stride_bn", "stride_cm", "k_in", "n_out", "stride_se", "stride_bias_e")
+params = list(inspect.signature(kernel.fn).parameters)
+for name in sys.argv[1:]:
+    weight, scale, stored, constexprs = FORMATS[name]
+    for gated in (True, False):
+        tiles = select_gemv_config(gated, stored)
+        values = dict(A_ROWS_PER_ROUTE_DIV=8 if gated else 1, GATED=gated, WEIGHTED=not gated, BIAS=gated,
+                      CLAMPED=gated, BLOCK_N=tiles.block_n, STEP=tiles.step, EVEN=gated, PDL=True, **constexprs)
+        pointers = dict(a_ptr="*bf16", b_ptr="*" + weight, c_ptr="*bf16", route_weight_ptr="*fp32", ids_ptr="*i32",
+                        scale_ptr="*" + scale, bias_ptr="*bf16", alpha="fp32", limit="fp32")
+        signature = {p: "constexpr" if p in values else pointers.get(p, "i32") for p in params}
+        aligned = [p for p in params if signature[p].startswith("*") or p in ALIGNED_INTS]  # as a launch specialises
+        source = ASTSource(kernel, signature, constexprs={(params.index(p),): v for p, v in values.items()},
+                           attrs={(params.index(p),): [["tt.divisibility", 16]] for p in aligned})
+        _, report = compile_reported(source, {"num_warps": tiles.num_warps, "num_stages": 1})
+        print(name, "gate+up" if gated else "down", report)
+        assert re.search(r"spill_stores=0 ", report + " "), report
+    print(name, "compiled")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weight_format", ["bf16", "fp8", "int4", "mxfp4"])
+def test_the_route_gemv_compiles_for_sm90_without_spills(weight_format, tmp_path):
+    """Both GEMMs at their chosen tiles (the gated one with gpt-oss's biases and clamped SwiGLU and
+    no masks, the down GEMM masked), PDL on; ptxas' registers in the output (pytest -s)."""
+    assert f"{weight_format} compiled" in _compiled(GEMV, weight_format, cache_dir=tmp_path)
+
+
 SMALL = r"""
 import inspect
 import triton

@@ -63,6 +63,8 @@ import triton
 import triton.language as tl
 
 from moeferry.kernels.fused_moe import SILU, check_options
+from moeferry.kernels.fused_moe.gemv import launch_route_gemv, route_gemv_allowed
+from moeferry.kernels.fused_moe.values import activate, e2m1_bits, e2m1_value, e8m0_value
 from moeferry.kernels.moe_align.triton import moe_align_block_size
 from moeferry.kernels.triton_common import dot, exact_dot, pdl_launch, rounded, wait_for_previous_kernel
 
@@ -86,7 +88,9 @@ class FusedMoEConfig:
     split_fields, MXFP4 only): the bank's bytes are read as int32 words of eight codes, int4's
     layout, so a K tile is eight dots and spans BLOCK_K / 32 scale blocks, each power of two
     folded into its weights before the dot (`_mxfp4_words` says when a launch can); otherwise
-    a split MXFP4 tile is one 32-value block of bytes whose scale multiplies the tile's fp32 sum."""
+    a split MXFP4 tile is one 32-value block of bytes whose scale multiplies the tile's fp32 sum.
+    ``route_gemv``: naive calls run both GEMMs as the route GEMV on CUDA cores (gemv.py) where
+    it can read the banks (its own tiles: gemv.select_gemv_config)."""
 
     block_m: int
     block_n: int
@@ -97,6 +101,7 @@ class FusedMoEConfig:
     down_num_stages: int | None = None
     split_fields: bool = False
     mxfp4_words: bool = False
+    route_gemv: bool = False
 
     def stages(self, gated: bool) -> int:
         """Pipeline depth of the gate+up GEMM (gated) or of the down GEMM."""
@@ -119,7 +124,11 @@ def select_config(num_tokens: int, top_k: int, hidden_size: int, intermediate_si
     and for gate+up from 2 tokens; at 1 token gate+up keeps 4, which measured faster there.
     4-bit banks take split-field dots (FusedMoEConfig.split_fields): on the same sweep with
     int4 banks they cut the decode GEMMs' time by a fifth to a third. MXFP4 banks take them
-    over int32 words (FusedMoEConfig.mxfp4_words) where the launch allows, int4's tile depth."""
+    over int32 words (FusedMoEConfig.mxfp4_words) where the launch allows, int4's tile depth.
+    One token's routes take the route GEMV (FusedMoEConfig.route_gemv): on the H100 sweep
+    (benchmarks/sweep_route_gemv.py) it ran a layer's two GEMMs 2.0x (int4), 2.4x (MXFP4),
+    1.3x (fp8) and 1.0x (bf16) as fast as the tiles above; at 4 tokens the tiles above won for
+    the quantized formats."""
     tokens_per_expert = num_tokens * top_k / max(1, num_routed_experts)
     down_num_stages = None
     if tokens_per_expert <= 1:
@@ -144,6 +153,7 @@ def select_config(num_tokens: int, top_k: int, hidden_size: int, intermediate_si
         down_num_stages=down_num_stages,
         split_fields=True,
         mxfp4_words=True,
+        route_gemv=num_tokens == 1,
     )
 
 
@@ -187,32 +197,6 @@ def _block_rows(pid_m, sorted_route_ptr, block_expert_ptr, num_post_padded_ptr, 
 
 
 @triton.jit
-def _e2m1_bits(code):
-    """The float32 bit patterns (int32) of FP4 E2M1 codes (int32 0..15: bit 3 the sign, bits 2-1
-    the exponent e, bit 0 the mantissa m): e > 0 is (1 + m/2) 2^(e-1), a float32 biased exponent
-    of 126 + e; e = 0 is m/2, exponent 126 (0.5) or zero. The low 16 bits are zero, so the high
-    half is the same value in bf16."""
-    exponent = (code >> 1) & 3
-    mantissa = code & 1
-    biased = tl.where(exponent == 0, 126 * mantissa, 126 + exponent)
-    fraction = tl.where(exponent == 0, 0, mantissa << 22)
-    return ((code >> 3) << 31) | (biased << 23) | fraction
-
-
-@triton.jit
-def _e2m1_value(code):
-    """float32 values of FP4 E2M1 codes (_e2m1_bits)."""
-    return _e2m1_bits(code).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e8m0_value(scale):
-    """float32 2^(s - 127) of E8M0 bytes s (int32): s is float32's exponent field; s = 0 the
-    subnormal 2^-127."""
-    return tl.where(scale == 0, 1 << 22, scale << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _nibbles(b_ptrs, mask, PACK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """The [BLOCK_K, BLOCK_N] 4-bit fields (int32 0..15) of a tile stored PACK to an element
     along K ([BLOCK_K / PACK, BLOCK_N] elements, b_ptrs and mask over them): each element is
@@ -236,7 +220,7 @@ def _load_b(b_ptrs, mask, mx_scale_ptrs, mx_mask, PACKED: tl.constexpr, MXFP4: t
     elif MXFP4:
         codes = _nibbles(b_ptrs, mask, PACK, BLOCK_K, BLOCK_N)
         scales = tl.load(mx_scale_ptrs, mask=mx_mask, other=127).to(tl.int32)  # masked: 1, never 0 * inf
-        return _e2m1_value(codes) * _e8m0_value(scales)
+        return e2m1_value(codes) * e8m0_value(scales)
     else:  # an else, not a fall-through: compiled Triton types every return of a function
         return tl.load(b_ptrs, mask=mask, other=0.0)
 
@@ -255,11 +239,11 @@ def _int4_weight(field, dtype: tl.constexpr):
 @triton.jit
 def _e2m1_weight(code, dtype: tl.constexpr):
     """E2M1 codes (int32 0..15) as `dtype` values, exact. bf16 from the bits, the high half of
-    the float32 pattern (no float conversion); otherwise through float32 (_e2m1_value)."""
+    the float32 pattern (no float conversion); otherwise through float32 (e2m1_value)."""
     if dtype == tl.bfloat16:
-        return (_e2m1_bits(code) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        return (e2m1_bits(code) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
     else:
-        return _e2m1_value(code).to(dtype)
+        return e2m1_value(code).to(dtype)
 
 
 @triton.jit
@@ -269,11 +253,11 @@ def _e8m0_fold(scale, dtype: tl.constexpr):
     E2M1 code 1's value 0.5 scaled, with s clamped to 2..252, the scales for which every scaled
     non-zero E2M1 value is a normal bf16 number (2^-126 .. 6 x 2^125). Real checkpoints' scales
     sit far inside that range; one outside it is taken as the nearest end rather than let the
-    exponent wrap into the sign bit. float32: the value 2^(s - 127) (_e8m0_value)."""
+    exponent wrap into the sign bit. float32: the value 2^(s - 127) (e8m0_value)."""
     if dtype == tl.bfloat16:
         return (tl.minimum(tl.maximum(scale, 2), 252) - 1) << 7
     else:
-        return _e8m0_value(scale)
+        return e8m0_value(scale)
 
 
 @triton.jit
@@ -290,7 +274,7 @@ def _e2m1_scaled_weight(code, fold, dtype: tl.constexpr):
         bits = tl.where(magnitude < 2, magnitude * fold, fold + (magnitude << 6)) | ((code & 8) << 12)
         return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)  # the low 16 bits: the sign bit kept
     else:
-        return _e2m1_value(code) * fold
+        return e2m1_value(code) * fold
 
 
 @triton.jit
@@ -354,7 +338,7 @@ def _split_fields_dot(a_rows_ptrs, row_valid, k0, k_in, stride_ak, b_ptrs, b_mas
     else:
         scale_ptrs = scale_rows_ptrs + k0 // SCALE_BK * stride_sk
         if MXFP4:
-            scales = _e8m0_value(tl.load(scale_ptrs, mask=col_valid, other=127).to(tl.int32))
+            scales = e8m0_value(tl.load(scale_ptrs, mask=col_valid, other=127).to(tl.int32))
         else:
             scales = tl.load(scale_ptrs, mask=col_valid, other=0.0)
         return acc + partial * scales[None, :]
@@ -371,17 +355,6 @@ def _scaled_dot(a, b, acc, scale_ptrs, scale_offset, col_valid, QUANT: tl.conste
         return acc + partial * scales[None, :]
     else:  # b in a's dtype, or MXFP4 values already scaled (exact in bf16 and fp32)
         return dot(a, b.to(a.dtype), acc, IEEE)
-
-
-@triton.jit
-def _activate(gate, up, alpha, limit, CLAMPED: tl.constexpr):
-    """silu(gate) * up, or (CLAMPED) gpt-oss's clamped SwiGLU; fp32 in and out."""
-    if CLAMPED:
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-        return (up + 1.0) * (gate / (1.0 + tl.exp(-gate * alpha)))
-    else:
-        return gate / (1.0 + tl.exp(-gate)) * up
 
 
 @triton.jit
@@ -462,7 +435,7 @@ def _moe_gemm_kernel(
         if GATED:
             acc_up += tl.load(bias_row + n_out, mask=col_valid, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        acc = _activate(acc, acc_up, alpha, limit, CLAMPED)
+        acc = activate(acc, acc_up, alpha, limit, CLAMPED)
     if WEIGHTED:
         acc *= tl.load(route_weight_ptr + routes, mask=row_valid, other=0.0)[:, None]
     c_ptrs = c_ptr + routes.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
@@ -657,11 +630,18 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids, *, num_routed_experts: in
     act = torch.empty(flat_ids.numel(), intermediate_size, dtype=hidden.dtype, device=hidden.device)
     route_out = torch.empty(flat_ids.numel(), hidden_size, dtype=hidden.dtype,
                             device=hidden.device)
-    _launch_gemm(hidden, w13, act, route_weights, blocks, flat_ids, gated=True, weighted=False,
-                 a_div=top_k, naive=naive, config=config, scales=w13_scale, block_shape=block_shape,
-                 bias=w13_bias, activation=activation)
-    _launch_gemm(act, w2, route_out, route_weights, blocks, flat_ids, gated=False, weighted=True,
-                 a_div=1, naive=naive, config=config, scales=w2_scale, block_shape=block_shape, bias=w2_bias)
+    if naive and config.route_gemv and all(route_gemv_allowed(a, bank, block_shape)
+                                           for a, bank in ((hidden, w13), (act, w2))):
+        launch_route_gemv(hidden, w13, act, route_weights, flat_ids, gated=True, weighted=False, a_div=top_k,
+                          scales=w13_scale, block_shape=block_shape, bias=w13_bias, activation=activation)
+        launch_route_gemv(act, w2, route_out, route_weights, flat_ids, gated=False, weighted=True, a_div=1,
+                          scales=w2_scale, block_shape=block_shape, bias=w2_bias)
+    else:
+        _launch_gemm(hidden, w13, act, route_weights, blocks, flat_ids, gated=True, weighted=False,
+                     a_div=top_k, naive=naive, config=config, scales=w13_scale, block_shape=block_shape,
+                     bias=w13_bias, activation=activation)
+        _launch_gemm(act, w2, route_out, route_weights, blocks, flat_ids, gated=False, weighted=True,
+                     a_div=1, naive=naive, config=config, scales=w2_scale, block_shape=block_shape, bias=w2_bias)
     if not sum_routes:
         return route_out.view(num_tokens, top_k, hidden_size)
     block_h = min(1024, triton.next_power_of_2(hidden_size))

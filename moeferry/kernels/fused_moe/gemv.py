@@ -1,0 +1,262 @@
+"""The decode route GEMV: fused MoE's two GEMMs for one token's routes, on CUDA cores.
+
+At one token each route is a vector against one expert's matrices (the naive block assignment),
+so each GEMM is a matrix-vector product per route. A tensor-core tile pads that vector to 16 rows,
+decodes every weight into the dot's operand layout and, at decode sizes, leaves too few warps in
+flight to hide a K loop of dependent loads. Here each program owns BLOCK_N rows of one route's
+matrix (gated: BLOCK_N gate rows and their up rows, loaded together) and walks K in a few long
+steps of STEP stored elements, multiplying the weights, unpacked in registers, with the
+activations in fp32. At 4 bits a weight the HBM floor leaves a few instructions a weight, so each
+format is decoded the cheapest exact way:
+    plain (bf16, fp16, fp32) and fp8: converted to fp32; fp8's block scale multiplies each
+        stored element's product.
+    int4 (eight values a word along K, stored + 8): a value n enters fp32 as 1 + n / 16, its four
+        bits put at the top of a mantissa whose exponent is 1.0's (a shift and one logic op, no
+        int-to-float conversion). With fp32 activations 1.5 comes off each value ((n - 8) / 16,
+        exact); otherwise a word's eight products are summed first and 1.5 times its eight
+        activations come off the sum (an instruction saved a weight, about two of fp32's 24
+        bits lost to the cancellation, far below a bf16 output's 8). The sums are multiplied
+        by 16 at the end (exact).
+    MXFP4 (E2M1 codes, read as int32 words of eight): the code's magnitude bits at float32's
+        bits 24-22 and its sign at bit 31 are exactly value * 2^-126 (a subnormal for 0.5,
+        which FFMA keeps); the activations are multiplied by 2^64 to keep the products normal
+        and the sums by 2^62 and the block's E8M0 power of two at the end (all exact).
+Per route and output column the sums run in a fixed order (K steps in turn, a stored element's
+fields in order, the tile's partial sums by tl.sum), no atomics: bit-identical run to run, over a
+layer's bank and over a slot pool holding the same rows. The tensor-core kernel sums in another
+order, so the two agree to rounding, not in bits; a call takes one or the other by its shapes
+alone (FusedMoEConfig.route_gemv).
+
+Contract (as kernels/fused_moe/triton.py's, for the calls `route_gemv_allowed` accepts):
+    a       [T or N, K] activations (hidden, or the gated GEMM's output), unit last stride.
+    bank    [S, rows, K / PACK] stored elements, unit last stride: rows = 2 n_out gated (gate
+            rows, then up rows), n_out otherwise; int4 as int32 words, MXFP4 bytes viewed as
+            int32 words (4-byte aligned), fp8 or plain values as stored.
+    scales  the format's block scales (layout in kernels/fused_moe/__init__.py), or None.
+    out     [N routes, n_out], written whole: gated silu(gate) * up (or gpt-oss's clamped
+            SwiGLU), else route_weight * (a @ bank^T + bias).
+"""
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from moeferry.kernels.fused_moe import SILU
+from moeferry.kernels.fused_moe.values import activate, e2m1_value, e8m0_value
+from moeferry.kernels.triton_common import pdl_launch, wait_for_previous_kernel
+
+__all__ = ["GemvConfig", "launch_route_gemv", "route_gemv_allowed", "select_gemv_config"]
+
+# Formats as the kernel sees them (its FORMAT; constexpr globals, which a kernel may read).
+PLAIN, FP8, INT4, MXFP4 = (tl.constexpr(code) for code in range(4))
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Tiles of one route-GEMV launch: BLOCK_N rows of the expert matrix a program, STEP stored
+    elements of each row a loop step (powers of two), num_warps."""
+
+    block_n: int
+    step: int
+    num_warps: int
+
+
+def select_gemv_config(gated: bool, stored: torch.dtype) -> GemvConfig:
+    """Tiles for the Qwen3-30B-A3B-like decode GEMMs (H 2048, I 768), from benchmarks/
+    sweep_route_gemv.py on an H100 (docs/performance.md, the route GEMV): the gated GEMM reads
+    each row's whole K in one or two steps (int4: 128 words; both matrices' loads in flight
+    together), the down GEMM's short rows (96 words of int4) in 32-row tiles."""
+    if stored == torch.int32:  # int4 words
+        return GemvConfig(block_n=16, step=128, num_warps=4) if gated else GemvConfig(32, 32, 4)
+    if stored == torch.uint8:  # MXFP4 bytes, read as words
+        return GemvConfig(block_n=8, step=128, num_warps=4) if gated else GemvConfig(32, 32, 4)
+    if stored == torch.float8_e4m3fn:
+        return GemvConfig(block_n=16, step=256, num_warps=4)
+    return GemvConfig(block_n=8, step=256, num_warps=4)
+
+
+def _format(bank: torch.Tensor, quantized: bool) -> tuple[int, int]:
+    """(FORMAT, PACK) of a bank as stored: PACK values a stored element as the kernel reads it
+    (MXFP4 bytes as int32 words of eight codes)."""
+    if not quantized:
+        return PLAIN.value, 1
+    fmt, pack = {torch.float8_e4m3fn: (FP8, 1), torch.int32: (INT4, 8), torch.uint8: (MXFP4, 8)}[bank.dtype]
+    return fmt.value, pack
+
+
+def route_gemv_allowed(a: torch.Tensor, bank: torch.Tensor, block_shape) -> bool:
+    """Whether the route GEMV can read this bank: unit last strides; MXFP4 bytes in 4-byte aligned
+    rows of whole words and scale blocks of whole words; a scale group of whole stored elements."""
+    if a.stride(-1) != 1 or bank.stride(-1) != 1:
+        return False
+    if block_shape is None:
+        return True
+    elements = block_shape[1] // (1 if bank.dtype == torch.float8_e4m3fn else 8)  # stored a scale group
+    if elements < 1 or elements & (elements - 1) or elements * (block_shape[1] // elements) != block_shape[1]:
+        return False
+    if bank.dtype == torch.uint8:  # read as int32 words
+        return (bank.data_ptr() % 4 == 0 and bank.storage_offset() % 4 == 0 and bank.shape[-1] % 4 == 0
+                and all(stride % 4 == 0 for stride in bank.stride()[:-1]))
+    return True
+
+
+@triton.jit
+def _field_bits(stored, i: tl.constexpr, at: tl.constexpr):
+    """Field i (bits 4i..4i+3) of int32 words moved to bits at..at+3 (the bits around them
+    arbitrary): one shift."""
+    if 4 * i <= at:
+        return stored << (at - 4 * i)
+    else:
+        return stored >> (4 * i - at)
+
+
+@triton.jit
+def _int4_field(stored, i: tl.constexpr):
+    """int4 field i of int32 words as fp32 1 + n / 16 (n the stored nibble, value n - 8): the
+    nibble as the top of the mantissa of 1.0 (a shift and one logic op)."""
+    return ((_field_bits(stored, i, 19) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_field(stored, i: tl.constexpr):
+    """E2M1 field i of int32 words as fp32 value * 2^-126: the code's magnitude bits (two of
+    exponent, one of mantissa) at float32's bits 24-22 and its sign at bit 31 make exactly that
+    number, a subnormal for the code 0.5 (two shifts and two logic ops; FFMA keeps subnormals)."""
+    magnitude = _field_bits(stored, i, 22) & 0x1C00000
+    return ((_field_bits(stored, i, 28) & -0x80000000) | magnitude).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _row_sums(a_row_ptr, rows_ptrs, scale_rows_ptrs, stride_sk, k_in, col_valid,
+              FORMAT: tl.constexpr, PACK: tl.constexpr, GROUP: tl.constexpr, STEP: tl.constexpr,
+              EVEN: tl.constexpr):
+    """[BLOCK_N] fp32: each row's a . w over all of K, STEP stored elements a step (EVEN: K is
+    whole steps and the rows all valid, so no mask). The tile [BLOCK_N, STEP] of stored elements
+    keeps a partial sum per element; 4-bit words are taken field by field (field i of element j
+    is k = 8 j + i) against a's matching values, their products summed in the thread that
+    unpacked them and scaled by their group's scale; the partial sums are added across the tile
+    once, after the last step."""
+    offs_e = tl.arange(0, STEP)
+    num_elems = tl.cdiv(k_in, PACK)
+    num_groups = tl.cdiv(k_in, GROUP)
+    w_ptrs = rows_ptrs[:, None] + offs_e[None, :]
+    partial = tl.zeros((col_valid.shape[0], STEP), dtype=tl.float32)
+    for step in range(0, num_elems, STEP):
+        e = step + offs_e
+        stored_mask = col_valid[:, None] & (e < num_elems)[None, :]
+        if EVEN:
+            stored = tl.load(w_ptrs)
+        elif FORMAT == INT4 or FORMAT == MXFP4:
+            stored = tl.load(w_ptrs, mask=stored_mask, other=0)
+        else:
+            stored = tl.load(w_ptrs, mask=stored_mask, other=0.0)
+        if FORMAT == PLAIN or FORMAT == FP8:
+            a = tl.load(a_row_ptr + e, mask=(e < k_in) | EVEN, other=0.0).to(tl.float32)
+            sums = stored.to(tl.float32) * a[None, :]
+        else:
+            sums = tl.zeros(stored.shape, dtype=tl.float32)
+            a_sum = tl.zeros(offs_e.shape, dtype=tl.float32)
+            EXACT: tl.constexpr = a_row_ptr.dtype.element_ty == tl.float32
+            for i in tl.static_range(PACK):
+                k = e * PACK + i
+                a = tl.load(a_row_ptr + k, mask=(k < k_in) | EVEN, other=0.0).to(tl.float32)
+                if FORMAT == INT4 and EXACT:  # (1 + n / 16) - 1.5 = (n - 8) / 16, exact
+                    sums += (_int4_field(stored, i) - 1.5) * a[None, :]
+                elif FORMAT == INT4:  # sum a (1 + n / 16), less 1.5 sum a below: fp32 loses ~2 bits
+                    sums += _int4_field(stored, i) * a[None, :]
+                    a_sum += a
+                else:  # a * 2^64 keeps the products of values * 2^-126 normal
+                    sums += _e2m1_field(stored, i) * (a * 18446744073709551616.0)[None, :]
+            if FORMAT == INT4 and not EXACT:
+                sums -= 1.5 * a_sum[None, :]
+        if FORMAT != PLAIN:
+            group = e * PACK // GROUP
+            scale_ptrs = scale_rows_ptrs[:, None] + group[None, :] * stride_sk
+            if EVEN:
+                scales = tl.load(scale_ptrs)
+            elif FORMAT == MXFP4:
+                scales = tl.load(scale_ptrs, mask=col_valid[:, None] & (group < num_groups)[None, :], other=127)
+            else:
+                scales = tl.load(scale_ptrs, mask=col_valid[:, None] & (group < num_groups)[None, :], other=0.0)
+            if FORMAT == MXFP4:
+                scales = e8m0_value(scales.to(tl.int32))
+            sums *= scales
+        partial += sums
+        w_ptrs += STEP
+    acc = tl.sum(partial, axis=1)
+    if FORMAT == INT4:
+        acc *= 16.0  # the values were (n - 8) / 16: exact
+    elif FORMAT == MXFP4:
+        acc *= 4611686018427387904.0  # 2^62 = 2^126 / 2^64: exact
+    return acc
+
+
+@triton.jit
+def _route_gemv_kernel(
+    a_ptr, b_ptr, c_ptr, route_weight_ptr, ids_ptr, num_routes, n_out, k_in,
+    stride_am, stride_be, stride_bn, stride_cm,
+    scale_ptr, stride_se, stride_sn, stride_sk, up_scale_row,
+    bias_ptr, stride_bias_e, alpha, limit,
+    FORMAT: tl.constexpr, PACK: tl.constexpr, GROUP: tl.constexpr, SCALE_BN: tl.constexpr,
+    A_ROWS_PER_ROUTE_DIV: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
+    BIAS: tl.constexpr, CLAMPED: tl.constexpr,
+    BLOCK_N: tl.constexpr, STEP: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr,
+):
+    """c[route, n] for BLOCK_N columns of one route (program: route fastest, so a step's routes
+    start together). GATED: the program's tile has 2 BLOCK_N rows, gate row j at 2j and up row j
+    at 2j + 1, so both matrices' loads are in flight in one loop and share a's values."""
+    wait_for_previous_kernel(PDL)
+    route = tl.program_id(0) % num_routes
+    ROWS: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
+    tile_rows = tl.arange(0, ROWS)
+    if GATED:
+        cols, up = tile_rows // 2, tile_rows % 2
+    else:
+        cols, up = tile_rows, 0
+    cols += (tl.program_id(0) // num_routes) * BLOCK_N
+    expert = tl.load(ids_ptr + route).to(tl.int64)
+    a_row_ptr = a_ptr + (route // A_ROWS_PER_ROUTE_DIV).to(tl.int64) * stride_am
+    rows_ptrs = b_ptr + expert * stride_be + (cols + up * n_out).to(tl.int64) * stride_bn
+    scale_rows_ptrs = scale_ptr + expert * stride_se + (cols // SCALE_BN + up * up_scale_row) * stride_sn
+    acc = _row_sums(a_row_ptr, rows_ptrs, scale_rows_ptrs, stride_sk, k_in, cols < n_out,
+                    FORMAT, PACK, GROUP, STEP, EVEN)
+    if BIAS:
+        acc += tl.load(bias_ptr + expert * stride_bias_e + cols + up * n_out, mask=cols < n_out,
+                       other=0.0).to(tl.float32)
+    offs_n = (tl.program_id(0) // num_routes) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GATED:
+        gate, up_sums = tl.split(tl.reshape(acc, (BLOCK_N, 2)))
+        acc = activate(gate, up_sums, alpha, limit, CLAMPED)
+    if WEIGHTED:
+        acc *= tl.load(route_weight_ptr + route)
+    tl.store(c_ptr + route.to(tl.int64) * stride_cm + offs_n, acc.to(c_ptr.dtype.element_ty), mask=offs_n < n_out)
+
+
+def launch_route_gemv(a, bank, c, route_weights, flat_ids, *, gated: bool, weighted: bool, a_div: int,
+                      scales=None, block_shape=None, bias=None, activation=SILU, config: GemvConfig | None = None):
+    """c [N routes, n_out] = route r's row of a (row r // a_div) through expert flat_ids[r]'s rows
+    of bank (see the module); `route_gemv_allowed` must hold. config: None for select_gemv_config."""
+    quantized = scales is not None
+    fmt, pack = _format(bank, quantized)
+    if fmt == MXFP4.value:
+        bank = bank.view(torch.int32)  # eight E2M1 codes a word, value 8w + i at bits 4i: int4's layout
+    config = config or select_gemv_config(gated, bank.dtype)
+    group = block_shape[1] if quantized else 1
+    scale_bn = block_shape[0] if quantized else 1
+    if not quantized:  # unread placeholders
+        scales = route_weights
+    scale_strides = scales.stride() if quantized else (0, 0, 0)
+    n_out, num_routes = c.shape[1], flat_ids.numel()
+    grid = (num_routes * triton.cdiv(n_out, config.block_n),)
+    _route_gemv_kernel[grid](
+        a, bank, c, route_weights, flat_ids, num_routes, n_out, a.shape[1],
+        a.stride(0), bank.stride(0), bank.stride(1), c.stride(0),
+        scales, *scale_strides, triton.cdiv(n_out, scale_bn),
+        route_weights if bias is None else bias, 0 if bias is None else bias.stride(0),
+        activation.alpha, activation.limit,
+        FORMAT=fmt, PACK=pack, GROUP=group, SCALE_BN=scale_bn, A_ROWS_PER_ROUTE_DIV=a_div,
+        GATED=gated, WEIGHTED=weighted, BIAS=bias is not None, CLAMPED=activation.name == "clamped_swiglu",
+        BLOCK_N=config.block_n, STEP=config.step,
+        EVEN=n_out % config.block_n == 0 and a.shape[1] % (config.step * pack) == 0, num_warps=config.num_warps, **pdl_launch(a.device),
+    )
