@@ -33,6 +33,8 @@ def parse_args(argv):
     p.add_argument("--strategies", nargs="+", choices=["gpu", "offload", "hybrid", "uva"], default=["gpu", "offload"])
     p.add_argument("--share", type=float, default=0.25, help="offload and hybrid: the experts on the GPU")
     p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--quantization", choices=["int4", "fp8", "mxfp4"], default=None,
+                   help="the experts' format (bf16 without)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--warmup", type=int, default=4)
@@ -139,7 +141,8 @@ def make_engine(config_dir, args, strategy: str, prefetch: str, stats: str):
     from benchmarks.bench_hybrid import make_engine as hybrid_engine
 
     engine_args = argparse.Namespace(prompt_len=args.prompt_len, warmup=args.warmup, steps=args.steps,
-                                     batch=[args.batch], layers=args.layers, host_threads=None, quantization=None)
+                                     batch=[args.batch], layers=args.layers, host_threads=None,
+                                     quantization=args.quantization)
     engine = hybrid_engine(config_dir, engine_args, strategy, moe_prefetch="off" if prefetch == "off" else "router",
                            disable_cuda_graph=args.eager)
     s = engine.runner.strategy
@@ -225,7 +228,8 @@ def main(argv, args) -> int:
         free_engine_memory()
     body = markdown_table(["row", "wall µs a step", "device window", "busy", "copy", "compute", "waiting",
                            "copy ∥ compute", "idle"], rows)
-    notes = (f"{args.layers} layers of the Qwen3-30B-A3B shape, bf16, dummy weights, batch {args.batch}, "
+    notes = (f"{args.layers} layers of the Qwen3-30B-A3B shape, {args.quantization or 'bf16'} experts, dummy weights, "
+             f"batch {args.batch}, "
              f"{'eager' if args.eager else 'CUDA graphs'}; {args.steps} decode steps under torch.profiler, µs a step. "
              "Wall: the same steps timed without the profiler. Each kernel counted from when it could run (a kernel "
              "launched early under programmatic dependent launch waits for the one before it on its stream). Device "
