@@ -45,6 +45,8 @@ def parse_args(argv):
     p.add_argument("--stats", nargs="+", choices=["on", "off"], default=["off"],
                    help="rows with the admission and prefetch statistics on, off or both")
     p.add_argument("--eager", action="store_true", help="decode without CUDA graphs")
+    p.add_argument("--async-scheduling", nargs="+", choices=["on", "off"], default=["on"],
+                   help="rows with each step launched before the previous one's tokens are read (on), or not")
     p.add_argument("--top", type=int, default=12, help="kernels listed a row, by time a step")
     p.add_argument("--trace-dir", default=None, help="also write each row's Chrome trace here (gzipped JSON)")
     add_routing_flag(p, default="qwen3")
@@ -135,16 +137,16 @@ def step_summary(events: list[dict], steps: int) -> dict:
             "idle": (window - busy) / steps, "kernels": kernels}
 
 
-def make_engine(config_dir, args, strategy: str, prefetch: str, stats: str):
+def make_engine(config_dir, args, strategy: str, prefetch: str, stats: str, sched: str):
     """bench_hybrid's engine under `strategy`, the routes forced, the cache at --share, the
-    statistics and the lookahead as the row has them, graphs captured."""
+    statistics, the lookahead and the async scheduling as the row has them, graphs captured."""
     from benchmarks.bench_hybrid import make_engine as hybrid_engine
 
     engine_args = argparse.Namespace(prompt_len=args.prompt_len, warmup=args.warmup, steps=args.steps,
                                      batch=[args.batch], layers=args.layers, host_threads=None,
                                      quantization=args.quantization)
     engine = hybrid_engine(config_dir, engine_args, strategy, moe_prefetch="off" if prefetch == "off" else "router",
-                           disable_cuda_graph=args.eager)
+                           disable_cuda_graph=args.eager, async_scheduling=sched == "on")
     s = engine.runner.strategy
     if s.store.admits:
         s.store.build_cache(share_slots(engine, args.share))
@@ -186,23 +188,23 @@ def short(name: str, width: int = 70) -> str:
     return name if len(name) <= width else name[:width - 3] + "..."
 
 
-def variants(args) -> list[tuple[str, str, str]]:
-    """(strategy, prefetch, statistics) of every row: a lookahead only over a slot cache, the
-    statistics only where a strategy keeps them."""
+def variants(args) -> list[tuple[str, str, str, str]]:
+    """(strategy, prefetch, statistics, async scheduling) of every row: a lookahead only over a
+    slot cache, the statistics only where a strategy keeps them."""
     rows = []
     for strategy in args.strategies:
         cached = strategy in ("offload", "hybrid")
         for prefetch in (args.prefetch if cached else ["off"]):
             for stats in (args.stats if cached else ["off"]):
-                rows.append((strategy, prefetch, stats))
+                rows += [(strategy, prefetch, stats, sched) for sched in args.async_scheduling]
     return rows
 
 
-def label(args, strategy: str, prefetch: str, stats: str) -> str:
+def label(args, strategy: str, prefetch: str, stats: str, sched: str) -> str:
     text = strategy + (f" {args.share:.0%}" if strategy in ("offload", "hybrid") else "")
     if prefetch != "off":
         text += ", prefetch " + (f"oracle {args.oracle_recall:g}" if prefetch == "oracle" else prefetch)
-    return text + (", statistics on" if stats == "on" else "")
+    return text + (", statistics on" if stats == "on" else "") + (", async off" if sched == "off" else "")
 
 
 @gpu_main("bench_profile", parse_args)
@@ -212,9 +214,9 @@ def main(argv, args) -> int:
     config_dir = tempfile.mkdtemp()
     write_config_dir(config_dir, QWEN3_30B_DIR_CONFIG)
     rows = []
-    for strategy, prefetch, stats in variants(args):
-        engine = make_engine(config_dir, args, strategy, prefetch, stats)
-        name = label(args, strategy, prefetch, stats)
+    for row in variants(args):
+        engine = make_engine(config_dir, args, *row)
+        name = label(args, *row)
         trace = os.path.join(args.trace_dir, name.replace(" ", "_").replace(",", "").replace("%", "") + ".json.gz") \
             if args.trace_dir else None
         events, wall = profile_decode(engine, args, trace)
@@ -236,7 +238,8 @@ def main(argv, args) -> int:
              "window: first device event to last, the host's time between steps included; busy: anything running; "
              "copy: the slot cache's gather kernel and memcpys; waiting: kernels spinning on a host worker's done "
              "word (the copy engine's copies, the host's experts); compute: every other kernel; copy ∥ compute: "
-             "both at once; idle: nothing. " + routing_note(args.routing, args.routing_seed))
+             "both at once; idle: nothing. Async scheduling on unless a row says off (each step launched before the "
+             "host reads the previous one's tokens). " + routing_note(args.routing, args.routing_seed))
     report("decode-profile", f"Where a decode step's device time goes, routing {args.routing}",
            command_line("benchmarks.bench_profile", argv), body, notes, args.results)
     return 0

@@ -285,6 +285,11 @@ class EngineConfig:
                                                            "with a warning to what the KV cache holds)")
     enable_prefix_caching: bool = option(True, "scheduling", "reuse the KV pages of a prompt prefix another "
                                                              "request computed (docs/requests.md)")
+    async_scheduling: bool = option(True, "scheduling", "while every running request decodes and none waits to "
+                                                        "be admitted, launch each decode step before the host reads "
+                                                        "the previous one's tokens (the device reads them itself), "
+                                                        "so the host's work between steps runs beside the device's "
+                                                        "(docs/performance.md)")
     disable_cuda_graph: bool = option(False, "runtime", "decode eagerly instead of replaying captured CUDA graphs "
                                                         "(to debug or compare)", aliases=("--enforce-eager",))
 

@@ -190,14 +190,20 @@ class DecodeGraphs:
     def can_run(self, n: int) -> bool:
         return n <= self.sizes[-1]
 
-    def run(self, reqs, sample_slots=None) -> tuple[torch.Tensor, SampleBuffers]:
+    def run(self, reqs, sample_slots=None, ahead: int = 0,
+            input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, SampleBuffers]:
         """Replay one decode step of `reqs`: (their logits [n, V], the sampler buffers of the
-        graph's rows). Rows draw a token only with `sample_slots` (one per request)."""
+        graph's rows). Rows draw a token only with `sample_slots` (one per request). With
+        `ahead` and `input_ids` [n] on the device, a step launched before the host read the
+        tokens it decodes (ModelRunner.decode_inputs): those ids are copied in on the device."""
         n = len(reqs)
         b = next(s for s in self.sizes if s >= n)
         if sample_slots is not None and any(r.grammar is not None for r in reqs):
+            assert input_ids is None, "a step with token masks needs its tokens on the host"
             return self._run_masked(reqs, sample_slots, b)
-        self.inputs.write(*self.decode_inputs(reqs), b, sample_slots)
+        self.inputs.write(*self.decode_inputs(reqs, ahead), b, sample_slots)
+        if input_ids is not None:
+            self.inputs.input_ids[:n].copy_(input_ids, non_blocking=True)
         if sample_slots is not None:
             self.sampler.stage_masks(self.sample_views[b], reqs)  # clears the flags a masked step left
         self.graphs[b].replay()

@@ -3,6 +3,17 @@
 `add_request` checks and queues a request; `step` runs one scheduler step (prefill chunks and
 one decode token for every running request) and returns the requests that produced output.
 Not thread-safe: one thread drives it (the server runs it in its own thread).
+
+Async scheduling: while every running request decodes and nothing waits to be admitted, a
+step launches the next decode step before it reads the tokens of the one in flight (the device
+copies them into the new step's inputs), then reads and emits those: the host's work between
+steps (reading, detokenising, stop strings, staging) runs while the device computes. A request
+whose token in flight is its max_tokens-th is left out of the next step; one that ends on a
+token only the host can judge (an end token, a stop string) or is aborted has one more step
+computed for it, whose token is dropped. Its KV pages and sampler slot are freed at once, which
+is safe because everything after on the device is ordered behind that step. Any other step
+(an admission or a prefill, token masks, log-probs, a pool short of pages) first reads the step
+in flight, then runs as planned.
 """
 
 from __future__ import annotations
@@ -14,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from moeferry.config import EngineConfig, ModelConfig
-from moeferry.engine.runner import ModelRunner
+from moeferry.engine.runner import DecodeLaunch, ModelRunner
 from moeferry.engine.sampler import TokenLogprobs
 from moeferry.sampling import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, GenerationDefaults, InvalidRequest, SamplingParams
 from moeferry.scheduler.request import Request, Status
@@ -105,6 +116,7 @@ class Engine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(int(self.tokenizer.eos_token_id))
         self._detok: dict[int, IncrementalDetokenizer] = {}
+        self._in_flight: DecodeLaunch | None = None  # a decode step launched, its tokens not read
         self._grammars = None  # GrammarCompiler, made at the first structured request
         self._grammars_lock = threading.Lock()
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0,
@@ -286,10 +298,10 @@ class Engine:
                 failed.append(self._fail(req, "sampling"))
         return ready, failed
 
-    def _emit(self, reqs: list[Request], sampled) -> list[StepOutput]:
-        """Append each request's sampled token, each failing alone."""
+    def _emit(self, reqs: list[Request], tokens: list[int], logprobs: list) -> list[StepOutput]:
+        """Append each request's sampled token (and its log-probs, or None), each failing alone."""
         outputs = []
-        for req, token, logprobs in zip(reqs, sampled.tokens, sampled.logprobs):
+        for req, token, logprobs in zip(reqs, tokens, logprobs):
             try:
                 outputs.append(self._append(req, token, logprobs))
             except Exception:  # noqa: BLE001 - detokenising or stop matching this request's output
@@ -298,6 +310,51 @@ class Engine:
         return outputs
 
     def step(self) -> list[StepOutput]:
+        flight = self._in_flight
+        if flight is not None and all(r.finished for r in flight.reqs):  # aborted meanwhile: nothing to read
+            flight = None
+        ahead = self._decodes_ahead(flight)
+        self._in_flight = None
+        if ahead is not None:
+            self._in_flight = self.runner.launch_decode(ahead, after=flight)
+            self.counters["decode_tokens"] += len(ahead)
+            return self._land(flight) if flight is not None else []
+        outputs = self._land(flight) if flight is not None else []
+        return outputs + self._planned_step()
+
+    def _decodes_ahead(self, flight: DecodeLaunch | None) -> list[Request] | None:
+        """The requests of a decode step that may be launched before `flight`'s tokens are read
+        (the module's async scheduling), their pages reserved: every running request but those
+        whose token in flight is their last. None when this step must be planned with every
+        token on the host."""
+        sched, sampler = self.scheduler, self.runner.sampler
+        running = sched.running
+        if not self.ec.async_scheduling or not self.runner.can_launch_ahead or not running:
+            return None
+        if sched.waiting and len(running) < sched.max_running:  # one may be admitted: plan it
+            return None
+        if flight is not None and not set(running) <= set(flight.reqs):  # one joined since: plan it
+            return None
+        pending = int(flight is not None)  # tokens of each request on their way to the host
+        ahead = []
+        for req in running:
+            if (req.in_prefill or req.grammar is not None or req.params.logprobs is not None
+                    or req.params_after_min is not None or not sampler.is_bound(req)):
+                return None
+            if len(req.output_ids) + pending < req.params.max_tokens:
+                ahead.append(req)
+        if not ahead or not all(sched.reserve(req, req.num_tokens + pending) for req in ahead):
+            return None
+        return ahead
+
+    def _land(self, flight: DecodeLaunch) -> list[StepOutput]:
+        """Read a launched step's tokens and emit those of its requests still running."""
+        tokens = flight.pending.wait()
+        live = [(req, token) for req, token in zip(flight.reqs, tokens) if not req.finished]
+        return self._emit([req for req, _ in live], [token for _, token in live], [None] * len(live))
+
+    def _planned_step(self) -> list[StepOutput]:
+        """One step as the scheduler plans it, every token of its requests on the host."""
         plan = self.scheduler.schedule()
         self.counters["prefix_cache_queried_tokens"] += plan.prefix_queried_tokens
         self.counters["prefix_cache_hit_tokens"] += plan.prefix_hit_tokens
@@ -318,11 +375,12 @@ class Engine:
             outputs += failed
             if ready:
                 sampled = self.runner.sample(prefilled.logits[[rows[req.rid] for req in ready]], ready)
-                outputs += self._emit(ready, sampled)
+                outputs += self._emit(ready, sampled.tokens, sampled.logprobs)
         if plan.decode:
             ready, failed = self._bind(plan.decode)
             outputs += failed
             self.counters["decode_tokens"] += len(ready)
             if ready:
-                outputs += self._emit(ready, self.runner.decode(ready))
+                sampled = self.runner.decode(ready)
+                outputs += self._emit(ready, sampled.tokens, sampled.logprobs)
         return outputs

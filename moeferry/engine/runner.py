@@ -17,7 +17,7 @@ from moeferry.layers.batch import ForwardBatch, PrefillSeq
 from moeferry.engine.cuda_graph import DecodeGraphs, StagedInputs
 from moeferry.engine.loader import load_dummy, load_safetensors
 from moeferry.engine.planner import KVShape, plan_memory, planned_context, served_context, wanted_kv_tokens
-from moeferry.engine.sampler import PromptLogprobs, SampledTokens, Sampler, prompt_logprobs
+from moeferry.engine.sampler import PendingTokens, PromptLogprobs, SampledTokens, Sampler, prompt_logprobs
 from moeferry.kvcache.paged import PagedKVCache
 from moeferry.layers.attention import Attention
 from moeferry.layers.mla import MLAttention
@@ -62,6 +62,17 @@ class PrefillOutput:
 
     logits: torch.Tensor
     prompt_logprobs: list[tuple[object, list[PromptLogprobs]]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """A decode step queued on the device whose tokens the host has not read: its requests in
+    row order, their tokens on the device [n] (the input ids of a step launched after it) and
+    their way to the host."""
+
+    reqs: list
+    tokens: torch.Tensor
+    pending: PendingTokens
 
 
 class ModelRunner:
@@ -179,23 +190,29 @@ class ModelRunner:
         return ForwardBatch(False, self._t(ids), self._t(pos), torch.cat(slots).to(self.device),
                             self._t(logits_rows), prefill_seqs=seqs)
 
-    def decode_inputs(self, reqs):
+    def decode_inputs(self, reqs, ahead: int = 0):
         """Host-side decode inputs: token ids, positions, output slots, lengths (lists) and
-        each request's page list, in the order StagedInputs.write takes them."""
+        each request's page list, in the order StagedInputs.write takes them. With `ahead`
+        (1: a step launched before the host read the previous one's tokens), each request
+        decodes that many positions past its last token on the host, whose id the device has
+        (the ids given are then placeholders)."""
         ids = [r.tokens[-1] for r in reqs]
-        pos = [r.num_tokens - 1 for r in reqs]
+        pos = [r.num_tokens - 1 + ahead for r in reqs]
         ps = self.ec.page_size
         slots = [r.pages[p // ps] * ps + p % ps for r, p in zip(reqs, pos)]
-        lens = [r.num_tokens for r in reqs]
+        lens = [p + 1 for p in pos]
         return ids, pos, slots, lens, [r.pages for r in reqs]
 
-    def decode_batch(self, reqs) -> ForwardBatch:
-        ids, pos, slots, lens, pages = self.decode_inputs(reqs)
+    def decode_batch(self, reqs, ahead: int = 0, input_ids: torch.Tensor | None = None) -> ForwardBatch:
+        """An eager decode forward of `reqs` (`ahead`: decode_inputs'), reading `input_ids`
+        [len(reqs)] on the device when given."""
+        ids, pos, slots, lens, pages = self.decode_inputs(reqs, ahead)
         n = len(reqs)
         table = torch.empty((n, self.max_pages_per_req), dtype=torch.int32)
         fill_page_table(table.numpy(), pages, self.scratch_page)
-        return ForwardBatch(True, self._t(ids), self._t(pos), self._t(slots), torch.arange(n, device=self.device),
-                            page_table=table.to(self.device), seq_lens=self._t(lens, torch.int32))
+        return ForwardBatch(True, self._t(ids) if input_ids is None else input_ids, self._t(pos), self._t(slots),
+                            torch.arange(n, device=self.device), page_table=table.to(self.device),
+                            seq_lens=self._t(lens, torch.int32))
 
     # ---- forward -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -248,6 +265,38 @@ class ModelRunner:
                 _, samples = self.graphs.run(reqs, self.sampler.slots(reqs))
                 return self.sampler.read(samples, reqs)
             return self.sampler.sample(self.forward(self.decode_batch(reqs)), reqs)
+
+    @property
+    def can_launch_ahead(self) -> bool:
+        """Whether a decode step may be launched before the previous one's tokens are read:
+        not while routing is recorded (its trace is written after each forward)."""
+        return self.recorder is None
+
+    @torch.inference_mode()
+    def launch_decode(self, reqs, after: DecodeLaunch | None = None) -> DecodeLaunch:
+        """One decode step of `reqs` (bound to sampler slots, no token masks, no log-probs)
+        queued on the device, its tokens not read. With `after`, a launched step of each of
+        `reqs` (and maybe others) whose tokens the host has not read: this step's inputs are
+        those tokens, on the device, one position further on than the host's tokens say (its
+        requests hold pages for it)."""
+        assert self.can_launch_ahead
+        ahead, input_ids = (0, None) if after is None else (1, self._tokens_of(reqs, after))
+        self.strategy.begin_decode_step()
+        if self.graphs is not None and self.graphs.can_run(len(reqs)):
+            _, buffers = self.graphs.run(reqs, self.sampler.slots(reqs), ahead, input_ids)
+        else:
+            buffers = self.sampler.draw(self.forward(self.decode_batch(reqs, ahead, input_ids)), reqs, ahead)
+        tokens = buffers.tokens[:len(reqs)]
+        return DecodeLaunch(list(reqs), tokens, self.sampler.read_later(tokens))
+
+    def _tokens_of(self, reqs, after: DecodeLaunch) -> torch.Tensor:
+        """`after`'s tokens of `reqs`, in their order, on the device (a gather where some of
+        its rows left)."""
+        row_of = {req: row for row, req in enumerate(after.reqs)}
+        rows = [row_of[req] for req in reqs]
+        if rows == list(range(len(reqs))):
+            return after.tokens[:len(reqs)]
+        return after.tokens[self._t(rows)]
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, reqs) -> SampledTokens:

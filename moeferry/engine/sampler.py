@@ -151,10 +151,13 @@ class Sampler:
         self._slot_of: dict[int, int] = {}
         self._masks = TokenMasks(num_slots, mask_words(vocab), pinned=device.type == "cuda")
         self._masks_copied = torch.cuda.Event() if device.type == "cuda" else None
-        # the step's tokens come back through pinned memory and an event: a pageable read would
-        # block in the driver while the step's graph may still wait on a host worker
-        self._host_tokens = torch.zeros(num_slots, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self._tokens_read = torch.cuda.Event() if device.type == "cuda" else None
+        # a step's tokens come back through pinned memory and an event: a pageable read would
+        # block in the driver while the step's graph may still wait on a host worker. Two of
+        # each: a launched step's read may still be outstanding when the next step queues its own
+        cuda = device.type == "cuda"
+        self._host_tokens = [torch.zeros(num_slots, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self._tokens_read = [torch.cuda.Event() for _ in range(2)] if cuda else None
+        self._next_read = 0
         self._flagged: dict[int, torch.Tensor] = {}  # whole flag buffers that may hold a 1
 
     @staticmethod
@@ -183,6 +186,9 @@ class Sampler:
                           output_ids=req.output_ids, full_logprobs=bool(p.logprobs))  # logprobs 0: the token's own only
         return slot
 
+    def is_bound(self, req) -> bool:
+        return req.rid in self._slot_of
+
     def slots(self, reqs) -> list[int]:
         """The slots of bound requests (KeyError for one that is not)."""
         return [self._slot_of[r.rid] for r in reqs]
@@ -192,12 +198,13 @@ class Sampler:
         if slot is not None:
             self._free.append(slot)
 
-    def stage(self, buffers: SampleBuffers, reqs) -> None:
+    def stage(self, buffers: SampleBuffers, reqs, ahead: int = 0) -> None:
         """Write the rows' slots and draw positions into `buffers` (rows past len(reqs) are
-        padding: slot -1). The position of a draw is the index of the token it makes."""
+        padding: slot -1). The position of a draw is the index of the token it makes: with
+        `ahead`, that many tokens past the request's last one on the host."""
         n = len(reqs)
         slots = torch.tensor(self.slots(reqs) + [-1] * (buffers.row_slot.shape[0] - n), dtype=torch.int32)
-        positions = torch.tensor([r.num_tokens for r in reqs] + [0] * (buffers.positions.shape[0] - n))
+        positions = torch.tensor([r.num_tokens + ahead for r in reqs] + [0] * (buffers.positions.shape[0] - n))
         buffers.row_slot.copy_(slots, non_blocking=True)
         buffers.positions.copy_(positions, non_blocking=True)
 
@@ -231,29 +238,36 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, reqs) -> "SampledTokens":
         """Eagerly: one token for each of `reqs`, row i of `logits` [len(reqs), V] float32."""
+        return self.read(self.draw(logits, reqs), reqs)
+
+    def draw(self, logits: torch.Tensor, reqs, ahead: int = 0) -> SampleBuffers:
+        """Eagerly, nothing read back: the buffers of one token drawn for each of `reqs` from
+        row i of `logits` [len(reqs), V] float32, each `ahead` tokens past its last on the host."""
         buffers = SampleBuffers.allocate(len(reqs), self.vocab, logits.device)
-        self.stage(buffers, reqs)
+        self.stage(buffers, reqs, ahead)
         self.stage_masks(buffers, reqs, persistent=False)
         self.run(logits, buffers)
-        return self.read(buffers, reqs)
+        return buffers
 
     def read(self, buffers: SampleBuffers, reqs) -> "SampledTokens":
         """The tokens of the first len(reqs) rows, and the log-probs of those that asked."""
         n = len(reqs)
-        tokens = self._read_tokens(buffers.tokens[:n])
+        tokens = self.read_later(buffers.tokens[:n]).wait()
         wanted = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         if not wanted:
             return SampledTokens(tokens, [None] * n)
         return SampledTokens(tokens, self._logprobs(buffers, reqs, wanted))
 
-    def _read_tokens(self, tokens: torch.Tensor) -> list[int]:
+    def read_later(self, tokens: torch.Tensor) -> "PendingTokens":
+        """The host's copy of `tokens` [n] (at most one per slot), queued behind the work that
+        writes them. At most two may be outstanding: a launched step's, and the next one's."""
         if self._tokens_read is None:  # on the CPU: nothing to wait for
-            return tokens.tolist()
-        host = self._host_tokens[:tokens.numel()]
+            return PendingTokens(tokens, None)
+        i, self._next_read = self._next_read, 1 - self._next_read
+        host = self._host_tokens[i][:tokens.numel()]
         host.copy_(tokens, non_blocking=True)
-        self._tokens_read.record()
-        self._tokens_read.synchronize()
-        return host.tolist()
+        self._tokens_read[i].record()
+        return PendingTokens(host, self._tokens_read[i])
 
     def _logprobs(self, buffers: SampleBuffers, reqs, wanted: list[int]) -> list[TokenLogprobs | None]:
         out: list[TokenLogprobs | None] = [None] * len(reqs)
@@ -268,6 +282,20 @@ class Sampler:
             top_pairs = tuple(zip(top_ids[j][:kept], top_values[j][:kept])) if kept else ()
             out[i] = TokenLogprobs(chosen[j], top_pairs)
         return out
+
+
+@dataclass(frozen=True)
+class PendingTokens:
+    """A step's token ids on their way to the host: `wait()` gives them once the copy queued
+    behind the step is done (`event`; None on the CPU, where `host` holds them already)."""
+
+    host: torch.Tensor
+    event: torch.cuda.Event | None
+
+    def wait(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,12 @@ class Scheduler:
         req.pages.extend(self.pool.allocate(need))
         return True
 
+    def reserve(self, req: Request, num_tokens: int) -> bool:
+        """Give running `req` pages for `num_tokens` tokens from the free ones, preempting
+        nobody: False when there are too few (a decode step launched ahead of its
+        predecessor's tokens takes the page of a token the host has not seen yet)."""
+        return self._grow(req, num_tokens)
+
     def _register_computed(self, req: Request) -> None:
         """Offer the prefix cache `req`'s full pages whose KV is computed (prompt or generated)."""
         full = req.num_computed // self.page_size

@@ -44,7 +44,9 @@ def test_only_device_events_count():
 def test_rows_take_a_lookahead_and_statistics_only_over_a_slot_cache():
     args = parse_args(["--strategies", "gpu", "offload", "--prefetch", "off", "oracle", "--stats", "on", "off"])
     rows = variants(args)
-    assert rows[0] == ("gpu", "off", "off") and len(rows) == 1 + 4
+    assert rows[0] == ("gpu", "off", "off", "on") and len(rows) == 1 + 4
+    both = variants(parse_args(["--strategies", "gpu", "--async-scheduling", "on", "off"]))
+    assert both == [("gpu", "off", "off", "on"), ("gpu", "off", "off", "off")]
 
 
 def test_a_kernel_launched_early_counts_from_the_end_of_the_one_before_it_on_its_stream():

@@ -3,15 +3,14 @@ the script knows gets the script's tokens instead of the sampled ones (then the 
 
 For tests of what the server does with an answer (tool calls, their parsing and streaming)
 where a tiny model cannot be made to write that answer. The model still runs every step, on
-the scripted tokens, so batching, KV and finishing are the engine's own.
+the scripted tokens, so batching, KV and finishing are the engine's own; every step is planned
+(no async scheduling: a step launched ahead would read the sampled tokens on the device).
 """
 
 from __future__ import annotations
 
 import contextlib
 from typing import Callable
-
-from moeferry.engine.sampler import SampledTokens
 
 
 @contextlib.contextmanager
@@ -23,8 +22,8 @@ def scripted_answers(engine, answer_for: Callable[[str], str | None]):
     scripts: dict[int, list[int]] = {}
     tokenizer = engine.tokenizer
 
-    def emit(reqs, sampled: SampledTokens):
-        tokens = list(sampled.tokens)
+    def emit(reqs, sampled_tokens: list[int], logprobs: list):
+        tokens = list(sampled_tokens)
         for row, req in enumerate(reqs):
             if req.rid not in scripts:
                 answer = answer_for(tokenizer.decode(req.prompt_ids))
@@ -33,10 +32,11 @@ def scripted_answers(engine, answer_for: Callable[[str], str | None]):
             script = scripts[req.rid]
             if len(req.output_ids) < len(script):
                 tokens[row] = script[len(req.output_ids)]
-        return original(reqs, SampledTokens(tokens, sampled.logprobs))
+        return original(reqs, tokens, logprobs)
 
     engine._emit = emit
+    engine._decodes_ahead = lambda flight: None
     try:
         yield
     finally:
-        del engine._emit
+        del engine._emit, engine._decodes_ahead
