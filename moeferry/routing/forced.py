@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import torch
 
+from moeferry.kernels.generated_routes import FORCED_OFF, force_logits
 from moeferry.routing.profiles import OraclePredictor, RouteGenerator, RoutingProfile
 
-FORCED_OFF = -1e4  # a logit no softmax weight survives next to a router's (|logits| of a few units)
+__all__ = ["FORCED_OFF", "ForcedRouting"]
 
 
 class ForcedRouting:
@@ -73,7 +74,7 @@ class ForcedRouting:
             if isinstance(out, tuple):
                 weights, _ = out
                 return weights, ids.to(torch.int32)
-            return torch.full_like(out, FORCED_OFF).scatter_(1, ids, out.gather(1, ids))
+            return force_logits(out, ids)
         return force
 
     def remove(self) -> None:

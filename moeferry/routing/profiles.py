@@ -14,7 +14,8 @@ A profile (`RoutingProfile`, registered in `PROFILES`) has three parts:
   probability `keep`; the token's other slots are drawn without replacement.
 
 `RouteGenerator` draws every layer's routes of a forward at once, on the routes' device, with
-fixed shapes and no host sync, so it runs inside a captured decode graph:
+fixed shapes and no host sync, so it runs inside a captured decode graph (one kernel on a GPU:
+kernels/generated_routes, whose contract is this draw):
 
     scores[l, t, e] = log p[l, e] + context * Normal(l, t, e) + Gumbel(step, l, t, e)
                     + BIG where e is one of row t's previous experts at layer l and its
@@ -23,11 +24,12 @@ fixed shapes and no host sync, so it runs inside a captured decode graph:
                       ordered by their scores without the bonus, as a router orders them
 
 The random numbers are a counter hash (`uniforms`) of (seed, step counter, layer, row, expert),
-not torch's generator: the same seed gives the same routes on every strategy, every device and
-whatever else draws random numbers in between. The state is the routes themselves: `routes`
-[L, max_rows, K] is a static buffer, rewritten in place by each forward, so row t's next token
-is drawn from row t's last one (a decode row follows its request; a prefill's tokens are
-rows of their own, so a chunk's tokens are no more local than separate requests).
+not torch's generator: the same seed gives the same routes on every strategy, every device (but
+for scores within a rounding of each other) and whatever else draws random numbers in between.
+The state is the routes themselves: `routes` [L, max_rows, K] is a static buffer, rewritten in
+place by each forward, so row t's next token is drawn from row t's last one (a decode row
+follows its request; a prefill's tokens are rows of their own, so a chunk's tokens are no more
+local than separate requests).
 
 The figures a profile is fitted to (SPEC section 6) are its `targets`; tests/routing holds the
 generator to them. `oracle_prediction` (and `OraclePredictor`, its graph-ready form) is the
@@ -44,8 +46,8 @@ import math
 import numpy as np
 import torch
 
-BIG = 1e4  # a kept expert's bonus: above any Gumbel draw's spread
-_MASK32 = 0xFFFFFFFF
+from moeferry.kernels.generated_routes import MASK32, draw_routes, hash32, oracle_predict, uniforms
+
 _SCORE_BUDGET = 1 << 22  # elements of one chunk of scores; a long prefill is drawn a few layers at a time
 
 
@@ -116,47 +118,27 @@ MIXTRAL = register(RoutingProfile(
                    source="Eliseev & Mazur 2023, Mixtral-8x7B offloading")))
 
 
-# ---- the counter hash -------------------------------------------------------------------------
-def _hash32(x):
-    """A 32-bit integer mix of int64 values (tensors or ints) in [0, 2^32); multipliers under
-    2^31, so no product leaves int64."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x2C1B3C6D) & _MASK32
-    return x ^ (x >> 16)
-
-
+# ---- the counter hash (kernels/generated_routes holds the hash and its uniforms) ----------------
 def index_keys(seed: int, salt: int, shape: tuple[int, ...], offsets: tuple[int, ...],
                device: torch.device | str = "cpu") -> torch.Tensor:
     """int64 keys in [0, 2^32) of `shape`: a hash of (`seed`, `salt`, each element's index
     along every dimension plus `offsets`). Fixed for a seed: static buffers may hold them."""
-    key = torch.tensor(_hash32((seed * 0x9E3779B1 + salt * 0x6A09E667) & _MASK32), device=device)
+    key = torch.tensor(hash32((seed * 0x9E3779B1 + salt * 0x6A09E667) & MASK32), device=device)
     for dim, (size, offset) in enumerate(zip(shape, offsets)):
         index = torch.arange(offset, offset + size, device=device, dtype=torch.int64)
-        key = _hash32((key + index.view([size if d == dim else 1 for d in range(len(shape))]) * 0x5851F42D
-                       + 0x14057B7E) & _MASK32)
+        key = hash32((key + index.view([size if d == dim else 1 for d in range(len(shape))]) * 0x5851F42D
+                       + 0x14057B7E) & MASK32)
     return key
 
 
 def first_key(seed: int, salt: int) -> int:
     """The key of a stream's first draw (`advance` gives the next ones)."""
-    return _hash32((seed * 0x3C6EF372 + salt * 0x1B873593 + 1) & _MASK32)
+    return hash32((seed * 0x3C6EF372 + salt * 0x1B873593 + 1) & MASK32)
 
 
 def advance(key: torch.Tensor) -> None:
     """The next draw's key, in place (a linear congruential step: three small kernels, graph-safe)."""
-    key.mul_(0x41C64E6D).add_(0x3039).bitwise_and_(_MASK32)
-
-
-def uniforms(keys: torch.Tensor, step: torch.Tensor | None = None) -> torch.Tensor:
-    """float32 uniforms in (0, 1), one per key (index_keys), mixed with a draw's `step` key."""
-    x = keys if step is None else _hash32((keys + step) & _MASK32)
-    return ((x >> 8).float() + 0.5) / float(1 << 24)
-
-
-def gumbel(u: torch.Tensor) -> torch.Tensor:
-    return -torch.log(-torch.log(u))
+    key.mul_(0x41C64E6D).add_(0x3039).bitwise_and_(MASK32)
 
 
 def normal(u: torch.Tensor) -> torch.Tensor:
@@ -187,11 +169,14 @@ class RouteGenerator:
     rewrites rows [0, rows) of every layer and returns that view; nothing a captured graph
     keeps is allocated, and nothing is read back to the host. For forwards of at most
     `decode_rows` rows (default min(max_rows, 256)) the fixed part of the scores and the hash
-    keys are static buffers, so a decode step's draw is a few dozen small kernels; a wider
-    forward (a prefill chunk, eager) computes them, the same values.
+    keys are static buffers, so a decode step's draw is one kernel on a GPU
+    (kernels/generated_routes) and the counter's advance; a wider forward (a prefill chunk,
+    eager) computes them, the same values.
 
     Invariants: each row's K ids of a layer are distinct and in [0, E); the same seed and the
-    same sequence of `generate` calls give the same routes on any device.
+    same sequence of `generate` calls give the same routes on every strategy of a device (and
+    on every device but where two float32 scores lie within a rounding of each other: events of
+    probability ~0).
     """
 
     def __init__(self, profile: RoutingProfile, num_layers: int, num_experts: int, top_k: int, max_rows: int,
@@ -199,7 +184,7 @@ class RouteGenerator:
         if not 0 < top_k <= num_experts:
             raise ValueError(f"top_k {top_k} of {num_experts} experts")
         self.profile, self.num_layers, self.num_experts, self.top_k = profile, num_layers, num_experts, top_k
-        self.max_rows, self.seed, self.device = max_rows, seed & _MASK32, device
+        self.max_rows, self.seed, self.device = max_rows, seed & MASK32, device
         self.log_pop = layer_popularity(profile, num_layers, num_experts, seed).log().float().to(device)
         self.counter = torch.tensor([first_key(seed, _GUMBEL)], dtype=torch.int64, device=device)
         self.routes = torch.zeros((num_layers, max_rows, top_k), dtype=torch.int64, device=device)
@@ -234,22 +219,13 @@ class RouteGenerator:
                 index_keys(self.seed, _KEEP, (b - a, rows, self.top_k), (a, 0, 0), self.device))
 
     def _draw(self, rows: int, keep: bool) -> None:
-        layers, e, k = self.num_layers, self.num_experts, self.top_k
+        layers, e = self.num_layers, self.num_experts
         chunk = max(1, min(layers, _SCORE_BUDGET // max(1, rows * e)))
-        step = self.counter  # a new stream per forward
-        for a in range(0, layers, chunk):
+        for a in range(0, layers, chunk):  # a new stream per forward: the counter is the draw's step key
             b = min(layers, a + chunk)
             fixed, gumbel_keys, keep_keys = self._parts(a, b, rows)
-            natural = fixed + gumbel(uniforms(gumbel_keys, step))
-            scores, prev = natural, self.routes[a:b, :rows]
-            if keep:
-                kept = uniforms(keep_keys, step) < self.profile.keep
-                scores = natural.scatter_add(2, prev, kept.float() * BIG)
-            chosen = scores.topk(k, dim=2).indices
-            # order the chosen experts as an unbiased router would (by their own scores):
-            # a kept expert is not first in line
-            order = natural.gather(2, chosen).argsort(dim=2, descending=True)
-            prev.copy_(chosen.gather(2, order))
+            draw_routes(fixed, gumbel_keys, keep_keys, self.counter, self.routes[a:b, :rows],
+                        self.profile.keep if keep else 0.0)
         advance(self.counter)
 
 
@@ -259,16 +235,6 @@ def _check_oracle(num_experts: int, top_k: int, recall: float, width: int) -> No
                          f"{num_experts - top_k} of them, over {num_experts} experts")
     if not 0.0 <= recall <= 1.0:
         raise ValueError(f"recall {recall} outside [0, 1]")
-
-
-def _oracle(true_ids: torch.Tensor, u_wrong: torch.Tensor, u_keep: torch.Tensor, recall: float,
-            width: int) -> torch.Tensor:
-    k = true_ids.shape[-1]
-    keep = (u_keep < recall).float()
-    # a kept true id scores 2 + its place, a dropped one -1: kept first, dropped never chosen
-    place = torch.arange(k, 0, -1, device=true_ids.device, dtype=torch.float32) / (k + 1)
-    scores = u_wrong.scatter(-1, true_ids.long(), keep * (2.0 + place) - (1.0 - keep))
-    return scores.topk(width, dim=-1).indices
 
 
 def oracle_prediction(true_ids: torch.Tensor, num_experts: int, recall: float, step: torch.Tensor,
@@ -285,17 +251,18 @@ def oracle_prediction(true_ids: torch.Tensor, num_experts: int, recall: float, s
     _check_oracle(num_experts, k, recall, width)
     lead = tuple(true_ids.shape[:-1])
     zeros = (0,) * (len(lead) + 1)
-    u_wrong = uniforms(index_keys(seed, _WRONG, (*lead, num_experts), zeros, true_ids.device), step)
-    u_keep = uniforms(index_keys(seed, _ORACLE_KEEP, (*lead, k), zeros, true_ids.device), step)
-    return _oracle(true_ids, u_wrong, u_keep, recall, width)
+    wrong_keys = index_keys(seed, _WRONG, (*lead, num_experts), zeros, true_ids.device)
+    keep_keys = index_keys(seed, _ORACLE_KEEP, (*lead, k), zeros, true_ids.device)
+    rows = [t.reshape(1, -1, t.shape[-1]) for t in (wrong_keys, keep_keys, true_ids.long())]
+    return oracle_predict(*rows[:2], step, rows[2], recall, width).reshape(*lead, width)
 
 
 class OraclePredictor:
     """`oracle_prediction` of every layer of a forward at once, for a prefetcher inside a
     decode graph: `predict(routes)` with routes [L, T, K] (a RouteGenerator's) -> [L, T, width],
     a fresh draw each call (its key `counter` advanced in place). For T <= `static_rows` the
-    hash keys are static buffers (a few dozen small kernels a call); wider calls build them
-    (eager), the same values."""
+    hash keys are static buffers (one kernel a call on a GPU, and the counter's advance);
+    wider calls build them (eager), the same values."""
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int, recall: float, static_rows: int,
                  width: int | None = None, device: torch.device | str = "cpu", seed: int = 0):
@@ -313,8 +280,8 @@ class OraclePredictor:
         if t > self.static_rows:
             ids = oracle_prediction(routes, self.num_experts, self.recall, self.counter, self.width, self.seed)
         else:
-            ids = _oracle(routes, uniforms(self._wrong[:, :t], self.counter), uniforms(self._keep[:, :t], self.counter),
-                          self.recall, self.width)
+            ids = oracle_predict(self._wrong[:, :t], self._keep[:, :t], self.counter, routes, self.recall,
+                                 self.width)
         advance(self.counter)
         return ids
 

@@ -145,6 +145,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from moeferry.kernels.host_mailbox.triton import _post_request_kernel, _wait_done_kernel
 from moeferry.kernels.host_staging.triton import _staged_copy_kernel
+from moeferry.kernels.generated_routes.triton import _draw_kernel, _force_kernel, _oracle_kernel
 from moeferry.kernels.route_split.triton import _split_routes_kernel
 from moeferry.kernels.timestamps.triton import _stamp_kernel
 
@@ -158,6 +159,14 @@ KERNELS = [  # kernel, pointer types, constexprs
                                 count_ptr="*i64", rotation_ptr="*i64", tally_ptr="*i64", flags_ptr="*i32",
                                 split_ptr="*fp32"),
      dict(BLOCK_E=128, BLOCK_R=256, HAS_TALLY=True, PDL=True)),
+    (_draw_kernel, dict(fixed_ptr="*fp32", gumbel_ptr="*i64", keep_ptr="*i64", step_ptr="*i64", routes_ptr="*i64",
+                        keep="fp32"),
+     dict(K=8, BLOCK_E=128, BLOCK_K=8, KEEP=True, BIG_VALUE=1e4, PDL=True)),
+    (_oracle_kernel, dict(wrong_ptr="*i64", keep_ptr="*i64", step_ptr="*i64", true_ptr="*i64", out_ptr="*i64",
+                          recall="fp32"),
+     dict(K=8, WIDTH=8, BLOCK_E=128, BLOCK_K=8, BLOCK_W=8, PDL=True)),
+    (_force_kernel, dict(logits_ptr="*bf16", ids_ptr="*i64", out_ptr="*bf16"),
+     dict(K=8, BLOCK_E=128, BLOCK_K=8, OFF=-1e4, PDL=True)),
 ]
 for kernel, pointers, constexprs in KERNELS:
     params = list(inspect.signature(kernel.fn).parameters)
@@ -171,11 +180,12 @@ for kernel, pointers, constexprs in KERNELS:
 @pytest.mark.slow
 def test_the_host_channel_kernels_compile_for_sm90():
     """The mailbox's post and wait (a system-scope release exchange, volatile polls of host
-    memory), the staging copy, the timestamp (inline PTX reading %globaltimer) and the route
-    split (barriers around a scratch row, a cumulative sum), with PDL."""
+    memory), the staging copy, the timestamp (inline PTX reading %globaltimer), the route
+    split (barriers around a scratch row, a cumulative sum) and the generated routes' draw (a
+    uint32 hash), oracle and forcing, with PDL."""
     stdout = _compiled(SMALL)
     for name in ("_post_request_kernel", "_wait_done_kernel", "_staged_copy_kernel", "_stamp_kernel",
-                 "_split_routes_kernel"):
+                 "_split_routes_kernel", "_draw_kernel", "_oracle_kernel", "_force_kernel"):
         assert f"{name} compiled" in stdout
 
 
