@@ -3,7 +3,9 @@ naive calls, per weight format, each GEMM timed on its own (us per layer: a CUDA
 bench_fused_moe's 8 distinct layer banks) against its floor (the distinct experts' rows of the
 bank, weights and scales as stored, over 4.3 TB/s); then whole fused_moe calls both ways.
   python -m benchmarks.sweep_route_gemv [--formats bf16 fp8 int4 mxfp4] [--tokens 1 4]
-      [--block-n 4 8 16 32] [--step 16 32 64 128] [--warps 2 4 8]"""
+      [--block-n 4 8 16 32] [--step 16 32 64 128] [--warps 2 4 8] [--int8]
+--int8 times int4's int8 path too (activations quantized per group, dp4a dots: gemv.py) at each
+of the GEMV's tiles."""
 import argparse
 import itertools
 from dataclasses import replace
@@ -19,15 +21,15 @@ from moeferry.kernels.fused_moe import triton as fm
 from moeferry.moe.formats import expert_format
 
 
-def time_route_gemv(inputs, gated: bool, config: gemv.GemvConfig, block_shape) -> float:
+def time_route_gemv(inputs, gated: bool, config: gemv.GemvConfig, block_shape, int8: bool = False) -> float:
     def step():
         for hidden, (w13, s13), (w2, s2), weights, _, flat, act, route_out, _ in inputs:
             if gated:
                 gemv.launch_route_gemv(hidden, w13, act, weights, flat, gated=True, weighted=False, a_div=TOP_K,
-                                       scales=s13, block_shape=block_shape, config=config)
+                                       scales=s13, block_shape=block_shape, config=config, int8=int8)
             else:
                 gemv.launch_route_gemv(act, w2, route_out, weights, flat, gated=False, weighted=True, a_div=1,
-                                       scales=s2, block_shape=block_shape, config=config)
+                                       scales=s2, block_shape=block_shape, config=config, int8=int8)
 
     step()
     ms = triton.testing.do_bench_cudagraph(step, rep=40, return_mode="median")
@@ -57,6 +59,7 @@ def main() -> None:
     p.add_argument("--step", type=int, nargs="+", default=[16, 32, 64, 128])
     p.add_argument("--warps", type=int, nargs="+", default=[2, 4])
     p.add_argument("--sweep-tokens", type=int, nargs="+", default=[1], help="token counts that sweep the tiles")
+    p.add_argument("--int8", action="store_true", help="int4: time the int8 path too, at every GEMV tile")
     args = p.parse_args()
     print(f"{torch.cuda.get_device_name()}; H={HIDDEN}, I={INTERMEDIATE}, E={NUM_EXPERTS}, top-{TOP_K}, bf16 activations")
     print("| format | tokens | GEMM | kernel | tiles | us / layer | floor us | of floor |")
@@ -84,6 +87,8 @@ def main() -> None:
             for c in configs:
                 label = f"{c.block_n}x{c.step}/{c.num_warps}w" + (" (chosen)" if c == chosen else "")
                 rows.append(("gemv", label, lambda c=c: time_route_gemv(inputs, gated, c, block_shape)))
+                if args.int8 and fmt == "int4":
+                    rows.append(("gemv int8", label, lambda c=c: time_route_gemv(inputs, gated, c, block_shape, True)))
             for kernel, label, run in rows:
                 try:
                     us = run()

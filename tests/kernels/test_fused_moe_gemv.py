@@ -153,3 +153,51 @@ def test_every_code_decodes_exactly_in_every_field():
     want = torch.tensor(E2M1_VALUES, dtype=torch.float64)[codes] * 2.0 ** -126
     assert torch.equal(e2m1.double(), want.float().double())
     assert torch.equal(torch.signbit(e2m1), codes >= 8)  # -0.0 too
+
+
+# The int8 path (launch_route_gemv(int8=True), int4 banks): the host kernel's int8 numerics,
+# whose oracle is reference.int8_expert_routes. The integers are the same and the float32 steps
+# the same operations in the same order, so the routes agree to the bit but where the
+# activation's last bit differs (exp) and moves an act element, or its int8 value, by a step.
+def int8_route_gemv(hidden, w13, w2, weights, ids, w13_scale, w2_scale, block_shape, config=None):
+    """One token's weighted route outputs [K, H] from the two route GEMVs of the int8 path."""
+    flat_ids = ids.reshape(-1).contiguous()
+    route_weights = weights.reshape(-1).contiguous().float()
+    act = torch.empty(flat_ids.numel(), w13.shape[1] // 2, dtype=hidden.dtype)
+    out = torch.empty(flat_ids.numel(), hidden.shape[1], dtype=hidden.dtype)
+    common = dict(block_shape=block_shape, int8=True, config=config)
+    gemv.launch_route_gemv(hidden, w13, act, route_weights, flat_ids, gated=True, weighted=False,
+                           a_div=ids.shape[1], scales=w13_scale, **common)
+    gemv.launch_route_gemv(act, w2, out, route_weights, flat_ids, gated=False, weighted=True, a_div=1,
+                           scales=w2_scale, **common)
+    return out
+
+
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("hidden_size,intermediate_size,config", [
+    (256, 128, None),  # whole steps of the chosen tiles
+    (288, 160, None),  # ragged: masked tails of rows, words and groups
+    (256, 128, gemv.GemvConfig(4, 16, 4)),  # steps of 128 values: four groups of 32, or one of 128 a step
+])
+def test_the_int8_path_matches_the_host_kernels_oracle(group, hidden_size, intermediate_size, config):
+    from moeferry.kernels.fused_moe import reference
+
+    if config is not None and config.step * 8 < group:
+        pytest.skip("a step holds whole groups")
+    w13, w2, scales = banks(f"int4/{group}", hidden_size, intermediate_size, torch.bfloat16, seed=group)
+    hidden, weights, ids = make_routes(1, hidden_size, 32, 4, torch.bfloat16, seed=11)
+    got = int8_route_gemv(hidden, w13, w2, weights, ids, config=config, **scales)
+    want = reference.int8_expert_routes(hidden, w13, w2, weights, ids, **scales).view(-1, hidden_size)
+    assert got.abs().max() > 0.1
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert float((got != want).float().mean()) < 0.01  # most elements are the oracle's bits
+    exact = fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=32, impl="reference", sum_routes=False,
+                      **scales).view(-1, hidden_size)
+    assert 0 < rel_err(got, exact) < 0.03  # int8 activations: about 1% off the exact path, never its bits
+
+
+def test_the_int8_path_reads_only_int4_banks():
+    w13, w2, scales = banks("mxfp4", 64, 32, torch.bfloat16)
+    hidden, weights, ids = make_routes(1, 64, 32, 2, torch.bfloat16, seed=1)
+    with pytest.raises(ValueError, match="int8 path reads int4 banks"):
+        int8_route_gemv(hidden, w13, w2, weights, ids, **scales)

@@ -108,6 +108,7 @@ FORMATS = {  # weight, scale pointer, stored dtype (the tiles), constexprs
     "fp8": ("fp8e4nv", "fp32", torch.float8_e4m3fn, dict(FORMAT=FP8.value, PACK=1, GROUP=128, SCALE_BN=128)),
     "int4": ("i32", "fp32", torch.int32, dict(FORMAT=INT4.value, PACK=8, GROUP=128, SCALE_BN=1)),
     "mxfp4": ("i32", "u8", torch.uint8, dict(FORMAT=MXFP4.value, PACK=8, GROUP=32, SCALE_BN=1)),
+    "int4-int8": ("i32", "fp32", torch.int32, dict(FORMAT=INT4.value, PACK=8, GROUP=128, SCALE_BN=1, INT8=True)),
 }
 ALIGNED_INTS = ("stride_am", "stride_be", "stride_bn", "stride_cm", "k_in", "n_out", "stride_se", "stride_bias_e")
 params = list(inspect.signature(kernel.fn).parameters)
@@ -116,14 +117,16 @@ for name in sys.argv[1:]:
     for gated in (True, False):
         tiles = select_gemv_config(gated, stored)
         values = dict(A_ROWS_PER_ROUTE_DIV=8 if gated else 1, GATED=gated, WEIGHTED=not gated, BIAS=gated,
-                      CLAMPED=gated, BLOCK_N=tiles.block_n, STEP=tiles.step, EVEN=gated, PDL=True, **constexprs)
+                      CLAMPED=gated, BLOCK_N=tiles.block_n, STEP=tiles.step, EVEN=gated, PDL=True, INT8=False)
+        values.update(constexprs)
         pointers = dict(a_ptr="*bf16", b_ptr="*" + weight, c_ptr="*bf16", route_weight_ptr="*fp32", ids_ptr="*i32",
                         scale_ptr="*" + scale, bias_ptr="*bf16", alpha="fp32", limit="fp32")
         signature = {p: "constexpr" if p in values else pointers.get(p, "i32") for p in params}
         aligned = [p for p in params if signature[p].startswith("*") or p in ALIGNED_INTS]  # as a launch specialises
         source = ASTSource(kernel, signature, constexprs={(params.index(p),): v for p, v in values.items()},
                            attrs={(params.index(p),): [["tt.divisibility", 16]] for p in aligned})
-        _, report = compile_reported(source, {"num_warps": tiles.num_warps, "num_stages": 1})
+        _, report = compile_reported(source, {"num_warps": tiles.num_warps, "num_stages": 1,
+                                              "enable_fp_fusion": not values["INT8"]})
         print(name, "gate+up" if gated else "down", report)
         assert re.search(r"spill_stores=0 ", report + " "), report
     print(name, "compiled")
@@ -131,10 +134,11 @@ for name in sys.argv[1:]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("weight_format", ["bf16", "fp8", "int4", "mxfp4"])
+@pytest.mark.parametrize("weight_format", ["bf16", "fp8", "int4", "mxfp4", "int4-int8"])
 def test_the_route_gemv_compiles_for_sm90_without_spills(weight_format, tmp_path):
     """Both GEMMs at their chosen tiles (the gated one with gpt-oss's biases and clamped SwiGLU and
-    no masks, the down GEMM masked), PDL on; ptxas' registers in the output (pytest -s)."""
+    no masks, the down GEMM masked), PDL on, int4's int8 path too (dp4a); ptxas' registers in the
+    output (pytest -s)."""
     assert f"{weight_format} compiled" in _compiled(GEMV, weight_format, cache_dir=tmp_path)
 
 

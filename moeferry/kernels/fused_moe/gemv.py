@@ -21,6 +21,14 @@ format is decoded the cheapest exact way:
         bits 24-22 and its sign at bit 31 are exactly value * 2^-126 (a subnormal for 0.5,
         which FFMA keeps); the activations are multiplied by 2^64 to keep the products normal
         and the sums by 2^62 and the block's E8M0 power of two at the end (all exact).
+With int8 activations (`launch_route_gemv(int8=True)`, int4 banks), the numerics of the host
+kernel's int8 path (host_experts.cpp; reference.int8_expert_routes is the oracle): each group of
+a row of activations quantized to int8 (d = max |x| / 127, q = x / d rounded half to even, both
+divisions IEEE), each group's sum of (n - 8) q exact in int32 from byte dot products (dp4a: the
+nibbles of a word split into two words of four bytes, against the activations packed to match,
+eight products in two instructions), and acc = acc + float(sum) * (scale * d) in group order with
+no fused multiply-add. Every program quantizes the activations it reads again (no launch of its
+own), which costs it a share of its instructions that grows with fewer rows a program.
 Per route and output column the sums run in a fixed order (K steps in turn, a stored element's
 fields in order, the tile's partial sums by tl.sum), no atomics: bit-identical run to run, over a
 layer's bank and over a slot pool holding the same rows. The tensor-core kernel sums in another
@@ -44,12 +52,13 @@ import triton.language as tl
 
 from moeferry.kernels.fused_moe import SILU
 from moeferry.kernels.fused_moe.values import activate, e2m1_value, e8m0_value
-from moeferry.kernels.triton_common import pdl_launch, wait_for_previous_kernel
+from moeferry.kernels.triton_common import INTERPRETED, pdl_launch, rounded, wait_for_previous_kernel
 
 __all__ = ["GemvConfig", "launch_route_gemv", "route_gemv_allowed", "select_gemv_config"]
 
 # Formats as the kernel sees them (its FORMAT; constexpr globals, which a kernel may read).
 PLAIN, FP8, INT4, MXFP4 = (tl.constexpr(code) for code in range(4))
+_INTERPRETED = tl.constexpr(INTERPRETED)
 
 
 @dataclass(frozen=True)
@@ -193,6 +202,72 @@ def _row_sums(a_row_ptr, rows_ptrs, scale_rows_ptrs, stride_sk, k_in, col_valid,
 
 
 @triton.jit
+def _dp4a(w, a, c):
+    """c + the sum of the products of w's four unsigned bytes and a's four signed bytes (int32
+    lanes; dp4a.u32.s32 on the GPU, the same integers by shifts under the interpreter)."""
+    if _INTERPRETED:
+        for b in tl.static_range(4):
+            c += ((w >> (8 * b)) & 0xFF) * ((a << (24 - 8 * b)) >> 24)
+        return c
+    else:
+        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [w, a, c],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _packed_bytes(q):
+    """int32 words [n] of four signed bytes from q [n, 4] (byte b = q[:, b], two's complement)."""
+    shifts = 8 * tl.arange(0, 4)
+    return tl.sum((q & 0xFF) << shifts[None, :], axis=1)
+
+
+@triton.jit
+def _int8_row_sums(a_row_ptr, rows_ptrs, scale_rows_ptrs, stride_sk, k_in, col_valid,
+                   GROUP: tl.constexpr, STEP: tl.constexpr, EVEN: tl.constexpr):
+    """[BLOCK_N] fp32: each row's a . w over all of K in the int8 path (the module), int4 words
+    STEP a step, GROUP values a scale group (STEP * 8 a multiple of GROUP, GROUP of 8)."""
+    GROUPS: tl.constexpr = STEP * 8 // GROUP  # groups a step
+    WORDS: tl.constexpr = GROUP // 8  # words a group
+    offs_e = tl.arange(0, STEP)
+    offs_k = tl.arange(0, STEP * 8)
+    offs_g = tl.arange(0, GROUPS)
+    num_elems = tl.cdiv(k_in, 8)
+    num_groups = tl.cdiv(k_in, GROUP)
+    w_ptrs = rows_ptrs[:, None] + offs_e[None, :]
+    acc = tl.zeros(col_valid.shape, dtype=tl.float32)
+    for step in range(0, num_elems, STEP):
+        if EVEN:
+            stored = tl.load(w_ptrs)
+        else:
+            stored = tl.load(w_ptrs, mask=col_valid[:, None] & ((step + offs_e) < num_elems)[None, :], other=0)
+        k = step * 8 + offs_k
+        x = tl.load(a_row_ptr + k, mask=(k < k_in) | EVEN, other=0.0).to(tl.float32)
+        x = tl.reshape(x, (GROUPS, GROUP))
+        amax = tl.max(tl.abs(x), axis=1)
+        d = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
+        divisor = tl.broadcast_to(tl.where(d > 0, d, 1.0)[:, None], x.shape)
+        # rounded half to even by adding and taking off 1.5 * 2^23 (|x / d| <= 127)
+        q = tl.where(d[:, None] > 0, (tl.math.div_rn(x, divisor) + 12582912.0) - 12582912.0, 0.0)
+        q = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int32)
+        q_sums = tl.sum(q, axis=1)
+        even, odd = tl.split(tl.reshape(q, (STEP, 4, 2)))  # field i of word j is k = 8 j + i
+        dots = _dp4a(stored & 0x0F0F0F0F, _packed_bytes(even)[None, :], tl.zeros(stored.shape, tl.int32))
+        dots = _dp4a((stored >> 4) & 0x0F0F0F0F, _packed_bytes(odd)[None, :], dots)
+        sums = tl.sum(tl.reshape(dots, (col_valid.shape[0], GROUPS, WORDS)), axis=2) - 8 * q_sums[None, :]
+        group = step * 8 // GROUP + offs_g
+        scale_ptrs = scale_rows_ptrs[:, None] + group[None, :] * stride_sk
+        if EVEN:
+            scales = tl.load(scale_ptrs)
+        else:
+            scales = tl.load(scale_ptrs, mask=col_valid[:, None] & (group < num_groups)[None, :], other=0.0)
+        terms = sums.to(tl.float32) * (scales * d[None, :])
+        for g in tl.static_range(GROUPS):  # in group order, each add rounded (no fused multiply-add)
+            acc = acc + tl.sum(tl.where(offs_g[None, :] == g, terms, 0.0), axis=1)
+        w_ptrs += STEP
+    return acc
+
+
+@triton.jit
 def _route_gemv_kernel(
     a_ptr, b_ptr, c_ptr, route_weight_ptr, ids_ptr, num_routes, n_out, k_in,
     stride_am, stride_be, stride_bn, stride_cm,
@@ -200,7 +275,7 @@ def _route_gemv_kernel(
     bias_ptr, stride_bias_e, alpha, limit,
     FORMAT: tl.constexpr, PACK: tl.constexpr, GROUP: tl.constexpr, SCALE_BN: tl.constexpr,
     A_ROWS_PER_ROUTE_DIV: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
-    BIAS: tl.constexpr, CLAMPED: tl.constexpr,
+    BIAS: tl.constexpr, CLAMPED: tl.constexpr, INT8: tl.constexpr,
     BLOCK_N: tl.constexpr, STEP: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr,
 ):
     """c[route, n] for BLOCK_N columns of one route (program: route fastest, so a step's routes
@@ -219,8 +294,11 @@ def _route_gemv_kernel(
     a_row_ptr = a_ptr + (route // A_ROWS_PER_ROUTE_DIV).to(tl.int64) * stride_am
     rows_ptrs = b_ptr + expert * stride_be + (cols + up * n_out).to(tl.int64) * stride_bn
     scale_rows_ptrs = scale_ptr + expert * stride_se + (cols // SCALE_BN + up * up_scale_row) * stride_sn
-    acc = _row_sums(a_row_ptr, rows_ptrs, scale_rows_ptrs, stride_sk, k_in, cols < n_out,
-                    FORMAT, PACK, GROUP, STEP, EVEN)
+    if INT8:
+        acc = _int8_row_sums(a_row_ptr, rows_ptrs, scale_rows_ptrs, stride_sk, k_in, cols < n_out, GROUP, STEP, EVEN)
+    else:
+        acc = _row_sums(a_row_ptr, rows_ptrs, scale_rows_ptrs, stride_sk, k_in, cols < n_out,
+                        FORMAT, PACK, GROUP, STEP, EVEN)
     if BIAS:
         acc += tl.load(bias_ptr + expert * stride_bias_e + cols + up * n_out, mask=cols < n_out,
                        other=0.0).to(tl.float32)
@@ -230,19 +308,27 @@ def _route_gemv_kernel(
         acc = activate(gate, up_sums, alpha, limit, CLAMPED)
     if WEIGHTED:
         acc *= tl.load(route_weight_ptr + route)
-    tl.store(c_ptr + route.to(tl.int64) * stride_cm + offs_n, acc.to(c_ptr.dtype.element_ty), mask=offs_n < n_out)
+    out_type: tl.constexpr = c_ptr.dtype.element_ty
+    tl.store(c_ptr + route.to(tl.int64) * stride_cm + offs_n, rounded(acc, out_type).to(out_type), mask=offs_n < n_out)
 
 
 def launch_route_gemv(a, bank, c, route_weights, flat_ids, *, gated: bool, weighted: bool, a_div: int,
-                      scales=None, block_shape=None, bias=None, activation=SILU, config: GemvConfig | None = None):
+                      scales=None, block_shape=None, bias=None, activation=SILU, config: GemvConfig | None = None,
+                      int8: bool = False):
     """c [N routes, n_out] = route r's row of a (row r // a_div) through expert flat_ids[r]'s rows
-    of bank (see the module); `route_gemv_allowed` must hold. config: None for select_gemv_config."""
+    of bank (see the module); `route_gemv_allowed` must hold. config: None for select_gemv_config.
+    int8: the int8 path (int4 banks, scale groups of a multiple of 8 values that divide a step)."""
     quantized = scales is not None
     fmt, pack = _format(bank, quantized)
+    if int8 and (fmt != INT4.value or block_shape[1] % 8):
+        raise ValueError(f"the route GEMV's int8 path reads int4 banks in groups of a multiple of 8 values, not "
+                         f"{bank.dtype} in groups of {block_shape and block_shape[1]}")
     if fmt == MXFP4.value:
         bank = bank.view(torch.int32)  # eight E2M1 codes a word, value 8w + i at bits 4i: int4's layout
     config = config or select_gemv_config(gated, bank.dtype)
     group = block_shape[1] if quantized else 1
+    if int8 and (config.step * 8) % group:
+        config = GemvConfig(config.block_n, group // 8, config.num_warps)  # a step of whole groups
     scale_bn = block_shape[0] if quantized else 1
     if not quantized:  # unread placeholders
         scales = route_weights
@@ -257,6 +343,7 @@ def launch_route_gemv(a, bank, c, route_weights, flat_ids, *, gated: bool, weigh
         activation.alpha, activation.limit,
         FORMAT=fmt, PACK=pack, GROUP=group, SCALE_BN=scale_bn, A_ROWS_PER_ROUTE_DIV=a_div,
         GATED=gated, WEIGHTED=weighted, BIAS=bias is not None, CLAMPED=activation.name == "clamped_swiglu",
-        BLOCK_N=config.block_n, STEP=config.step,
-        EVEN=n_out % config.block_n == 0 and a.shape[1] % (config.step * pack) == 0, num_warps=config.num_warps, **pdl_launch(a.device),
+        INT8=int8, BLOCK_N=config.block_n, STEP=config.step,
+        EVEN=n_out % config.block_n == 0 and a.shape[1] % (config.step * pack) == 0, num_warps=config.num_warps,
+        enable_fp_fusion=not int8, **pdl_launch(a.device),
     )
