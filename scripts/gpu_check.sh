@@ -11,7 +11,9 @@
 # GPU), structured (decode with a JSON-schema grammar against without; needs xgrammar), prefill (prefill tok/s
 # by share of the experts resident, multi-turn TTFT with and without prefix caching), lookahead (the
 # lookahead prefetch: copies beside compute, the decode profile, prefetch rows per oracle recall and
-# cap on the misses copied ahead, the host kernel per format); default tests,kernels,decode-quick.
+# cap on the misses copied ahead, the host kernel per format), step (the resident step: the decode
+# profile with async scheduling on and off, int4's int8 route GEMV against its fp32 one); default
+# tests,kernels,decode-quick.
 # Results: $OUT/results.md holds this call's benchmark sections alone; $OUT/RESULTS.md is
 # benchmarks/RESULTS.md with those sections regenerated (every stage but decode-quick, a smoke
 # run), to copy over benchmarks/RESULTS.md. MOEFERRY_COMMIT names the commit in the tables
@@ -83,6 +85,12 @@ if has lookahead; then
   run bench-prefetch python3 -m benchmarks.bench_hybrid --parts decode --shares 0.25 0.5 --batch 1 --routing qwen3 \
     --prefetch off oracle --oracle-recall 1.0 0.8 --prefetch-experts 0 1 --results "$RESULTS" "$CURRENT"
   run bench-host-kernel python3 -m benchmarks.bench_host_kernel --threads 15 --batch 1 4 --results "$RESULTS" "$CURRENT"
+fi
+if has step; then
+  run bench-profile-async python3 -m benchmarks.bench_profile --strategies gpu offload --async-scheduling on off \
+    --results "$RESULTS" "$CURRENT"
+  run sweep-route-gemv python3 -m benchmarks.sweep_route_gemv --formats int4 --tokens 1 --int8 --block-n 16 32 \
+    --step 32 128 --warps 4
 fi
 has serve && run bench-serve python3 -m benchmarks.bench_serve --results "$RESULTS" "$CURRENT"  # needs the serve extras
 echo; cat "$OUT/gpu.txt"; echo
