@@ -24,7 +24,7 @@ import tempfile
 
 import torch
 
-from benchmarks.common import (MODEL_ROUTING, add_results_flag, add_routing_flag, command_line, force_routing,
+from benchmarks.common import (DECODE_WARMUP_STEPS, MODEL_ROUTING, add_results_flag, add_routing_flag, command_line, force_routing,
                                free_engine_memory, gpu_main, h2d_bandwidth, hbm_bandwidth, markdown_table, report,
                                routed_section, routing_note, set_statistics, timed_decode)
 from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
@@ -38,7 +38,8 @@ def parse_args(argv):
     p.add_argument("--strategies", nargs="+", default=["gpu", "offload", "uva"])
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--steps", type=int, default=24)
-    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=DECODE_WARMUP_STEPS,
+                   help="untimed decode steps first: the slot cache settles (benchmarks/common.py)")
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--policies", nargs="+", default=["layer_lru"], help="slot cache policies to run offload with")
     p.add_argument("--repeats", type=int, default=2,

@@ -25,7 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import (add_results_flag, add_routing_flag, command_line, force_routing, free_engine_memory,
+from benchmarks.common import (DECODE_WARMUP_STEPS, add_results_flag, add_routing_flag, command_line, force_routing, free_engine_memory,
                                gpu_main, h2d_bandwidth, markdown_table, report, routed_section, routing_note, set_statistics,
                                share_slots, timed_decode)
 from moeferry.kernels.fused_moe.host import DEFAULT_SCHEDULE, SCHEDULES
@@ -40,7 +40,8 @@ def parse_args(argv):
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     p.add_argument("--shares", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
     p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=DECODE_WARMUP_STEPS,
+                   help="untimed decode steps first: the slot cache settles (benchmarks/common.py)")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2, help="runs per row, the fastest kept")
     p.add_argument("--parts", nargs="+", choices=["decode", "kernel", "big", "contention", "timeline", "preemption"],

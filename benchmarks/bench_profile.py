@@ -21,7 +21,7 @@ import tempfile
 
 import torch
 
-from benchmarks.common import (add_results_flag, add_routing_flag, command_line, force_routing, free_engine_memory, gpu_main,
+from benchmarks.common import (DECODE_WARMUP_STEPS, add_results_flag, add_routing_flag, command_line, force_routing, free_engine_memory, gpu_main,
                                markdown_table, report, routing_note, share_slots, start_decode, timed_decode)
 
 COPY_KERNELS = ("gather_rows", "memcpy", "Memcpy")
@@ -37,7 +37,8 @@ def parse_args(argv):
                    help="the experts' format (bf16 without)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=DECODE_WARMUP_STEPS,
+                   help="untimed decode steps first: the slot cache settles (benchmarks/common.py)")
     p.add_argument("--steps", type=int, default=8, help="decode steps profiled (and timed without the profiler)")
     p.add_argument("--prefetch", nargs="+", choices=["off", "router", "oracle"], default=["off"],
                    help="offload and hybrid rows with each lookahead (oracle: at --oracle-recall)")

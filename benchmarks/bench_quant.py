@@ -19,7 +19,7 @@ import os
 import sys
 import tempfile
 
-from benchmarks.common import (add_results_flag, add_routing_flag, command_line, force_routing, free_engine_memory,
+from benchmarks.common import (DECODE_WARMUP_STEPS, add_results_flag, add_routing_flag, command_line, force_routing, free_engine_memory,
                                gpu_main, h2d_bandwidth, markdown_table, pivot, report, routed_section, routing_note,
                                set_statistics, timed_decode, unforce_routing)
 from moeferry.moe.formats import QUANTIZATIONS
@@ -40,7 +40,8 @@ def parse_args(argv):
     p.add_argument("--cache-gb", type=float, default=8.0, help="the budget of the experts-per-format table")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--steps", type=int, default=24)
-    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=DECODE_WARMUP_STEPS,
+                   help="untimed decode steps first: the slot cache settles (benchmarks/common.py)")
     p.add_argument("--repeats", type=int, default=2, help="time each row this many times and keep the fastest")
     p.add_argument("--strategy", choices=["offload", "hybrid"], default="offload",
                    help="hybrid: the host computes a measured share of the misses (section quant/hybrid)")
