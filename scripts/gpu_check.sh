@@ -89,7 +89,7 @@ fi
 if has step; then
   run bench-profile-async python3 -m benchmarks.bench_profile --strategies gpu offload --async-scheduling on off \
     --results "$RESULTS" "$CURRENT"
-  run sweep-route-gemv python3 -m benchmarks.sweep_route_gemv --formats int4 --tokens 1 --int8 --block-n 16 32 \
+  run sweep-route-gemv python3 -m benchmarks.sweep_route_gemv --formats int4 --tokens 1 --int8 --block-n 16 32 64 \
     --step 32 128 --warps 4
 fi
 has serve && run bench-serve python3 -m benchmarks.bench_serve --results "$RESULTS" "$CURRENT"  # needs the serve extras
