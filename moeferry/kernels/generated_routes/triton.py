@@ -26,7 +26,7 @@ def _uniform(keys, step):
     x = x ^ (x >> 15)
     x = x * 0x2C1B3C6D
     x = x ^ (x >> 16)
-    return ((x >> 8).to(tl.float32) + 0.5) / 16777216.0
+    return ((x >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08  # / 2^24, exact
 
 
 @triton.jit
@@ -79,7 +79,8 @@ def _oracle_kernel(wrong_ptr, keep_ptr, step_ptr, true_ptr, out_ptr, recall,
     wrong = _uniform(tl.load(wrong_ptr + layer * w_l + row * w_t + e, mask=is_expert, other=0), step)
     true = tl.load(true_ptr + layer * t_l + row * t_t + j, mask=is_route, other=-1)
     kept = _uniform(tl.load(keep_ptr + layer * k_l + row * k_t + j, mask=is_route, other=0), step) < recall
-    true_score = tl.where(kept, 2.0 + (K - j).to(tl.float32) / (K + 1), -1.0)  # kept first, in their order
+    place = tl.math.div_rn((K - j).to(tl.float32), tl.full([BLOCK_K], K + 1, tl.float32))
+    true_score = tl.where(kept, 2.0 + place, -1.0)  # kept first, in their order
     match = true[:, None] == e[None, :]
     is_true = tl.max(match.to(tl.int32), axis=0) > 0
     score = tl.where(is_true, tl.sum(tl.where(match, true_score[:, None], 0.0), axis=0), wrong)
