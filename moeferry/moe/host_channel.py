@@ -13,7 +13,10 @@ computes:
     worker thread                        |<-------- host kernel -------->|
 
 Staging is one small Triton kernel each way (kernels/host_staging) that writes the inputs into
-the pinned buffers and reads the route outputs back over PCIe, on the main stream.
+the pinned buffers and reads the host's route outputs back over PCIe, on the main stream. A
+layer that gives the host no route (most of them once the slot cache holds a model's hot
+experts) posts no request: the post kernel reads the routes on the device, and neither the
+worker nor the wait does anything.
 
 Dispatch "host_function" runs the kernel as a CUDA host function on a side stream forked
 from the main one instead (graph capture records it as a host node), with no Python and no
@@ -40,7 +43,7 @@ from moeferry.errors import ConfigError
 from moeferry.kernels.fused_moe import host as host_kernel
 from moeferry.kernels.fused_moe import fused_moe
 from moeferry.kernels import host_mailbox
-from moeferry.kernels.host_staging import staged_copy
+from moeferry.kernels.host_staging import staged_copy, staged_routes
 
 
 DISPATCHES = ("mailbox", "host_function")
@@ -103,7 +106,7 @@ class _Mailbox:
 
     def __init__(self, device: torch.device):
         self.box = torch.zeros(host_mailbox.MAILBOX_WORDS, dtype=torch.int64, pin_memory=True)
-        self.counter = torch.zeros(2, dtype=torch.int64, device=device)
+        self.counter = torch.zeros(host_mailbox.COUNTER_WORDS, dtype=torch.int64, device=device)
         self.table = (ctypes.c_void_p * self.CAPACITY)()
         self.index: dict[int, int] = {}  # id of a call record -> its table entry
         self._stop = None  # the worker's finalizer, once it runs
@@ -188,14 +191,16 @@ class HostExpertChannel:
             return
         # The side stream reads the inputs after this returns: holding them until `finish` joins
         # it keeps the caching allocator from handing their memory to the main stream meanwhile.
+        host_ids = host_ids.contiguous()
         self._inflight = (self.out_device[:num_tokens], hidden, topk_weights, host_ids)
         call = self._call(layer_id, num_tokens)
         staged = self.options.staging == "kernel"
         if staged:
-            staged_copy([(hidden.contiguous(), self.x[:num_tokens]), (host_ids.contiguous(), self.ids[:num_tokens]),
+            staged_copy([(hidden.contiguous(), self.x[:num_tokens]), (host_ids, self.ids[:num_tokens]),
                          (topk_weights.contiguous(), self.weights[:num_tokens])])
         if self.options.dispatch == "mailbox":
-            host_mailbox.post_request(self.mailbox.box, self.mailbox.counter, self.mailbox.entry(call))
+            # a layer whose routes all stay on the device posts nothing and waits for nothing
+            host_mailbox.post_request(self.mailbox.box, self.mailbox.counter, self.mailbox.entry(call), host_ids)
             return
         self.side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.side):
@@ -233,11 +238,14 @@ class HostExpertChannel:
         before the next `begin`."""
         routes = self._inflight[0]
         if self.device.type == "cuda":
+            host_ids = self._inflight[3]
             if self.options.dispatch == "mailbox":
                 host_mailbox.wait_done(self.mailbox.box, self.mailbox.counter)
             else:
                 torch.cuda.current_stream(self.device).wait_stream(self.side)
-            if self.options.staging == "kernel":
-                staged_copy([(self.out[:routes.shape[0]], routes)])
+            if self.options.staging == "kernel":  # the host's routes alone cross PCIe
+                rows = routes.shape[0] * self.top_k
+                staged_routes(self.out[:routes.shape[0]].view(rows, self.hidden), routes.view(rows, self.hidden),
+                              host_ids.view(rows))
         self._inflight = ()
         return routes

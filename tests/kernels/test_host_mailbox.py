@@ -23,7 +23,7 @@ def _implementations():
 def test_post_writes_the_call_then_the_next_sequence_number(impl):
     ops = _implementations()[impl]
     box = torch.zeros(mailbox.MAILBOX_WORDS, dtype=torch.int64)
-    counter = torch.zeros(2, dtype=torch.int64)
+    counter = torch.zeros(mailbox.COUNTER_WORDS, dtype=torch.int64)
     for sequence, call in enumerate([5, 0, 123456], start=1):
         ops.post_request(box, counter, call)
         assert int(counter[0]) == sequence and int(box[mailbox.REQUEST]) == sequence
@@ -34,13 +34,33 @@ def test_post_writes_the_call_then_the_next_sequence_number(impl):
 def test_wait_returns_once_done_and_gives_up_flagged_otherwise(impl):
     ops = _implementations()[impl]
     box = torch.zeros(mailbox.MAILBOX_WORDS, dtype=torch.int64)
-    counter = torch.tensor([3, 0], dtype=torch.int64)
+    counter = torch.tensor([3, 0, 2], dtype=torch.int64)
     box[mailbox.DONE] = 3
     ops.wait_done(box, counter, 5)
-    assert int(counter[mailbox.STALLED]) == 0
-    box[mailbox.DONE] = 2  # no worker: the wait polls 5 times, then flags the stall
+    assert int(counter[mailbox.STALLED]) == 0 and int(counter[mailbox.CONFIRMED]) == 3
+    counter[0] = 4  # no worker: the wait polls 5 times, then flags the stall
     ops.wait_done(box, counter, 5)
-    assert int(counter[mailbox.STALLED]) == 1
+    assert int(counter[mailbox.STALLED]) == 1 and int(counter[mailbox.CONFIRMED]) == 3
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_a_call_with_no_route_posts_nothing_and_its_wait_reads_no_mailbox(impl):
+    ops = _implementations()[impl]
+    box = torch.zeros(mailbox.MAILBOX_WORDS, dtype=torch.int64)
+    counter = torch.zeros(mailbox.COUNTER_WORDS, dtype=torch.int64)
+    none_routed = torch.full((3, 8), -1, dtype=torch.int64)
+    ops.post_request(box, counter, 7, none_routed)
+    assert int(counter[0]) == 0 and int(box[mailbox.REQUEST]) == 0 and int(box[mailbox.CALL]) == 0
+    box[mailbox.DONE] = -1  # a wait that read the mailbox would stall on this
+    ops.wait_done(box, counter, 5)
+    assert int(counter[mailbox.STALLED]) == 0
+    many = torch.full((300, 2), -1, dtype=torch.int64)  # past one pass of the post kernel's ids
+    many[299, 1] = 4
+    ops.post_request(box, counter, 7, many)
+    assert int(counter[0]) == 1 and int(box[mailbox.REQUEST]) == 1 and int(box[mailbox.CALL]) == 7
+    box[mailbox.DONE] = 1
+    ops.wait_done(box, counter, 5)
+    assert int(counter[mailbox.STALLED]) == 0 and int(counter[mailbox.CONFIRMED]) == 1
 
 
 def _poll(box, word, value, seconds=10.0):
@@ -68,7 +88,7 @@ def test_the_worker_runs_each_posted_call_and_publishes_it_done():
     table = (ctypes.c_void_p * 4)(*[ctypes.addressof(c) for c in calls], None)
     worker = host_kernel.library().moe_host_worker_start(box.data_ptr(), table, 4)
     try:
-        counter = torch.zeros(2, dtype=torch.int64)
+        counter = torch.zeros(mailbox.COUNTER_WORDS, dtype=torch.int64)
         for index in (2, 0, 1, 2):
             outs[index].fill_(7)
             reference.post_request(box, counter, index)

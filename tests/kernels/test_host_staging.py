@@ -4,7 +4,7 @@ between device and pinned host memory, eagerly and replayed in a CUDA graph."""
 import pytest
 import torch
 
-from moeferry.kernels.host_staging import MAX_PAIRS, reference, staged_copy
+from moeferry.kernels.host_staging import MAX_PAIRS, reference, staged_copy, staged_routes
 
 
 def _random(shape, dtype, gen, device="cpu"):
@@ -35,6 +35,22 @@ def test_triton_matches_copy(chosen):
         assert torch.equal(g, w) and torch.equal(g, s.to(g.dtype))
 
 
+@pytest.mark.parametrize("rows, hidden", [(8, 2048), (6, 700), (1, 5)])
+def test_routes_triton_matches_reference_and_reads_only_the_routed_rows(rows, hidden):
+    from moeferry.kernels.host_staging import triton as triton_staging
+
+    gen = torch.Generator().manual_seed(rows)
+    src = torch.randn(rows, hidden, generator=gen).to(torch.bfloat16)
+    ids = torch.randint(-1, 3, (rows,), generator=gen)
+    ids[0] = -1
+    got, want = torch.full_like(src, 7), torch.full_like(src, 7)
+    triton_staging.staged_routes(src, got, ids)
+    reference.staged_routes(src, want, ids)
+    routed = (ids >= 0).unsqueeze(-1)
+    assert torch.equal(got, want) and torch.equal(got, torch.where(routed, src, 0))
+    assert not got[0].any()
+
+
 def test_bad_pairs_are_refused():
     a, b = torch.zeros(4), torch.zeros(5)
     with pytest.raises(ValueError, match="4 source elements for 5"):
@@ -45,6 +61,10 @@ def test_bad_pairs_are_refused():
         staged_copy([(a, a.to(torch.bfloat16))])
     with pytest.raises(ValueError, match="contiguous"):
         staged_copy([(torch.zeros(4, 4).t(), torch.zeros(4, 4))])
+    with pytest.raises(ValueError, match="src, dst"):
+        staged_routes(torch.zeros(4, 8), torch.zeros(4, 8), torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="one floating dtype"):
+        staged_routes(torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.int64))
 
 
 @pytest.mark.gpu
@@ -58,6 +78,11 @@ def test_device_and_pinned_host_both_ways_and_in_a_graph():
     torch.cuda.synchronize()
     for s, h, b in zip(sources, staged, back):
         assert torch.equal(h, s.cpu().to(h.dtype)) and torch.equal(b, h.cuda())
+    ids = torch.tensor([2, -1, 0], device="cuda")
+    routes = torch.full_like(sources[0], 7)
+    staged_routes(staged[0], routes, ids)
+    torch.cuda.synchronize()
+    assert torch.equal(routes, torch.where(ids.unsqueeze(-1) >= 0, sources[0], 0))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         staged_copy(list(zip(sources, staged)))

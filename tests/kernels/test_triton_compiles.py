@@ -148,16 +148,19 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from moeferry.kernels.host_mailbox.triton import _post_request_kernel, _wait_done_kernel
-from moeferry.kernels.host_staging.triton import _staged_copy_kernel
+from moeferry.kernels.host_staging.triton import _staged_copy_kernel, _staged_routes_kernel
 from moeferry.kernels.generated_routes.triton import _draw_kernel, _force_kernel, _oracle_kernel
 from moeferry.kernels.route_split.triton import _split_routes_kernel
 from moeferry.kernels.timestamps.triton import _stamp_kernel
 
 KERNELS = [  # kernel, pointer types, constexprs
-    (_post_request_kernel, dict(box_ptr="*i64", counter_ptr="*i64"), dict(REQUEST_WORD=0, CALL_WORD=1, PDL=True)),
-    (_wait_done_kernel, dict(box_ptr="*i64", counter_ptr="*i64"), dict(DONE_WORD=8, STALLED_WORD=1, PDL=True)),
+    (_post_request_kernel, dict(box_ptr="*i64", counter_ptr="*i64", routes_ptr="*i64"),
+     dict(REQUEST_WORD=0, CALL_WORD=1, HAS_ROUTES=True, ROUTE_BLOCK=256, PDL=True)),
+    (_wait_done_kernel, dict(box_ptr="*i64", counter_ptr="*i64"),
+     dict(DONE_WORD=8, STALLED_WORD=1, CONFIRMED_WORD=2, PDL=True)),
     (_staged_copy_kernel, dict(src0="*bf16", dst0="*bf16", src1="*i64", dst1="*i32", src2="*fp32", dst2="*fp32"),
      dict(BLOCK=1024, PDL=True)),
+    (_staged_routes_kernel, dict(src_ptr="*bf16", dst_ptr="*bf16", ids_ptr="*i64"), dict(BLOCK=1024, PDL=True)),
     (_stamp_kernel, dict(times_ptr="*i64", counter_ptr="*i64"), dict(ADVANCE=True, PDL=True)),
     (_split_routes_kernel, dict(ids_ptr="*i64", slot_ptr="*i32", host_ids_ptr="*i64", device_ids_ptr="*i64",
                                 count_ptr="*i64", rotation_ptr="*i64", tally_ptr="*i64", flags_ptr="*i32",
@@ -183,13 +186,13 @@ for kernel, pointers, constexprs in KERNELS:
 
 @pytest.mark.slow
 def test_the_host_channel_kernels_compile_for_sm90():
-    """The mailbox's post and wait (a system-scope release exchange, volatile polls of host
-    memory), the staging copy, the timestamp (inline PTX reading %globaltimer), the route
+    """The mailbox's post (a pass over the routes, a system-scope release exchange) and wait
+    (volatile polls of host memory), the staging copies, the timestamp (inline PTX reading %globaltimer), the route
     split (barriers around a scratch row, a cumulative sum) and the generated routes' draw (a
     uint32 hash), oracle and forcing, with PDL."""
     stdout = _compiled(SMALL)
-    for name in ("_post_request_kernel", "_wait_done_kernel", "_staged_copy_kernel", "_stamp_kernel",
-                 "_split_routes_kernel", "_draw_kernel", "_oracle_kernel", "_force_kernel"):
+    for name in ("_post_request_kernel", "_wait_done_kernel", "_staged_copy_kernel", "_staged_routes_kernel",
+                 "_stamp_kernel", "_split_routes_kernel", "_draw_kernel", "_oracle_kernel", "_force_kernel"):
         assert f"{name} compiled" in stdout
 
 

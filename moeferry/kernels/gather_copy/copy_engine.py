@@ -78,7 +78,7 @@ class CopyEngine:
         self.device = torch.device(device)
         self.capacity = capacity
         self.box = torch.zeros(host_mailbox.MAILBOX_WORDS, dtype=torch.int64, pin_memory=True)
-        self.counter = torch.zeros(2, dtype=torch.int64, device=self.device)
+        self.counter = torch.zeros(host_mailbox.COUNTER_WORDS, dtype=torch.int64, device=self.device)
         self.plan = torch.zeros(1 + 2 * capacity, dtype=torch.int32, pin_memory=True)
         self.stream = torch.cuda.Stream(self.device)
         self._host = (ctypes.c_uint64 * (len(host_banks) * banks))(

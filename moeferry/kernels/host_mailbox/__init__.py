@@ -23,17 +23,20 @@ import torch
 
 from moeferry.kernels import implementation
 
-__all__ = ["BAD_CALL", "CALL", "DONE", "MAILBOX_WORDS", "MAX_POLLS", "REQUEST", "STALLED", "post_request",
-           "wait_done"]
+__all__ = ["BAD_CALL", "CALL", "CONFIRMED", "COUNTER_WORDS", "DONE", "MAILBOX_WORDS", "MAX_POLLS", "REQUEST",
+           "STALLED", "post_request", "wait_done"]
 
 REQUEST, CALL, DONE, BAD_CALL = 0, 1, 8, 16
 MAILBOX_WORDS = 24
-STALLED = 1
+STALLED, CONFIRMED = 1, 2
+COUNTER_WORDS = 3
 MAX_POLLS = 1 << 26  # reads of the DONE word over PCIe (about a microsecond each): a minute or more
 
 
-def post_request(box: torch.Tensor, counter: torch.Tensor, call_index: int, *, impl: str | None = None) -> None:
-    implementation("host_mailbox", counter, impl).post_request(box, counter, call_index)
+def post_request(box: torch.Tensor, counter: torch.Tensor, call_index: int, routes: torch.Tensor | None = None, *,
+                 impl: str | None = None) -> None:
+    """`routes`: integer route ids, any shape, contiguous, on the counter's device."""
+    implementation("host_mailbox", counter, impl).post_request(box, counter, call_index, routes)
 
 
 def wait_done(box: torch.Tensor, counter: torch.Tensor, max_polls: int = MAX_POLLS, *, impl: str | None = None) -> None:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from moeferry.kernels.host_mailbox import CALL, DONE, REQUEST, STALLED
+from moeferry.kernels.host_mailbox import CALL, CONFIRMED, DONE, REQUEST, STALLED
 
 
-def post_request(box: torch.Tensor, counter: torch.Tensor, call_index: int) -> None:
+def post_request(box: torch.Tensor, counter: torch.Tensor, call_index: int, routes: torch.Tensor | None = None) -> None:
+    if routes is not None and not bool((routes >= 0).any()):
+        return
     counter[0] += 1
     box[CALL] = call_index
     box[REQUEST] = counter[0].item()
@@ -15,8 +17,10 @@ def post_request(box: torch.Tensor, counter: torch.Tensor, call_index: int) -> N
 
 def wait_done(box: torch.Tensor, counter: torch.Tensor, max_polls: int) -> None:
     target = int(counter[0])
-    for _ in range(max_polls):
+    if int(counter[CONFIRMED]) >= target:
+        return
+    for _ in range(max_polls + 1):  # the first read, then `max_polls` polls
         if int(box[DONE]) >= target:
+            counter[CONFIRMED] = target
             return
-    if int(box[DONE]) < target:
-        counter[STALLED] = 1
+    counter[STALLED] = 1

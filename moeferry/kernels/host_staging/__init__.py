@@ -8,6 +8,11 @@ addressing), every pair in one launch. A CUDA graph captured around it holds a k
 where `Tensor.copy_` would put memcpy nodes: the host channel (moe/host_channel.py) stages its
 inputs and outputs this way, so its graph branch is kernels and a host function, ordered by
 the step's own kernels instead of by the copy engines' queues. The reference is `copy_`.
+
+``staged_routes(src, dst, ids)``: the host channel's outputs back, route by route: dst[r] =
+src[r] where ids[r] >= 0, zeros elsewhere (src, dst [N, H] of one floating dtype, src pinned on
+a GPU; ids [N] on dst's device). Only the rows the host computed cross PCIe: read in place,
+pinned memory costs a round trip a few rows, and a decode layer's host routes are few.
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import torch
 
 from moeferry.kernels import implementation
 
-__all__ = ["MAX_PAIRS", "check_pairs", "staged_copy"]
+__all__ = ["MAX_PAIRS", "check_pairs", "check_routes", "staged_copy", "staged_routes"]
 
 MAX_PAIRS = 3
 
@@ -39,3 +44,21 @@ def staged_copy(pairs: list[tuple[torch.Tensor, torch.Tensor]], *, impl: str | N
     check_pairs(pairs)
     device_side = next((t for t in pairs[0] if t.is_cuda), pairs[0][1])
     implementation("host_staging", device_side, impl).staged_copy(pairs)
+
+
+def check_routes(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor) -> None:
+    """src, dst [N, H] contiguous, one floating dtype; ids [N] integers."""
+    if src.dim() != 2 or src.shape != dst.shape or ids.shape != src.shape[:1]:
+        raise ValueError(f"staged_routes takes src, dst [N, H] and ids [N], got {tuple(src.shape)}, "
+                         f"{tuple(dst.shape)}, {tuple(ids.shape)}")
+    if src.dtype != dst.dtype or not src.dtype.is_floating_point or ids.dtype.is_floating_point:
+        raise ValueError(f"staged_routes copies one floating dtype by integer ids, got {src.dtype} to {dst.dtype} "
+                         f"by {ids.dtype}")
+    if not (src.is_contiguous() and dst.is_contiguous() and ids.is_contiguous()):
+        raise ValueError("staged_routes: src, dst and ids must be contiguous")
+
+
+def staged_routes(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, *, impl: str | None = None) -> None:
+    """dst[r] = src[r] where ids[r] >= 0, else zeros; dispatched on dst's device."""
+    check_routes(src, dst, ids)
+    implementation("host_staging", dst, impl).staged_routes(src, dst, ids)

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from moeferry.kernels.host_staging import check_pairs
+from moeferry.kernels.host_staging import check_pairs, check_routes
 
 
 def staged_copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     check_pairs(pairs)
     for src, dst in pairs:
         dst.copy_(src.reshape(dst.shape))
+
+
+def staged_routes(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor) -> None:
+    check_routes(src, dst, ids)
+    dst.copy_(torch.where((ids >= 0).to(dst.device).unsqueeze(-1), src.to(dst.device), 0.0))

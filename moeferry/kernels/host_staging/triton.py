@@ -1,14 +1,15 @@
 """Staged copies in one Triton launch (the contract: kernels/host_staging/__init__.py).
 
 Program (i, p) copies block i of pair p; a pair shorter than the longest leaves its extra
-blocks idle. The host side of a pair is passed as a bare pointer (triton_common.kernel_argument)."""
+blocks idle. staged_routes: program (r, i) writes block i of row r, loading it only if the row's
+id is >= 0 (a masked load reads nothing). The host side of a pair is passed as a bare pointer (triton_common.kernel_argument)."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from moeferry.kernels.host_staging import MAX_PAIRS, check_pairs
+from moeferry.kernels.host_staging import MAX_PAIRS, check_pairs, check_routes
 from moeferry.kernels.triton_common import kernel_argument, pdl_launch, wait_for_previous_kernel
 
 BLOCK = 1024
@@ -45,3 +46,23 @@ def staged_copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         # since the interpreter copies every argument back after the launch)
         args += [torch.empty(1, device=device), torch.empty(1, device=device), 0]
     _staged_copy_kernel[(triton.cdiv(longest, BLOCK), len(pairs))](*args, BLOCK=BLOCK, **pdl_launch(device))
+
+
+@triton.jit
+def _staged_routes_kernel(src_ptr, dst_ptr, ids_ptr, hidden, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    in_row = cols < hidden
+    routed = (tl.zeros([BLOCK], dtype=tl.int64) + tl.load(ids_ptr + row)) >= 0
+    values = tl.load(src_ptr + row * hidden + cols, mask=in_row & routed, other=0.0)
+    tl.store(dst_ptr + row * hidden + cols, values, mask=in_row)
+
+
+def staged_routes(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor) -> None:
+    check_routes(src, dst, ids)
+    rows, hidden = dst.shape
+    if rows == 0:
+        return
+    _staged_routes_kernel[(rows, triton.cdiv(hidden, BLOCK))](kernel_argument(src, dst.is_cuda), dst, ids, hidden,
+                                                             BLOCK=BLOCK, **pdl_launch(dst.device))
