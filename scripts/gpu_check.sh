@@ -12,8 +12,10 @@
 # by share of the experts resident, multi-turn TTFT with and without prefix caching), lookahead (the
 # lookahead prefetch: copies beside compute, the decode profile, prefetch rows per oracle recall and
 # cap on the misses copied ahead, the host kernel per format), step (the resident step: the decode
-# profile with async scheduling on and off, int4's int8 route GEMV against its fp32 one); default
-# tests,kernels,decode-quick.
+# profile with async scheduling on and off, int4's int8 route GEMV against its fp32 one), goals (the
+# decode tables the offloading goals are stated on, one call: every share at 1 and 4 requests under
+# qwen3 and uniform routing, bf16 and int4, the perfect-oracle lookahead, and the copy bandwidths of
+# this host, whose SM gather may trail its DMA); default tests,kernels,decode-quick.
 # Results: $OUT/results.md holds this call's benchmark sections alone; $OUT/RESULTS.md is
 # benchmarks/RESULTS.md with those sections regenerated (every stage but decode-quick, a smoke
 # run), to copy over benchmarks/RESULTS.md. MOEFERRY_COMMIT names the commit in the tables
@@ -91,6 +93,17 @@ if has step; then
     --results "$RESULTS" "$CURRENT"
   run sweep-route-gemv python3 -m benchmarks.sweep_route_gemv --formats int4 --tokens 1 --int8 --block-n 16 32 64 \
     --step 32 128 --warps 4
+fi
+if has goals; then
+  run bench-copy python3 -m benchmarks.bench_copy --results "$RESULTS" "$CURRENT"
+  shares=(--shares 0 0.1 0.25 0.5 0.75 1.0 --batch 1 4 --repeats 1)
+  run bench-goals-qwen3 python3 -m benchmarks.bench_hybrid --parts decode "${shares[@]}" --routing qwen3 \
+    --results "$RESULTS" "$CURRENT"
+  run bench-goals-qwen3-int4 python3 -m benchmarks.bench_hybrid --parts decode "${shares[@]}" --routing qwen3 \
+    --quantization int4 --results "$RESULTS" "$CURRENT"
+  run bench-goals-uniform python3 -m benchmarks.bench_hybrid --parts decode "${shares[@]}" --results "$RESULTS" "$CURRENT"
+  run bench-goals-prefetch python3 -m benchmarks.bench_hybrid --parts decode --shares 0.1 0.25 0.5 0.75 --batch 1 \
+    --routing qwen3 --prefetch off oracle --oracle-recall 1.0 --results "$RESULTS" "$CURRENT"
 fi
 has serve && run bench-serve python3 -m benchmarks.bench_serve --results "$RESULTS" "$CURRENT"  # needs the serve extras
 echo; cat "$OUT/gpu.txt"; echo
