@@ -2,7 +2,8 @@
 
 Program (i, p) copies block i of pair p; a pair shorter than the longest leaves its extra
 blocks idle. staged_routes: program (r, i) writes block i of row r, loading it only if the row's
-id is >= 0 (a masked load reads nothing). The host side of a pair is passed as a bare pointer (triton_common.kernel_argument)."""
+id is >= 0 (a masked load reads nothing). The host side is passed as a bare pointer
+(triton_common.kernel_argument)."""
 from __future__ import annotations
 
 import torch
@@ -54,6 +55,7 @@ def _staged_routes_kernel(src_ptr, dst_ptr, ids_ptr, hidden, BLOCK: tl.constexpr
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_row = cols < hidden
+    # the row's flag as a block: the interpreter takes no scalar in a mask
     routed = (tl.zeros([BLOCK], dtype=tl.int64) + tl.load(ids_ptr + row)) >= 0
     values = tl.load(src_ptr + row * hidden + cols, mask=in_row & routed, other=0.0)
     tl.store(dst_ptr + row * hidden + cols, values, mask=in_row)
