@@ -27,9 +27,9 @@ import tempfile
 
 import torch
 
-from benchmarks.common import (MODEL_ROUTING, add_results_flag, add_routing_flag, command_line, force_routing,
-                               free_engine_memory, gpu_main, h2d_bandwidth, hbm_bandwidth, markdown_table, report,
-                               routed_section, routing_note, set_statistics, timed_decode)
+from benchmarks.common import (DECODE_WARMUP_STEPS, MODEL_ROUTING, add_results_flag, add_routing_flag, command_line,
+                               force_routing, free_engine_memory, gpu_main, h2d_bandwidth, hbm_bandwidth,
+                               markdown_table, report, routed_section, routing_note, set_statistics, timed_decode)
 from tests.support.fixtures import DEEPSEEK_V3_DIR_CONFIG, write_config_dir
 
 HEADS, RANK, ROPE, PAGE_SIZE = 128, 512, 64, 16
@@ -42,10 +42,14 @@ def add_decode_flags(p, layers: int) -> None:
     p.add_argument("--layers", type=int, default=layers)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--cache-fracs", type=float, nargs="+", default=[0.25, 1.0])
-    p.add_argument("--strategies", nargs="+", default=["gpu", "offload"])
+    p.add_argument("--strategies", nargs="+", choices=["gpu", "offload", "hybrid"], default=["gpu", "offload"],
+                   help="offload and hybrid run at every --cache-fracs")
+    p.add_argument("--quantization", choices=["fp8", "int4", "mxfp4"], default=None,
+                   help="the routed experts quantized at load (default bf16)")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=DECODE_WARMUP_STEPS,
+                   help="decode steps before timing (a slot cache settles from its start-up fill)")
     p.add_argument("--repeats", type=int, default=2)
     add_routing_flag(p, default=MODEL_ROUTING)
 
@@ -77,7 +81,8 @@ def make_engine(config_dir: str, args, strategy: str, slots: int | None, device_
     overrides = overrides or {"num_hidden_layers": args.layers, "first_k_dense_replace": args.dense_layers}
     context = args.prompt_len + args.warmup + args.steps + 16
     ec = EngineConfig(model=config_dir, load_format="dummy", hf_overrides=overrides, moe_strategy=strategy,
-                      moe_cache_slots=slots, moe_collect_stats=False, max_running_requests=max(args.batch),
+                      moe_cache_slots=slots, moe_collect_stats=False, quantization=args.quantization,
+                      max_running_requests=max(args.batch),
                       max_model_len=context, num_tokens=(args.prompt_len + 64) * max(args.batch) * 2,
                       device=device_type)
     engine = Engine(ec)
@@ -95,13 +100,15 @@ def decode_rows(config_dir: str, cfg: dict, args, h2d: float, hbm: float, device
                 overrides: dict | None = None) -> list[list]:
     """The decode section's rows for the model of `config_dir` (its config.json `cfg`), cut by
     `overrides` (make_engine's default: --layers with --dense-layers dense); bench_gpt_oss's
-    section too."""
+    section too. A hybrid row has no floor or hit rate here (its misses split between two
+    channels: bench_hybrid's table has both)."""
     from benchmarks.bench_decode import decode_counters, dense_bytes
 
     experts = cfg.get("n_routed_experts") or cfg["num_local_experts"]
     moe_layers = args.layers - getattr(args, "dense_layers", 0)
     rows, distinct_per_step = [], {}
-    plans = [("offload", f) for f in sorted(args.cache_fracs, reverse=True) if "offload" in args.strategies]
+    fracs = sorted(args.cache_fracs, reverse=True)
+    plans = [(s, f) for s in ("offload", "hybrid") if s in args.strategies for f in fracs]
     plans += [("gpu", None)] if "gpu" in args.strategies else []
     for strategy, frac in plans:
         slots = None if frac is None else cache_slots(frac, moe_layers, experts)
@@ -117,9 +124,9 @@ def decode_rows(config_dir: str, cfg: dict, args, h2d: float, hbm: float, device
                 set_statistics(engine, False)
                 distinct_per_step[b], misses = counted["distinct"], counted["misses"]
                 hit = f"{1 - misses / counted['distinct']:.2f}" if counted["distinct"] else "-"
-            d = distinct_per_step.get(b)
+            d = distinct_per_step.get(b) if strategy != "hybrid" else None
             floor = None if d is None else misses * expert_bytes / h2d + ((d - misses) * expert_bytes + dense) / hbm
-            label = strategy if frac is None else f"offload {int(frac * 100)}% ({slots} slots)"
+            label = strategy if frac is None else f"{strategy} {int(frac * 100)}% ({slots} slots)"
             rows.append([label, b, f"{timed['tok_s']:.1f}", f"{timed['step_s'] * 1e3:.2f}",
                          "-" if floor is None else f"{floor * 1e3:.3g}",
                          "-" if floor is None else f"{timed['step_s'] / floor:.2f}x", hit,
@@ -193,7 +200,8 @@ def main(argv, args) -> int:
                   "distinct experts/step"]
         notes = (f"DeepSeek-V3 shapes cut to {args.layers} layers ({args.dense_layers} dense, "
                  f"{args.layers - args.dense_layers} MoE of 256 experts, 88 MB each in bf16), dummy weights, "
-                 f"prompt {args.prompt_len} tokens, {args.steps} timed steps, the fastest of {args.repeats} runs. "
+                 f"prompt {args.prompt_len} tokens, {args.warmup} warm-up + {args.steps} timed steps, the fastest of "
+                 f"{args.repeats} runs. "
                  f"Measured H2D {h2d / 1e9:.1f} GB/s, HBM {hbm / 1e12:.2f} TB/s. Floor: missed bytes / H2D + "
                  "(resident distinct experts + dense weights) / HBM, with the misses and distinct experts of the "
                  "offload run with statistics (a gpu row takes the distinct experts of the offload rows). "

@@ -3,8 +3,9 @@
 Section gpt-oss/decode: gpt-oss-20b's config in its bf16 form
 (tests.support.fixtures.GPT_OSS_20B_DIR_CONFIG: hidden 2880, 64 heads of 64 over 8 kv heads
 with sinks, a 128-token window on every other layer, 32 experts of 2880 rows with biases and
-the clamped SwiGLU, top-4) with ``--layers`` layers (--hf-overrides num_hidden_layers), bf16,
-dummy weights; ``offload`` with ``--cache-fracs`` of the experts resident and ``gpu``. Rows,
+the clamped SwiGLU, top-4) with ``--layers`` layers (--hf-overrides num_hidden_layers), dummy
+weights, the experts bf16 or ``--quantization`` (mxfp4: the release's format, its own section);
+``offload`` and ``hybrid`` with ``--cache-fracs`` of the experts resident, and ``gpu``. Rows,
 floor and hit rate as bench_deepseek's decode section (its decode_rows). Routing: --routing (bench_deepseek's
 add_decode_flags), the dummy router as it is (near-uniform) by default.
 
@@ -45,14 +46,20 @@ def main(argv, args) -> int:
     cfg_dir = write_config_dir(os.path.join(tempfile.mkdtemp(), "gpt-oss-20b"), GPT_OSS_20B_DIR_CONFIG)
     header = ["strategy", "requests", "tok/s", "ms/step", "floor ms/step", "vs floor", "hit rate",
               "distinct experts/step"]
-    notes = (f"gpt-oss-20b shapes (bf16 experts, the MXFP4 release dequantized) cut to {args.layers} layers of 32 "
-             f"experts (50 MB each in bf16, biases included), dummy weights, prompt {args.prompt_len} tokens, "
-             f"{args.steps} timed steps, the fastest of {args.repeats} runs. Measured H2D {h2d / 1e9:.1f} GB/s, HBM "
+    experts = ("bf16 experts, the MXFP4 release dequantized; 50 MB each, biases included" if args.quantization is None
+               else f"{args.quantization} experts, drawn in bf16 and quantized at load")
+    notes = (f"gpt-oss-20b shapes ({experts}) cut to {args.layers} layers of 32 experts, dummy weights, "
+             f"prompt {args.prompt_len} tokens, "
+             f"{args.warmup} warm-up + {args.steps} timed steps, the fastest of {args.repeats} runs. Measured H2D "
+             f"{h2d / 1e9:.1f} GB/s, HBM "
              f"{hbm / 1e12:.2f} TB/s. Floor: missed bytes / H2D + (resident distinct experts + dense weights) / HBM, "
              "with the misses and distinct experts of the offload run with statistics (the gpu row takes the "
-             "offload rows' distinct experts). " + routing_note(args.routing, args.routing_seed))
-    report(routed_section("gpt-oss/decode", args.routing, MODEL_ROUTING), "gpt-oss-20b-shaped decode tokens/s vs floor", command,
-           markdown_table(header, rows(cfg_dir, GPT_OSS_20B_DIR_CONFIG, args, h2d, hbm)), notes, args.results)
+             "offload rows' distinct experts; hybrid rows have none). "
+             + routing_note(args.routing, args.routing_seed))
+    section = routed_section("gpt-oss/decode", args.routing, MODEL_ROUTING) + (
+        f"/{args.quantization}" if args.quantization else "")
+    report(section, f"gpt-oss-20b-shaped decode tokens/s vs floor{', ' + args.quantization if args.quantization else ''}",
+           command, markdown_table(header, rows(cfg_dir, GPT_OSS_20B_DIR_CONFIG, args, h2d, hbm)), notes, args.results)
     return 0
 
 

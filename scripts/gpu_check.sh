@@ -15,7 +15,12 @@
 # profile with async scheduling on and off, int4's int8 route GEMV against its fp32 one), goals (the
 # decode tables the offloading goals are stated on, one call: every share at 1 and 4 requests under
 # qwen3 and uniform routing, bf16 and int4, the perfect-oracle lookahead, and the copy bandwidths of
-# this host, whose SM gather may trail its DMA); default tests,kernels,decode-quick.
+# this host, whose SM gather may trail its DMA), gpt-oss-mxfp4 (the gpt-oss-20b shape, 24 layers of MXFP4
+# experts, at 0-100% resident under gpu, offload and hybrid), gpt-oss-peer (llama.cpp built from
+# .peer/llamacpp-src.tgz into /tmp/lcbuild, about 4.5 minutes, then llama-bench on the same shape at
+# --n-cpu-moe 24 18 12 6 0; the tarball from the llama-cpp-python 0.3.36 sdist, carried in .peer/, which
+# git ignores; the two stages together may pass one call's 10 minutes: run them in two calls while the
+# machine is warm); default tests,kernels,decode-quick.
 # Results: $OUT/results.md holds this call's benchmark sections alone; $OUT/RESULTS.md is
 # benchmarks/RESULTS.md with those sections regenerated (every stage but decode-quick, a smoke
 # run), to copy over benchmarks/RESULTS.md. MOEFERRY_COMMIT names the commit in the tables
@@ -77,6 +82,20 @@ has routing && run bench-routing python3 -m benchmarks.bench_routing --results "
 has uva && run bench-uva python3 -m benchmarks.bench_uva --results "$RESULTS" "$CURRENT"
 has deepseek && run bench-deepseek python3 -m benchmarks.bench_deepseek --layers 3 --results "$RESULTS" "$CURRENT"
 has gpt-oss && run bench-gpt-oss python3 -m benchmarks.bench_gpt_oss --results "$RESULTS" "$CURRENT"
+has gpt-oss-mxfp4 && run bench-gpt-oss-mxfp4 python3 -m benchmarks.bench_gpt_oss --layers 24 --quantization mxfp4 \
+  --strategies gpu offload hybrid --cache-fracs 0 0.25 0.5 0.75 --batch 1 4 --repeats 1 --results "$RESULTS" "$CURRENT"
+if has gpt-oss-peer; then
+  build_llamacpp() {  # CUDA for sm_90, llama-bench alone
+    local src=/tmp/lcbuild/src
+    [ -f $src/CMakeLists.txt ] || { mkdir -p $src && tar xzf .peer/llamacpp-src.tgz -C $src; } || return 1
+    [ -f $src/build/CMakeCache.txt ] || cmake -S $src -B $src/build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+      -DGGML_CUDA_FA=OFF -DGGML_CUDA_NCCL=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TESTS=OFF \
+      -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release
+    cmake --build $src/build --target llama-bench -j"$(nproc)"
+  }
+  run build-llamacpp build_llamacpp
+  run llamacpp-gpt-oss python3 -m benchmarks.llamacpp_gpt_oss --llama-cpp /tmp/lcbuild/src
+fi
 has quant && run bench-quant python3 -m benchmarks.bench_quant --results "$RESULTS" "$CURRENT" \
   && run bench-quant-accuracy python3 -m benchmarks.bench_quant_accuracy --device cuda --results "$RESULTS"
 has structured && run bench-structured python3 -m benchmarks.bench_structured --results "$RESULTS" "$CURRENT"

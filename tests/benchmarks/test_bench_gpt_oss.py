@@ -36,3 +36,27 @@ def test_bench_gpt_oss_decode_runs_end_to_end_on_the_cpu(tmp_path):
     assert by["offload 100% (16 slots)", 1][6] == "1.00"
     assert float(by["offload 25% (8 slots)", 2][6]) < 1.0
     assert all(float(r[4]) > 0 for r in rows)
+
+
+def test_bench_gpt_oss_hybrid_rows_with_mxfp4_experts_on_the_cpu(tmp_path):
+    """--strategies hybrid --quantization mxfp4: a hybrid row per share beside gpu, the experts
+    quantized at load, no floor for the hybrid rows (their misses split between two channels)."""
+    from benchmarks import bench_gpt_oss
+    from tests.support.fixtures import GPT_OSS_20B_DIR_CONFIG, write_config_dir
+
+    tiny = dict(GPT_OSS_20B_DIR_CONFIG, vocab_size=128, hidden_size=64, intermediate_size=64, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, num_local_experts=8, sliding_window=8,
+                max_position_embeddings=256, eos_token_id=None, pad_token_id=None)
+    model_dir = write_config_dir(str(tmp_path / "tiny"), tiny)
+    args = bench_gpt_oss.parse_args(["--layers", "2", "--batch", "1", "--steps", "2", "--warmup", "1",
+                                     "--prompt-len", "12", "--repeats", "1", "--strategies", "hybrid", "gpu",
+                                     "--cache-fracs", "0.5", "--quantization", "mxfp4"])
+    rows = bench_gpt_oss.rows(model_dir, tiny, args, h2d=50e9, hbm=4e12, device_type="cpu")
+    assert [r[0] for r in rows] == ["hybrid 50% (8 slots)", "gpu"]
+    assert rows[0][4] == "-" and rows[0][6] == "-" and float(rows[0][2]) > 0
+    with pytest.raises(SystemExit):
+        bench_gpt_oss.parse_args(["--strategies", "uva"])
+    from benchmarks.bench_deepseek import make_engine
+
+    engine = make_engine(model_dir, args, "hybrid", 8, "cpu", {"num_hidden_layers": 2})
+    assert engine.runner.strategy.store.format_description().startswith("mxfp4")
