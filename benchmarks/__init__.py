@@ -26,8 +26,8 @@ BENCHMARKS = {
     "parity": "bf16 on the GPU against transformers in float32: the largest logit error and greedy tokens agreeing",
     "deepseek": "DeepSeek-V3 shapes: decode tokens/s of a dummy model cut to a few layers under gpu and offload "
                 "(25%, 100% resident), and the MLA decode attention kernel against its HBM floor",
-    "gpt_oss": "gpt-oss-20b shapes: decode tokens/s of a dummy model cut to a few layers under gpu and offload "
-               "(25%, 100% resident)",
+    "gpt_oss": "gpt-oss-20b shapes: decode tokens/s of a dummy model cut to --layers under gpu, offload and hybrid "
+               "at --cache-fracs resident, bf16 or MXFP4 experts (llama.cpp's side: benchmarks/llamacpp_gpt_oss.py)",
     "quant": "offload decode tokens/s per expert format (bf16, fp8, int4, mxfp4) at 25-100% of the experts resident",
     "quant_accuracy": "per expert format: perplexity of the built-in model on held-out text and the largest logit error",
     "structured": "decode tokens/s with a JSON-schema grammar constraining every request against without",
