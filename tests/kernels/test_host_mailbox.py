@@ -44,7 +44,7 @@ def test_wait_returns_once_done_and_gives_up_flagged_otherwise(impl):
 
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])
-def test_a_call_with_no_route_posts_nothing_and_its_wait_reads_no_mailbox(impl):
+def test_a_call_with_no_work_posts_nothing_and_its_wait_reads_no_mailbox(impl):
     ops = _implementations()[impl]
     box = torch.zeros(mailbox.MAILBOX_WORDS, dtype=torch.int64)
     counter = torch.zeros(mailbox.COUNTER_WORDS, dtype=torch.int64)
@@ -61,6 +61,12 @@ def test_a_call_with_no_route_posts_nothing_and_its_wait_reads_no_mailbox(impl):
     box[mailbox.DONE] = 1
     ops.wait_done(box, counter, 5)
     assert int(counter[mailbox.STALLED]) == 0 and int(counter[mailbox.CONFIRMED]) == 1
+    plan_count = torch.zeros(1, dtype=torch.int32)  # a copy plan's count: work from 1 on
+    ops.post_request(box, counter, 2, plan_count, 1)
+    assert int(counter[0]) == 1
+    plan_count[0] = 3
+    ops.post_request(box, counter, 2, plan_count, 1)
+    assert int(counter[0]) == 2 and int(box[mailbox.REQUEST]) == 2 and int(box[mailbox.CALL]) == 2
 
 
 def _poll(box, word, value, seconds=10.0):

@@ -5,14 +5,19 @@ graph runs the host channel without CUDA host functions.
 The mailbox `box` is pinned host memory, int64 [MAILBOX_WORDS]: REQUEST, the sequence number
 of the last request posted; CALL, the index of the call it asks for; DONE, the last request the
 worker finished (its own cache line); BAD_CALL, 1 once a request named no call. `counter` is
-device memory, int64 [2]: the last sequence number posted, and STALLED, 1 once a wait gave up.
+device memory, int64 [COUNTER_WORDS]: the last sequence number posted; STALLED, 1 once a wait
+gave up; CONFIRMED, the last sequence number a wait saw done.
 
-    post_request(box, counter, call_index): counter[0] += 1; box[CALL] = call_index; then
-        box[REQUEST] = counter[0], released after the CALL word (and after every write of
-        the kernels before it, which the worker then reads).
-    wait_done(box, counter, max_polls): returns once box[DONE] >= counter[0]; after
-        `max_polls` reads without that it gives up and sets counter[STALLED] = 1, so a worker
-        that is gone never hangs the GPU.
+    post_request(box, counter, call_index, work=None, at_least=0): counter[0] += 1; box[CALL] =
+        call_index; then box[REQUEST] = counter[0], released after the CALL word (and after
+        every write of the kernels before it, which the worker then reads). Given `work`
+        (integers on the device) it posts only if one of them is >= `at_least`: a call with
+        nothing to do (a layer's host route ids all -1, a copy plan's count 0) costs the
+        worker nothing, and its wait nothing.
+    wait_done(box, counter, max_polls): returns at once if counter[CONFIRMED] >= counter[0]
+        (nothing posted since the last wait), else once box[DONE] >= counter[0], recorded in
+        counter[CONFIRMED]; after `max_polls` reads without that it gives up and sets
+        counter[STALLED] = 1, so a worker that is gone never hangs the GPU.
 
 Requests go one at a time: a post follows the wait for the one before. The reference does the
 same on the host (a Python loop polls); the Triton kernels read the count on the device.
@@ -33,10 +38,10 @@ COUNTER_WORDS = 3
 MAX_POLLS = 1 << 26  # reads of the DONE word over PCIe (about a microsecond each): a minute or more
 
 
-def post_request(box: torch.Tensor, counter: torch.Tensor, call_index: int, routes: torch.Tensor | None = None, *,
-                 impl: str | None = None) -> None:
-    """`routes`: integer route ids, any shape, contiguous, on the counter's device."""
-    implementation("host_mailbox", counter, impl).post_request(box, counter, call_index, routes)
+def post_request(box: torch.Tensor, counter: torch.Tensor, call_index: int, work: torch.Tensor | None = None,
+                 at_least: int = 0, *, impl: str | None = None) -> None:
+    """`work`: integers, any shape, contiguous, on the counter's device."""
+    implementation("host_mailbox", counter, impl).post_request(box, counter, call_index, work, at_least)
 
 
 def wait_done(box: torch.Tensor, counter: torch.Tensor, max_polls: int = MAX_POLLS, *, impl: str | None = None) -> None:

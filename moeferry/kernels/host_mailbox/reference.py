@@ -7,8 +7,9 @@ import torch
 from moeferry.kernels.host_mailbox import CALL, CONFIRMED, DONE, REQUEST, STALLED
 
 
-def post_request(box: torch.Tensor, counter: torch.Tensor, call_index: int, routes: torch.Tensor | None = None) -> None:
-    if routes is not None and not bool((routes >= 0).any()):
+def post_request(box: torch.Tensor, counter: torch.Tensor, call_index: int, work: torch.Tensor | None = None,
+                 at_least: int = 0) -> None:
+    if work is not None and not bool((work >= at_least).any()):
         return
     counter[0] += 1
     box[CALL] = call_index

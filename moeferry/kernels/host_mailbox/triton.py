@@ -3,8 +3,8 @@ kernels/host_mailbox/__init__.py). The mailbox is pinned host memory, handed ove
 pointer (triton_common.kernel_argument); its words are
 read with volatile loads (every poll crosses PCIe) and the request is published by a
 system-scope release exchange, ordered after the CALL word and the kernels before it. A post
-given routes reads them on the device first, ROUTE_BLOCK ids a pass, and posts nothing if none
-is >= 0; a wait reads the mailbox only while its CONFIRMED word trails the sequence."""
+given work reads it on the device first, WORK_BLOCK values a pass, and posts nothing if none is
+>= at_least; a wait reads the mailbox only while its CONFIRMED word trails the sequence."""
 from __future__ import annotations
 
 import torch
@@ -15,22 +15,22 @@ from moeferry.kernels.host_mailbox import CALL, CONFIRMED, DONE, REQUEST, STALLE
 from moeferry.kernels.triton_common import kernel_argument, pdl_launch, wait_for_previous_kernel
 
 
-ROUTE_BLOCK = 256
+WORK_BLOCK = 256
 
 
-@triton.jit(do_not_specialize=["call_index", "num_routes"])
-def _post_request_kernel(box_ptr, counter_ptr, call_index, routes_ptr, num_routes, REQUEST_WORD: tl.constexpr,
-                         CALL_WORD: tl.constexpr, HAS_ROUTES: tl.constexpr, ROUTE_BLOCK: tl.constexpr,
+@triton.jit(do_not_specialize=["call_index", "num_work", "at_least"])
+def _post_request_kernel(box_ptr, counter_ptr, call_index, work_ptr, num_work, at_least, REQUEST_WORD: tl.constexpr,
+                         CALL_WORD: tl.constexpr, HAS_WORK: tl.constexpr, WORK_BLOCK: tl.constexpr,
                          PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
     post = True
-    if HAS_ROUTES:
-        routed = tl.zeros([ROUTE_BLOCK], dtype=tl.int32)
-        for start in range(0, num_routes, ROUTE_BLOCK):
-            offs = start + tl.arange(0, ROUTE_BLOCK)
-            ids = tl.load(routes_ptr + offs, mask=offs < num_routes, other=-1)
-            routed = tl.maximum(routed, (ids >= 0).to(tl.int32))
-        post = tl.max(routed, axis=0) > 0
+    if HAS_WORK:
+        found = tl.zeros([WORK_BLOCK], dtype=tl.int32)
+        for start in range(0, num_work, WORK_BLOCK):
+            offs = start + tl.arange(0, WORK_BLOCK)
+            values = tl.load(work_ptr + offs, mask=offs < num_work, other=at_least - 1)
+            found = tl.maximum(found, (values >= at_least).to(tl.int32))
+        post = tl.max(found, axis=0) > 0
     if post:
         sequence = tl.load(counter_ptr) + 1
         tl.store(counter_ptr, sequence)
@@ -55,11 +55,12 @@ def _wait_done_kernel(box_ptr, counter_ptr, max_polls, DONE_WORD: tl.constexpr, 
             tl.store(counter_ptr + CONFIRMED_WORD, target)
 
 
-def post_request(box: torch.Tensor, counter: torch.Tensor, call_index: int, routes: torch.Tensor | None = None) -> None:
-    has_routes = routes is not None
+def post_request(box: torch.Tensor, counter: torch.Tensor, call_index: int, work: torch.Tensor | None = None,
+                 at_least: int = 0) -> None:
+    has_work = work is not None
     _post_request_kernel[(1,)](kernel_argument(box, counter.is_cuda), counter, call_index,
-                               routes if has_routes else counter, routes.numel() if has_routes else 0,
-                               REQUEST_WORD=REQUEST, CALL_WORD=CALL, HAS_ROUTES=has_routes, ROUTE_BLOCK=ROUTE_BLOCK,
+                               work if has_work else counter, work.numel() if has_work else 0, at_least,
+                               REQUEST_WORD=REQUEST, CALL_WORD=CALL, HAS_WORK=has_work, WORK_BLOCK=WORK_BLOCK,
                                num_warps=1, **pdl_launch(counter.device))
 
 
