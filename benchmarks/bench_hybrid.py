@@ -81,6 +81,8 @@ def parse_args(argv):
     p.add_argument("--prefetch-experts", type=int, nargs="+", default=[0],
                    help="prefetch rows once per cap on a layer's predicted misses copied ahead "
                         "(--moe-prefetch-experts; 0: all)")
+    p.add_argument("--miss-copy", nargs="+", choices=["gather", "dma"], default=["gather"],
+                   help="offload and hybrid rows once per way of copying a layer's misses (--moe-miss-copy)")
     p.add_argument("--prefetch-copy", nargs="+", choices=["gather", "dma"], default=["dma"],
                    help="prefetch rows once per way of copying ahead (--moe-prefetch-copy; gather rows once per "
                         "--prefetch-programs)")
@@ -224,8 +226,12 @@ def decode_rows(config_dir, args, h2d) -> tuple[list[list], float]:
                       for recall in (args.oracle_recall if a == "oracle" else [None])
                       for way in (prefetch_ways(args) if a != "off" else [("dma", 0, 0)])]
         modes = host_channel_modes(args) if strategy in ("cpu", "hybrid") else [None]
-        for mode, (lookahead, recall, copy, programs, cap) in ((m, a) for m in modes for a in lookaheads):
+        misses = args.miss_copy if strategy in ("offload", "hybrid") else [None]
+        for mode, miss, (lookahead, recall, copy, programs, cap) in (
+                (m, c, a) for m in modes for c in misses for a in lookaheads):
             options = dict(zip(("moe_host_dispatch", "moe_host_staging", "moe_host_schedule"), mode[:3] if mode else ()))
+            if miss is not None:
+                options["moe_miss_copy"] = miss
             if mode and mode[3] is not None and strategy == "hybrid":
                 options["moe_host_share"] = mode[3]
             if lookahead != "off":
@@ -244,6 +250,7 @@ def decode_rows(config_dir, args, h2d) -> tuple[list[list], float]:
                 engine.runner.recapture_graphs()  # the graphs bake in the router hooks and the pool
                 label = "hybrid, one layer of slots" if strategy == "hybrid" and share == 0.0 else strategy
                 label += mode_label(args, mode) if mode else ""
+                label += f", misses by {miss}" if miss is not None and len(args.miss_copy) > 1 else ""
                 label += prefetch_label(lookahead, recall) + (f", gather on {programs} programs" if programs else "")
                 label += ", gather" if copy == "gather" and len(args.prefetch_copy) > 1 else ""
                 label += f", at most {cap} a layer" if cap else ""
@@ -545,6 +552,7 @@ def main(argv, args) -> int:
         prefetch = args.prefetch != ["off"]
         report(routed_section("hybrid/decode", args.routing) + ("/prefetch" if prefetch else "")
                + ("/host-share" if args.host_share != [None] else "")
+               + ("/miss-copy" if args.miss_copy != ["gather"] else "")
                + (f"/{args.quantization}" if args.quantization else ""),
                f"Decode with {'the lookahead prefetch' if prefetch else 'the host channel'}, routing {args.routing}",
                command,

@@ -67,7 +67,8 @@ CHOICES = {"load_format": lambda: LOAD_FORMATS, "device": lambda: DEVICES, "dtyp
            "moe_host_activations": _choices("moeferry.kernels.fused_moe.host", "ACTIVATIONS_PRECISIONS"),
            "moe_uva_block_assignment": _choices("moeferry.kernels.fused_moe", "BLOCK_ASSIGNMENTS"),
            "moe_prefetch": _choices("moeferry.moe.prefetch", "PREFETCH_MODES"),
-           "moe_prefetch_copy": _choices("moeferry.moe.prefetch", "PREFETCH_COPIES")}
+           "moe_prefetch_copy": _choices("moeferry.moe.prefetch", "PREFETCH_COPIES"),
+           "moe_miss_copy": _choices("moeferry.moe.stores", "MISS_COPIES")}
 
 
 def flag(name: str) -> str:
@@ -134,6 +135,7 @@ READ_BY = {
     "moe_prefetch": ("moe_strategy", ("offload", "hybrid")),
     "moe_prefetch_programs": ("moe_prefetch", ("router", "fitted")),
     "moe_prefetch_copy": ("moe_prefetch", ("router", "fitted")),
+    "moe_miss_copy": ("moe_strategy", ("offload", "hybrid")),
     "moe_prefetch_experts": ("moe_prefetch", ("router", "fitted")),
     "moe_prefetch_predictor": ("moe_prefetch", ("fitted",)),
     "moe_tuner_period": ("moe_strategy", ("hybrid",)),
@@ -317,6 +319,11 @@ class EngineConfig:
                                                       "dma (the copy engine, issued by a worker thread, so the SMs "
                                                       "stay with the compute) or gather (the gather kernel on a "
                                                       "side stream)")
+    moe_miss_copy: str = option("gather", DEVELOPER, "offload or hybrid on a GPU: how a layer's missed experts "
+                                                     "are copied into their slots: gather (the gather kernel, "
+                                                     "every SM reading pinned memory) or dma (the copy engine, one "
+                                                     "DMA copy a row issued by a worker thread; the gather where "
+                                                     "there is no GPU)")
     moe_timeline: bool = option(False, DEVELOPER, "hybrid: stamp the points of every decode MoE layer inside the "
                                                   "decode graph, read back by benchmarks (moe/timeline.py)")
     moe_tuner_period: int = option(8, DEVELOPER, "hybrid: decode steps between two updates of the host's share "

@@ -14,8 +14,9 @@
 # cap on the misses copied ahead, the host kernel per format), step (the resident step: the decode
 # profile with async scheduling on and off, int4's int8 route GEMV against its fp32 one), goals (the
 # decode tables the offloading goals are stated on, one call: every share at 1 and 4 requests under
-# qwen3 and uniform routing, bf16 and int4, the perfect-oracle lookahead, and the copy bandwidths of
-# this host, whose SM gather may trail its DMA), gpt-oss-mxfp4 (the gpt-oss-20b shape, 24 layers of MXFP4
+# qwen3 and uniform routing, bf16 and int4, the perfect-oracle lookahead), miss-copy (this host's copy
+# bandwidths, and offload and hybrid with their misses copied by the gather kernel and by the copy
+# engine, side by side: a host's SM gather may trail its DMA), gpt-oss-mxfp4 (the gpt-oss-20b shape, 24 layers of MXFP4
 # experts, at 0-100% resident under gpu, offload and hybrid), gpt-oss-peer (llama.cpp built from
 # .peer/llamacpp-src.tgz into /tmp/lcbuild, about 4.5 minutes, then llama-bench on the same shape at
 # --n-cpu-moe 24 18 12 6 0; the tarball from the llama-cpp-python 0.3.36 sdist, carried in .peer/, which
@@ -81,6 +82,11 @@ has prefill && run bench-prefill python3 -m benchmarks.bench_prefill --results "
 has routing && run bench-routing python3 -m benchmarks.bench_routing --results "$RESULTS" "$CURRENT"
 has uva && run bench-uva python3 -m benchmarks.bench_uva --results "$RESULTS" "$CURRENT"
 has deepseek && run bench-deepseek python3 -m benchmarks.bench_deepseek --layers 3 --results "$RESULTS" "$CURRENT"
+if has miss-copy; then
+  run bench-copy python3 -m benchmarks.bench_copy --results "$RESULTS" "$CURRENT"
+  run bench-miss-copy python3 -m benchmarks.bench_hybrid --parts decode --shares 0.25 0.5 0.75 --batch 1 4 \
+    --routing qwen3 --miss-copy gather dma --repeats 1 --results "$RESULTS" "$CURRENT"
+fi
 has gpt-oss && run bench-gpt-oss python3 -m benchmarks.bench_gpt_oss --results "$RESULTS" "$CURRENT"
 has gpt-oss-mxfp4 && run bench-gpt-oss-mxfp4 python3 -m benchmarks.bench_gpt_oss --layers 24 --quantization mxfp4 \
   --strategies gpu offload hybrid --cache-fracs 0 0.25 0.5 0.75 --batch 1 4 --repeats 1 --results "$RESULTS" "$CURRENT"
@@ -114,7 +120,6 @@ if has step; then
     --step 32 128 --warps 4
 fi
 if has goals; then
-  run bench-copy python3 -m benchmarks.bench_copy --results "$RESULTS" "$CURRENT"
   shares=(--shares 0 0.1 0.25 0.5 0.75 1.0 --batch 1 4 --repeats 1)
   run bench-goals-qwen3 python3 -m benchmarks.bench_hybrid --parts decode "${shares[@]}" --routing qwen3 \
     --results "$RESULTS" "$CURRENT"

@@ -14,8 +14,8 @@ CUDA graph, no host sync):
              layer's slots stay out of the candidates (kernels/admission/reference.py: never
              evicted while it computes); under a route split only the device channel's part
              (`ahead_part`), at most --moe-prefetch-experts misses; their copies posted to the
-             copy engine (--moe-prefetch-copy dma, kernels/gather_copy/copy_engine.py) or
-             forked onto a side stream as a gather (gather)
+             store's copy engine (--moe-prefetch-copy dma, SlotStore.copy_engine) or forked
+             onto a side stream as a gather (gather)
     compute  this layer's fused MoE on the main stream, beside the copies
 
 A wrong prediction costs copies, never correctness: the next layer's own admission finds what
@@ -136,8 +136,7 @@ class Prefetch:
         # hybrid: which predicted experts the device channel fetches, (moe layer, ids) -> ids with
         # -1 for those left to the host when the layer routes (moe/split_policy.py device_part)
         self.ahead_part: Callable[[int, torch.Tensor], torch.Tensor] | None = None
-        self.copier = None  # a CopyEngine over the store's current pool (--moe-prefetch-copy dma on a GPU)
-        self._copier_key = None  # the pool's addresses and the plan's size it was started for
+        self.on_copy_engine = False  # the last lookahead's copies went to the store's copy engine
         self.in_flight = False  # copies started (side stream or copy engine) and not yet joined
         self.next_layer: dict[int, int] = {}  # model layer id -> the next MoE layer's, whose experts it predicts
 
@@ -168,19 +167,11 @@ class Prefetch:
         """The current stream waits for the lookahead copies in flight, if any were started (a
         capture may only wait on a side stream that joined it)."""
         if self.in_flight:
-            if self.copier is not None:
-                self.copier.wait()
+            if self.on_copy_engine:
+                self.store.copy_engine().wait()
             elif self.stream is not None:
                 torch.cuda.current_stream().wait_stream(self.stream)
         self.in_flight = False
-
-    def check(self) -> None:
-        """Raise EngineFailed if a lookahead copy went wrong (its slots would hold stale rows):
-        reads pinned memory only, no device sync."""
-        from moeferry.errors import EngineFailed
-
-        if self.copier is not None and self.copier.error_code():
-            raise EngineFailed(f"lookahead prefetch: {self.copier.failed()}")
 
     def observe(self, layer_id: int, topk_ids: torch.Tensor) -> None:
         """Count a layer's routes against its prediction (the first MoE layer, which nothing
@@ -206,7 +197,8 @@ class Prefetch:
         if self.stream is None:
             self.store.copy_ahead(nxt, self.tuning)
             return
-        copier = self._copy_engine()
+        copier = self.store.copy_engine() if self.copy == "dma" else None
+        self.on_copy_engine = copier is not None
         if copier is not None:
             copier.post(moe_layer, cache.ahead_plan)
         else:
@@ -214,25 +206,6 @@ class Prefetch:
             with torch.cuda.stream(self.stream):
                 self.store.copy_ahead(nxt, self.tuning)
         self.in_flight = True
-
-    def _copy_engine(self):
-        """The copy engine over the store's current pool under --moe-prefetch-copy dma (started
-        again after the pool was rebuilt: its table holds the pool's addresses), else None."""
-        from moeferry.kernels.gather_copy import copy_engine
-
-        if self.copy != "dma" or not copy_engine.available(self.store.device):
-            return None
-        pool = self.store.pool.tensors()
-        key = (tuple(t.data_ptr() for t in pool), self.store.cache.ahead_plan.numel())
-        if self.copier is None or self._copier_key != key:
-            if torch.cuda.is_current_stream_capturing():  # graph capture runs eager warm-ups first
-                raise RuntimeError("the prefetch's copy engine starts in an eager forward, not inside a capture")
-            if self.copier is not None:
-                self.copier.close()
-            host = [self.store.banks[layer].tensors() for layer in sorted(self.store.banks)]
-            self.copier = copy_engine.CopyEngine(host, pool, (key[1] - 1) // 2, self.store.device)
-            self._copier_key = key
-        return self.copier
 
     def _capped(self, moe_layer: int, ids: torch.Tensor) -> torch.Tensor:
         """`ids` [T, width] (each row best first) with every predicted miss past the first
@@ -257,7 +230,7 @@ class Prefetch:
 
     def stats(self) -> dict:
         out = {"mode": self.mode, "predictor": "given" if self.given is not None else self.mode,
-               "copy": "dma" if self.copier is not None else "gather"}
+               "copy": "dma" if self.on_copy_engine else "gather"}
         if self.counts is not None:
             out.update(self.counts.snapshot(self.store.expert_bytes))
         return {"prefetch": out}

@@ -35,6 +35,8 @@ from moeferry.moe.slot_cache import DEFAULT_MAX_ROUTES, SlotCache
 
 logger = logging.getLogger(__name__)
 
+MISS_COPIES = ("gather", "dma")  # how a slot store copies a layer's missed experts (--moe-miss-copy)
+
 
 class ExpertStore:
     """The banks of every MoE layer and what is derived from them. The set of banks is fixed
@@ -115,6 +117,10 @@ class ExpertStore:
     def residency(self) -> torch.Tensor | None:
         """slot_of [L, E] (-1: not on the device) where a slot cache decides it; None otherwise."""
         return None
+
+    def check(self) -> None:
+        """Raise EngineFailed if the store's copies went wrong (a copy engine request failed or
+        its wait gave up: slots would hold stale rows); host state only, no device sync."""
 
     def restart(self) -> None:
         """Back to the state after `finalize`, statistics zeroed (a measured run starts here)."""
@@ -214,8 +220,11 @@ class SlotStore(ExpertStore):
     def __init__(self, engine_config, model_config, widest_demand_chunk: int):
         super().__init__(engine_config, model_config)
         self.widest_demand_chunk = widest_demand_chunk
+        self.miss_copy = engine_config.moe_miss_copy
         self.cache: SlotCache | None = None
         self.pool: ExpertBanks | None = None
+        self._copier = None  # the copy engine over the current pool, once a copy needed it
+        self._copier_key = None  # the pool's addresses and the plan's size it was started for
 
     @property
     def holds_all(self) -> bool:
@@ -265,12 +274,47 @@ class SlotStore(ExpertStore):
         self._warm_start()
 
     def locate(self, layer_id, topk_ids, phase):
-        """Admit the routes' experts (ids -1 are left out) and copy the misses into their slots:
-        the pool and the routes' slot ids (-1 where the id was)."""
-        host = self.banks[layer_id]
-        slot_ids = self.cache.load_experts(self.moe_layer_of[layer_id], topk_ids, host.tensors(), self.pool.tensors(),
-                                           phase=phase)
+        """Admit the routes' experts (ids -1 are left out) and copy the misses into their slots
+        (--moe-miss-copy: the gather kernel, or the copy engine, waited for at once): the pool
+        and the routes' slot ids (-1 where the id was)."""
+        moe_layer = self.moe_layer_of[layer_id]
+        copier = self.copy_engine() if self.miss_copy == "dma" else None
+        if copier is None:
+            slot_ids = self.cache.load_experts(moe_layer, topk_ids, self.banks[layer_id].tensors(),
+                                               self.pool.tensors(), phase=phase)
+        else:
+            slot_ids = self.cache.admit(moe_layer, topk_ids, phase)
+            copier.post(moe_layer, self.cache.plan)
+            copier.wait()
         return self.pool, slot_ids
+
+    def copy_engine(self):
+        """The copy engine (kernels/gather_copy/copy_engine.py) over the current pool, or None
+        where there is none (no CUDA device, no C++ compiler). One serves the demand copies and
+        the lookahead's (moe/prefetch.py): a layer joins its lookahead before it admits, so one
+        request at most is in flight. Started from an eager forward on first use, and again
+        once the pool was rebuilt (its table holds the pool's addresses)."""
+        from moeferry.kernels.gather_copy import copy_engine
+
+        if not copy_engine.available(self.device):
+            return None
+        pool = self.pool.tensors()
+        key = (tuple(t.data_ptr() for t in pool), self.cache.plan.numel())
+        if self._copier is None or self._copier_key != key:
+            if torch.cuda.is_current_stream_capturing():  # graph capture runs eager warm-ups first
+                raise RuntimeError("the copy engine starts in an eager forward, not inside a capture")
+            if self._copier is not None:
+                self._copier.close()
+            host = [self.banks[layer].tensors() for layer in sorted(self.banks)]
+            self._copier = copy_engine.CopyEngine(host, pool, (key[1] - 1) // 2, self.device)
+            self._copier_key = key
+        return self._copier
+
+    def check(self) -> None:
+        from moeferry.errors import EngineFailed
+
+        if self._copier is not None and self._copier.error_code():
+            raise EngineFailed(f"expert copies: {self._copier.failed()}")
 
     def copy_ahead(self, layer_id: int, tuning: GatherTuning = GatherTuning()) -> None:
         """Copy the last lookahead admission's misses (moe/prefetch.py) of layer `layer_id`."""

@@ -132,11 +132,10 @@ class MoEStrategy:
 
     def begin_decode_step(self) -> None:
         """Called on the host before every decode step, a graph's replay or an eager forward
-        alike: host-side bookkeeping only (a failed lookahead copy raises EngineFailed here)."""
+        alike: host-side bookkeeping only (a failed copy engine request raises EngineFailed here)."""
         if self.split is not None:
             self.split.decode_step()
-        if self.prefetch is not None:
-            self.prefetch.check()
+        self.store.check()
 
     def restart_cache(self) -> None:
         """Back to the state after `finalize`, statistics zeroed, in place (captured graphs stay

@@ -82,3 +82,29 @@ def test_host_rows_run_once_per_dispatch_schedule_and_share_and_say_which():
     shares = bench_hybrid.parse_args(["--host-share", "tuned", "0.5"])
     assert [bench_hybrid.mode_label(shares, m) for m in bench_hybrid.host_channel_modes(shares)] == [
         ", host share tuned", ", host share 0.5"]
+
+
+def test_miss_copy_rows_reach_the_slot_cache_strategies_and_say_which(monkeypatch):
+    """--miss-copy gather dma runs every offload and hybrid row once per way (the engine's
+    --moe-miss-copy), labelled so; cpu and gpu rows run once, without it."""
+    from types import SimpleNamespace
+
+    made, labels = [], []
+
+    def fake_engine(config_dir, args, strategy, **options):
+        made.append((strategy, options.get("moe_miss_copy")))
+        store = SimpleNamespace(build_cache=lambda slots: None)
+        strategy_part = SimpleNamespace(store=store, host=None, expert_bytes=1, prefetch=None)
+        return SimpleNamespace(runner=SimpleNamespace(strategy=strategy_part, recapture_graphs=lambda: None))
+
+    monkeypatch.setattr(bench_hybrid, "make_engine", fake_engine)
+    monkeypatch.setattr(bench_hybrid, "force_routing", lambda *a, **k: None)
+    monkeypatch.setattr(bench_hybrid, "share_slots", lambda engine, share: 1)
+    monkeypatch.setattr(bench_hybrid, "free_engine_memory", lambda: None)
+    monkeypatch.setattr(bench_hybrid, "decode_row", lambda engine, args, label, *rest: labels.append(label) or [label])
+    args = bench_hybrid.parse_args(["--shares", "0", "0.5", "1", "--batch", "1", "--miss-copy", "gather", "dma"])
+    bench_hybrid.decode_rows("unused", args, h2d=1.0)
+    assert made == [("cpu", None), ("offload", "gather"), ("offload", "dma"), ("hybrid", "gather"),
+                    ("hybrid", "dma"), ("gpu", None)]
+    assert "offload, misses by dma" in labels and "hybrid, misses by gather" in labels and "gpu" in labels
+    assert bench_hybrid.parse_args([]).miss_copy == ["gather"]

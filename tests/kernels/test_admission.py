@@ -200,6 +200,18 @@ def test_layers_wider_than_one_expert_block(device):
     assert int(ref_state.plan_count) > 0 and int((ref_state.owner_of >= 1100).sum()) > 0
 
 
+def test_the_plan_is_one_buffer_of_count_sources_destinations(device):
+    """The copy engine stages `plan` in one copy: the admission's count, sources and
+    destinations are its words 0, 1..P and P+1..2P, in both implementations."""
+    ref_state, tri_state = twin_states(2, 8, 12, 16, "lru", device=device)
+    run_both(ref_state, tri_state, 1, torch.tensor([3, 5, 7], device=device))
+    for state in (ref_state, tri_state):
+        plan, size = state.plan, state.plan_src.numel()
+        assert plan.numel() == 1 + 2 * size and int(plan[0]) == 3
+        assert torch.equal(plan[1:4], torch.tensor([3, 5, 7], dtype=torch.int32, device=device))
+        assert torch.equal(plan[1 + size:4 + size], state.plan_dst[:3])
+
+
 def test_empty_call_only_advances_the_clock(device):
     ref_state, tri_state = twin_states(1, 4, 4, 8, "lrfu", device=device)
     run_both(ref_state, tri_state, 0, torch.tensor([2, 3], device=device))

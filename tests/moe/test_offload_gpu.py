@@ -79,8 +79,10 @@ def test_offload_step_replays_as_a_cuda_graph_from_a_cold_cache():
     dict(moe_strategy="offload", moe_cache_slots=32),
     dict(moe_strategy="offload", moe_prefill_demand_tokens=64),
     dict(moe_strategy="offload", moe_cache_slots=32, disable_cuda_graph=True),
+    dict(moe_strategy="offload", moe_cache_slots=32, moe_miss_copy="dma"),
+    dict(moe_strategy="offload", moe_prefill_demand_tokens=64, moe_miss_copy="dma"),
     dict(moe_strategy="uva"),
-], ids=["offload-one-layer", "offload-demand", "offload-eager", "uva"])
+], ids=["offload-one-layer", "offload-demand", "offload-eager", "offload-dma", "offload-demand-dma", "uva"])
 def test_strategies_generate_what_gpu_generates(options):
     from moeferry import LLM, SamplingParams
     from moeferry.default_model import ensure_default_model

@@ -278,6 +278,25 @@ def test_prefetch_in_the_decode_graph_generates_what_gpu_generates(strategy, cop
     assert torch.cuda.current_stream().query()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", ["offload", "hybrid"])
+def test_demand_and_lookahead_copies_share_one_copy_engine(strategy, tmp_path):
+    """--moe-miss-copy dma with the lookahead on the copy engine: one engine serves both (a
+    layer joins its lookahead before its own copies), and the tokens are gpu's."""
+    path = str(tmp_path / "ckpt")
+    config = dict(FAMILIES)["qwen3_moe"]
+    make_checkpoint(config, path)
+    want = tokens(LLM(path, dtype="bfloat16"))
+    extra = {"moe_host_share": 0.5} if strategy == "hybrid" else {}
+    llm = LLM(path, dtype="bfloat16", moe_strategy=strategy, moe_cache_slots=2 * config.num_experts,
+              moe_prefetch="router", moe_prefetch_copy="dma", moe_miss_copy="dma", moe_collect_stats=True, **extra)
+    assert tokens(llm) == want
+    store = llm.engine.runner.strategy.store
+    assert store.copy_engine() is not None and store.stats()["decode"]["total"]["misses"] > 0
+    assert llm.engine.runner.strategy.stats()["prefetch"]["copy"] == "dma"
+    assert torch.cuda.current_stream().query()
+
+
 def test_a_capped_lookahead_gather_copies_the_same_rows(tmp_path):
     """--moe-prefetch-programs caps the grid of the gather that copies ahead: the same experts
     arrive, the tokens are gpu's; a negative cap, or one without a prefetch, is refused."""
@@ -344,3 +363,22 @@ def test_fitted_prefetch_refuses_a_missing_or_foreign_predictors_file(tmp_path):
     bad.write_bytes(b"not a safetensors file")
     with pytest.raises(ConfigError, match="not a predictors file"):
         prefetching(path, config.num_experts, moe_prefetch="fitted", moe_prefetch_predictor=str(bad))
+
+
+def test_the_miss_copy_is_refused_where_nothing_reads_it_and_a_cpu_gathers(tmp_path):
+    """--moe-miss-copy belongs to the slot-cache strategies; on a CPU, with no copy engine,
+    dma copies by the gather and the tokens are gpu's."""
+    path = str(tmp_path / "ckpt")
+    config = dict(FAMILIES)["qwen3_moe"]
+    make_checkpoint(config, path)
+    for strategy in ("gpu", "uva", "cpu"):
+        with pytest.raises(ConfigError, match="--moe-miss-copy"):
+            LLM(path, dtype="float32", device="cpu", moe_strategy=strategy, moe_miss_copy="dma")
+    with pytest.raises(ConfigError, match="--moe-miss-copy"):
+        LLM(path, dtype="float32", device="cpu", moe_strategy="offload", moe_miss_copy="rdma")
+    want = tokens(LLM(path, dtype="float32", device="cpu"))
+    llm = LLM(path, dtype="float32", device="cpu", moe_strategy="offload", moe_cache_slots=config.num_experts,
+              moe_miss_copy="dma", moe_collect_stats=True)
+    assert tokens(llm) == want
+    store = llm.engine.runner.strategy.store
+    assert store.copy_engine() is None and store.stats()["decode"]["total"]["misses"] > 0

@@ -51,10 +51,11 @@ class SlotState:
     Maps: ``slot_of[L, E]`` int32, ``owner_of[S]`` int32 (flat ``moe_layer * E + e``),
     ``last_used[S]`` int64, ``score[S]`` float32 (LRFU only, kept at 0 under LRU),
     ``clock[1]`` int64. Plan: ``plan_src[P]``, ``plan_dst[P]`` int32, ``plan_count[1]`` int32
-    with ``P = min(E, max_routes)``; a lookahead admission's own plan ``ahead_src``,
-    ``ahead_dst[P]``, ``ahead_count[1]`` (its copies run beside the next call's, so they
-    never share a plan), views of one buffer ``ahead_plan[1 + 2P]`` (count, sources,
-    destinations: kernels/gather_copy/copy_engine.py's plan, staged to the host in one copy).
+    with ``P = min(E, max_routes)``, views of one buffer ``plan[1 + 2P]`` (count, sources,
+    destinations: kernels/gather_copy/copy_engine.py's plan, staged to the host in one copy);
+    a lookahead admission's own plan ``ahead_src``, ``ahead_dst[P]``, ``ahead_count[1]``,
+    views of ``ahead_plan[1 + 2P]`` alike (its copies run beside the next call's, so they
+    never share a plan).
     Output: ``slot_ids[max_routes]`` int32. Scratch for the Triton kernel (the reference does
     not touch it): ``expert_mark[E]`` int64,
     ``slot_key[S]`` int64, ``victim_key[P]`` int64, ``victim_slot[P]`` int32,
@@ -69,6 +70,7 @@ class SlotState:
     plan_src: torch.Tensor
     plan_dst: torch.Tensor
     plan_count: torch.Tensor
+    plan: torch.Tensor
     ahead_src: torch.Tensor
     ahead_dst: torch.Tensor
     ahead_count: torch.Tensor
@@ -93,6 +95,7 @@ class SlotState:
         def buf(n, dtype, fill=0):
             return torch.full(n, fill, dtype=dtype, device=device)
 
+        plan = buf((1 + 2 * plan_size,), torch.int32)
         ahead_plan = buf((1 + 2 * plan_size,), torch.int32)
         return cls(
             slot_of=buf((num_layers, num_experts), torch.int32, -1),
@@ -100,9 +103,10 @@ class SlotState:
             last_used=buf((num_slots,), torch.int64, -1),
             score=buf((num_slots,), torch.float32),
             clock=buf((1,), torch.int64),
-            plan_src=buf((plan_size,), torch.int32),
-            plan_dst=buf((plan_size,), torch.int32),
-            plan_count=buf((1,), torch.int32),
+            plan_src=plan[1:1 + plan_size],
+            plan_dst=plan[1 + plan_size:],
+            plan_count=plan[:1],
+            plan=plan,
             ahead_src=ahead_plan[1:1 + plan_size],
             ahead_dst=ahead_plan[1 + plan_size:],
             ahead_count=ahead_plan[:1],

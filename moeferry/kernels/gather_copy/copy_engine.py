@@ -12,7 +12,8 @@ arrives. The SM gather (triton.py) reads host memory with loads from every SM, w
 kernel running beside it several-fold; the copy engine leaves the SMs to the compute (RESULTS
 copy/beside-compute).
 
-The lookahead prefetch copies through it by default (moe/prefetch.py, --moe-prefetch-copy).
+The lookahead prefetch copies through it by default (moe/prefetch.py, --moe-prefetch-copy), and a
+slot store's demand copies under --moe-miss-copy dma (moe/stores.py SlotStore.copy_engine).
 The main thread must not read results back with a pageable copy while a graph waits on the
 worker: that read blocks in the driver and stalls the worker's calls (the engine's sampler
 reads through pinned memory and an event; tests/kernels/test_copy_engine.py).
@@ -97,11 +98,12 @@ class CopyEngine:
 
     def post(self, layer: int, plan: torch.Tensor) -> None:
         """Copy `plan`'s rows (int32 [1 + 2P] on the device) of MoE layer `layer`'s host banks:
-        the plan staged to pinned memory, then the request posted, both on the current stream."""
+        the plan staged to pinned memory, then the request posted, both on the current stream;
+        a plan of no rows posts nothing (its wait returns at once)."""
         if plan.numel() != self.plan.numel():
             raise ValueError(f"a plan of {plan.numel()} words for a copy engine of {self.plan.numel()}")
         self.plan.copy_(plan, non_blocking=True)
-        host_mailbox.post_request(self.box, self.counter, layer)
+        host_mailbox.post_request(self.box, self.counter, layer, plan[:1], 1)
 
     def wait(self, max_polls: int = host_mailbox.MAX_POLLS) -> None:
         """The current stream waits until the last posted request's copies have landed (or
