@@ -301,7 +301,7 @@ class SlotStore(ExpertStore):
         pool = self.pool.tensors()
         key = (tuple(t.data_ptr() for t in pool), self.cache.plan.numel())
         if self._copier is None or self._copier_key != key:
-            if torch.cuda.is_current_stream_capturing():  # graph capture runs eager warm-ups first
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # eager warm-ups come first
                 raise RuntimeError("the copy engine starts in an eager forward, not inside a capture")
             if self._copier is not None:
                 self._copier.close()

@@ -382,3 +382,45 @@ def test_the_miss_copy_is_refused_where_nothing_reads_it_and_a_cpu_gathers(tmp_p
     assert tokens(llm) == want
     store = llm.engine.runner.strategy.store
     assert store.copy_engine() is None and store.stats()["decode"]["total"]["misses"] > 0
+
+
+class _CopyEngineHere:
+    """kernels/gather_copy/copy_engine.py's CopyEngine, its worker's copies done in `post`."""
+
+    def __init__(self, host_banks, slot_banks, capacity, device):
+        self.host_banks, self.slot_banks, self.capacity = host_banks, slot_banks, capacity
+        self.posted = []
+
+    def post(self, layer, plan):
+        count = int(plan[0])
+        self.posted.append((layer, count))
+        src, dst = plan[1:1 + count].long(), plan[1 + self.capacity:1 + self.capacity + count].long()
+        for host, slot in zip(self.host_banks[layer], self.slot_banks):
+            slot[dst] = host[src]
+
+    def wait(self):
+        pass
+
+    def error_code(self):
+        return 0
+
+
+def test_demand_copies_on_a_copy_engine_give_gpus_tokens(tmp_path, monkeypatch):
+    """The dma way's wiring, its engine's copies done in place: the admission's one-buffer
+    plan, the host banks in MoE-layer order, copies before the fused MoE; every miss of a
+    layer comes from its own posts."""
+    from moeferry.kernels.gather_copy import copy_engine
+
+    path = str(tmp_path / "ckpt")
+    config = dict(FAMILIES)["qwen3_moe"]
+    make_checkpoint(config, path)
+    want = tokens(LLM(path, dtype="float32", device="cpu"))
+    monkeypatch.setattr(copy_engine, "available", lambda device: True)
+    monkeypatch.setattr(copy_engine, "CopyEngine", _CopyEngineHere)
+    llm = LLM(path, dtype="float32", device="cpu", moe_strategy="offload", moe_cache_slots=config.num_experts,
+              moe_miss_copy="dma", moe_collect_stats=True)
+    assert tokens(llm) == want
+    store = llm.engine.runner.strategy.store
+    posted = store.copy_engine().posted
+    misses = store.stats()["decode"]["total"]["misses"] + store.stats()["prefill"]["total"]["misses"]
+    assert misses > 0 and sum(count for _, count in posted) == misses
