@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from moeferry.kernels.gather_copy import GatherTuning
+from moeferry.kernels.gather_copy import GatherTuning, copy_engine
 from moeferry.moe.predictors import FittedPredictors
 
 PREFETCH_MODES = ("off", "router", "fitted")
@@ -136,7 +136,7 @@ class Prefetch:
         # hybrid: which predicted experts the device channel fetches, (moe layer, ids) -> ids with
         # -1 for those left to the host when the layer routes (moe/split_policy.py device_part)
         self.ahead_part: Callable[[int, torch.Tensor], torch.Tensor] | None = None
-        self.on_copy_engine = False  # the last lookahead's copies went to the store's copy engine
+        self.on_copy_engine = False  # lookahead copies go to the store's copy engine (set at finalize)
         self.in_flight = False  # copies started (side stream or copy engine) and not yet joined
         self.next_layer: dict[int, int] = {}  # model layer id -> the next MoE layer's, whose experts it predicts
 
@@ -150,6 +150,7 @@ class Prefetch:
         if self.mode == "fitted":
             self.predictors = fitted_predictors(self.predictor_path, order[1:], store.model_config, device)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.on_copy_engine = self.stream is not None and self.copy == "dma" and copy_engine.available(device)
         self.set_statistics(self.collect_stats)
 
     def set_statistics(self, on: bool) -> None:
@@ -197,10 +198,8 @@ class Prefetch:
         if self.stream is None:
             self.store.copy_ahead(nxt, self.tuning)
             return
-        copier = self.store.copy_engine() if self.copy == "dma" else None
-        self.on_copy_engine = copier is not None
-        if copier is not None:
-            copier.post(moe_layer, cache.ahead_plan)
+        if self.on_copy_engine:
+            self.store.copy_engine().post(moe_layer, cache.ahead_plan)
         else:
             self.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream):
