@@ -207,17 +207,21 @@ def add_model_positional(parser: argparse.ArgumentParser) -> None:
 
 def _cmd_routing_simulate(args) -> int:
     """A recorded trace replayed through the slot cache at each size and policy (routing/simulate.py)."""
-    from moeferry.routing.simulate import SimulationError, cache_sizes, h2d_bandwidth, report
+    from moeferry.routing.simulate import HostSplit, SimulationError, cache_sizes, h2d_bandwidth, report
     from moeferry.routing.trace import RoutingTrace, TraceError
 
     if not (args.cache_gb or args.cache_slots or args.cache_fraction):
         raise UsageError("give at least one cache size: --cache-gb, --cache-slots or --cache-fraction")
+    if args.host_share is None and args.hot_reuse != [0.0]:
+        raise UsageError("--hot-reuse is read only with --host-share (a hybrid split)")
+    hosts = [None] + ([HostSplit(args.host_share, f) for f in args.hot_reuse] if args.host_share is not None else [])
     try:
         trace = RoutingTrace.read(args.trace)
         sizes = cache_sizes(trace.header, args.cache_gb, args.cache_slots, args.cache_fraction)
         results = []
         print(report(trace, sizes, args.policy, h2d=h2d_bandwidth(args.h2d_gbps), step_ms=args.step_ms,
-                     lrfu_decay=args.lrfu_decay, prefill_demand_tokens=args.prefill_demand_tokens, results=results))
+                     lrfu_decay=args.lrfu_decay, prefill_demand_tokens=args.prefill_demand_tokens, hosts=hosts,
+                     results=results))
     except (TraceError, SimulationError) as exc:
         raise UsageError(str(exc)) from None
     if args.plot:
@@ -334,6 +338,11 @@ def add_routing_commands(sub) -> None:
                      help="host-to-device GB/s (default: measured on this GPU, else 55, an H200's pinned H2D)")
     sim.add_argument("--step-ms", type=bounded(float, 0.0), default=None,
                      help="compute ms per decode step (default: the trace's own times if recorded under gpu)")
+    sim.add_argument("--host-share", type=bounded(float, 0.0, 1.0), default=None,
+                     help="also replay hybrid's route split: the host computes this share of each decode layer's "
+                          "misses (as --moe-host-share), the rest copied and admitted (default: offload rows only)")
+    sim.add_argument("--hot-reuse", type=bounded(float, 0.0), nargs="+", default=[0.0],
+                     help="with --host-share: hybrid rows once per --moe-host-hot-reuse")
     sim.add_argument("--plot", default=None, metavar="PNG",
                      help="also write the decode hit rate by cache size, one curve per policy, to this PNG "
                           "(needs matplotlib; default: none)")

@@ -11,6 +11,11 @@ offload's demand prefill), or, given `prefill_demand_tokens=N`, when it has at m
 (--moe-prefill-demand-tokens N; 0: every prefill streams; "auto" is not simulated). A streamed
 prefill never touches the engine's cache, so it is skipped here too.
 
+With a `HostSplit` (`--host-share`, `hybrid`): each decode layer's routes first go through the
+hybrid strategy's own route split (kernels/route_split, its reference), the host taking that
+share of the misses (no fixed cost: --moe-host-share's rule) and, with hot_reuse, none of the
+hot ones; only the device's routes are admitted. The host's experts are counted, not timed.
+
 Prediction (`moeferry routing simulate`; a model, not a measurement):
 
     decode time            = compute time + missed decode bytes / H2D bandwidth
@@ -38,6 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from moeferry.kernels.route_split import new_recency, split_routes, split_values
 from moeferry.moe.slot_cache import slots_for_gb
 from moeferry.moe.slot_cache import DEFAULT_MAX_ROUTES, SlotCache
 from moeferry.routing.trace import RoutingTrace, TraceHeader, TraceStep
@@ -50,6 +56,19 @@ _GIB = 2**30
 
 class SimulationError(ValueError):
     """A simulation the trace cannot answer (a cache under one layer's experts, ...)."""
+
+
+@dataclass(frozen=True)
+class HostSplit:
+    """The hybrid strategy's split, replayed: the host's share of a layer's misses
+    (--moe-host-share) and --moe-host-hot-reuse."""
+
+    share: float
+    hot_reuse: float = 0.0
+
+    @property
+    def label(self) -> str:
+        return f"hybrid {self.share:g}" + (f", hot reuse {self.hot_reuse:g}" if self.hot_reuse else "")
 
 
 @dataclass(frozen=True)
@@ -68,6 +87,7 @@ class SimResult:
     decode_steps: int
     decode_tokens: int
     decode_ms: float | None
+    host_experts: int = 0  # decode experts the host computed (under a HostSplit)
 
     def hit_rate(self, phase: str) -> float | None:
         """1 - misses / distinct experts admitted (the engine's definition); None if none."""
@@ -96,8 +116,9 @@ def admits(step: TraceStep, prefill_demand_tokens: int | None) -> bool:
 
 
 def simulate(trace: RoutingTrace, num_slots: int, policy: str, *, lrfu_decay: float = 0.5,
-             prefill_demand_tokens: int | None = None) -> SimResult:
-    """Replay `trace` through a slot cache of `num_slots` slots under `policy` (see the module)."""
+             prefill_demand_tokens: int | None = None, host: HostSplit | None = None) -> SimResult:
+    """Replay `trace` through a slot cache of `num_slots` slots under `policy`, with `host`'s
+    split of the decode misses when given (see the module)."""
     h = trace.header
     if num_slots < h.num_experts:
         raise SimulationError(f"a cache of {num_slots} slots holds fewer than one layer's {h.num_experts} experts")
@@ -106,16 +127,24 @@ def simulate(trace: RoutingTrace, num_slots: int, policy: str, *, lrfu_decay: fl
                       lrfu_decay=lrfu_decay, max_routes=max(DEFAULT_MAX_ROUTES, widest), collect_stats=True,
                       expert_bytes=h.expert_bytes, impl="reference")
     cache.fill([[] for _ in range(h.num_moe_layers)], [])
+    split = None if host is None else split_values(host.share, hot_reuse=host.hot_reuse)
+    rotation, recency = torch.zeros(1, dtype=torch.int64), new_recency(h.num_moe_layers, h.num_experts)
+    host_experts = torch.zeros(1, dtype=torch.int64)
     for step in trace.steps:
         if admits(step, prefill_demand_tokens):
             ids = torch.from_numpy(step.ids.astype(np.int32))
             for layer in range(h.num_moe_layers):
-                cache.admit(layer, ids[layer], step.phase)
+                routes = ids[layer]
+                if split is not None and step.phase == "decode":
+                    routes = split_routes(routes, cache.slot_of[layer], split, rotation, host_experts,
+                                          recency[layer], impl="reference")[1]
+                cache.admit(layer, routes, step.phase)
     snap = cache.stats.snapshot()
     decode = [s for s in trace.steps if s.phase == "decode"]
     timed = all(s.timed for s in decode)
     return SimResult(num_slots, policy, h.expert_bytes, snap["decode"], snap["prefill"], len(decode),
-                     sum(s.num_tokens for s in decode), sum(s.step_ms for s in decode) if timed else None)
+                     sum(s.num_tokens for s in decode), sum(s.step_ms for s in decode) if timed else None,
+                     int(host_experts))
 
 
 # ---- cache sizes ------------------------------------------------------------------------------
@@ -180,32 +209,40 @@ def compute_seconds(header: TraceHeader, result: SimResult, step_ms: float | Non
 # ---- the table --------------------------------------------------------------------------------
 def report(trace: RoutingTrace, sizes: list[CacheSize], policies: list[str], *, h2d: tuple[float, str],
            step_ms: float | None = None, lrfu_decay: float = 0.5, prefill_demand_tokens: int | None = None,
-           results: list | None = None) -> str:
-    """The table `moeferry routing simulate` prints: one row per (cache size, policy); each
-    (CacheSize, policy, SimResult) is also appended to `results` when given (for --plot)."""
+           hosts: list[HostSplit | None] = (None,), results: list | None = None) -> str:
+    """The table `moeferry routing simulate` prints: one row per (cache size, policy, host
+    split: None for offload); each (CacheSize, policy, SimResult) of an offload row is also
+    appended to `results` when given (for --plot). A hybrid row's predicted tok/s counts its
+    copies alone (the host's experts run beside them, untimed here)."""
     h, bandwidth = trace.header, h2d[0]
     rows, compute_note = [], None
     for size in sorted(sizes, key=lambda s: s.slots):
         for policy in policies:
-            start = time.perf_counter()
-            result = simulate(trace, size.slots, policy, lrfu_decay=lrfu_decay,
-                              prefill_demand_tokens=prefill_demand_tokens)
-            logger.info("simulated %s under %s in %.1fs", size.label, policy, time.perf_counter() - start)
-            compute, compute_note = compute_seconds(h, result, step_ms)
-            rows.append(_row(h, size, result, bandwidth, compute))
-            if results is not None:
-                results.append((size, policy, result))
-    header = ["cache", "slots", "GiB", "% experts", "policy", "decode hit", "prefill hit", "MB copied/decode token",
-              "copy floor ms/step", "predicted decode tok/s"]
+            for host in hosts:
+                start = time.perf_counter()
+                result = simulate(trace, size.slots, policy, lrfu_decay=lrfu_decay,
+                                  prefill_demand_tokens=prefill_demand_tokens, host=host)
+                logger.info("simulated %s under %s in %.1fs", size.label, policy, time.perf_counter() - start)
+                compute, compute_note = compute_seconds(h, result, step_ms)
+                rows.append(_row(h, size, result, bandwidth, compute, host))
+                if results is not None and host is None:
+                    results.append((size, policy, result))
+    header = ["cache", "slots", "GiB", "% experts", "policy", "split", "decode hit", "prefill hit",
+              "experts/decode step copied / host", "MB copied/decode token", "copy floor ms/step",
+              "predicted decode tok/s"]
     return "\n".join([_summary(trace), f"H2D bandwidth: {bandwidth / 1e9:.1f} GB/s ({h2d[1]})",
                       f"compute time: {compute_note}", "", _markdown(header, rows)])
 
 
-def _row(h: TraceHeader, size: CacheSize, result: SimResult, bandwidth: float, compute: float | None) -> list[str]:
+def _row(h: TraceHeader, size: CacheSize, result: SimResult, bandwidth: float, compute: float | None,
+         host: HostSplit | None) -> list[str]:
     total = h.num_moe_layers * h.num_experts
     steps, tokens = result.decode_steps, result.decode_tokens
+    per_step = (f"{result.decode['total']['misses'] / steps:.1f} / {result.host_experts / steps:.1f}"
+                if steps else "-")
     return [size.label, str(size.slots), f"{size.slots * h.expert_bytes / _GIB:.2f}", f"{100 * size.slots / total:.1f}",
-            result.policy, _rate(result.hit_rate("decode")), _rate(result.hit_rate("prefill")),
+            result.policy, "offload" if host is None else host.label, _rate(result.hit_rate("decode")),
+            _rate(result.hit_rate("prefill")), per_step,
             f"{result.decode_bytes / tokens / 1e6:.2f}" if tokens else "-",
             f"{result.copy_seconds(bandwidth) * 1e3 / steps:.3f}" if steps else "-",
             f"{result.predicted_tok_s(bandwidth, compute):.1f}" if compute is not None and tokens else "-"]

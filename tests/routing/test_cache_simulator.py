@@ -19,8 +19,8 @@ from moeferry.kernels.admission import POLICIES
 from moeferry.moe.strategies import create_strategy
 from moeferry.moe.banks import ExpertNeeds
 from moeferry.routing.recorder import RoutingRecorder
-from moeferry.routing.simulate import (DEFAULT_H2D_GBPS, SimulationError, cache_sizes, compute_seconds,
-                                       h2d_bandwidth, simulate)
+from moeferry.routing.simulate import (DEFAULT_H2D_GBPS, HostSplit, SimulationError, cache_sizes,
+                                       compute_seconds, h2d_bandwidth, simulate)
 from moeferry.routing.trace import RoutingTrace, TraceHeader, TraceStep, TraceWriter
 from tests.support.fixtures import family_configs, make_checkpoint
 from tests.test_cli import run_cli
@@ -181,11 +181,11 @@ def test_routing_simulate_prints_a_row_per_size_and_policy(tmp_path, capsys):
     out = capsys.readouterr().out
     assert status == 0
     lines = [line for line in out.splitlines() if line.startswith("| ")]
-    assert lines[0].startswith("| cache | slots | GiB | % experts | policy | decode hit")
+    assert lines[0].startswith("| cache | slots | GiB | % experts | policy | split | decode hit")
     rows = [line.split(" | ") for line in lines[1:]]
     assert [(r[1], r[4]) for r in rows] == [("20", "lru"), ("20", "layer_lru"), ("32", "lru"), ("32", "layer_lru"),
                                             ("64", "lru"), ("64", "layer_lru")]
-    assert rows[-1][5] == "1.000"  # every expert cached: every admission hits
+    assert rows[-1][6] == "1.000"  # every expert cached: every admission hits
     assert "H2D bandwidth: 25.0 GB/s (--h2d-gbps)" in out and "own decode step times" in out
     assert all(float(r[-1].rstrip(" |")) > 0 for r in rows)
 
@@ -201,6 +201,35 @@ def test_routing_simulate_plot_writes_the_hit_rate_curve(tmp_path, capsys):
                    "--h2d-gbps", "25", "--plot", str(png)])
     assert status == 0 and f"hit-rate curve written to {png}" in capsys.readouterr().out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("hot_reuse", [0.0, 2.0])
+def test_the_simulator_counts_exactly_the_hybrid_engines_split_and_admissions(checkpoint, tmp_path, hot_reuse):
+    """A hybrid engine's recorded routes replayed through its own split (a fixed share, hot reuse
+    or not): the same admissions layer by layer and the same host experts."""
+    llm, _, trace = _record(checkpoint, tmp_path / "trace", moe_strategy="hybrid", moe_cache_slots=SLOTS,
+                            moe_cache_policy="layer_lru", moe_host_share=0.5, moe_host_hot_reuse=hot_reuse,
+                            moe_collect_stats=True)
+    engine = llm.engine.runner.strategy.stats()
+    result = simulate(trace, SLOTS, "layer_lru", host=HostSplit(0.5, hot_reuse))
+    assert result.decode["per_layer"] == engine["decode"]["per_layer"]
+    assert result.host_experts == engine["host_experts"] > 0
+
+
+def test_routing_simulate_replays_hybrid_rows_and_hot_misses_go_to_the_copies(tmp_path, capsys):
+    """Under a routing profile with locality, hot reuse moves experts from the host to the copies."""
+    trace = str(tmp_path / "t")
+    assert main(["routing", "generate", "--profile", "qwen3", "--layers", "2", "--experts", "64", "--top-k", "4",
+                 "--tokens", "120", "-o", trace]) == 0
+    assert main(["routing", "simulate", trace, "--cache-fraction", "0.5", "--policy", "layer_lru",
+                 "--host-share", "0.6", "--hot-reuse", "0", "1", "--h2d-gbps", "25", "--step-ms", "1"]) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| --")]
+    assert [r[5] for r in rows] == ["offload", "hybrid 0.6", "hybrid 0.6, hot reuse 1"]
+    (offload_copied, _), (copied, host), (hot_copied, hot_host) = (
+        (float(v) for v in r[8].split(" / ")) for r in rows)
+    assert hot_host < host and hot_copied > copied and host > 0
+    assert run_cli(["routing", "simulate", trace, "--cache-slots", "64", "--hot-reuse", "1"], capsys).endswith(
+        "--hot-reuse is read only with --host-share (a hybrid split)")
 
 
 @pytest.mark.parametrize("args,says", [
