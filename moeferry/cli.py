@@ -207,13 +207,15 @@ def add_model_positional(parser: argparse.ArgumentParser) -> None:
 
 def _cmd_routing_simulate(args) -> int:
     """A recorded trace replayed through the slot cache at each size and policy (routing/simulate.py)."""
-    from moeferry.routing.simulate import HostSplit, SimulationError, cache_sizes, h2d_bandwidth, report
+    from moeferry.routing.simulate import DEFAULT_HOST_GBPS, HostSpeed, HostSplit, SimulationError, cache_sizes, h2d_bandwidth, report
     from moeferry.routing.trace import RoutingTrace, TraceError
 
     if not (args.cache_gb or args.cache_slots or args.cache_fraction):
         raise UsageError("give at least one cache size: --cache-gb, --cache-slots or --cache-fraction")
-    if args.host_share is None and args.hot_reuse != [0.0]:
-        raise UsageError("--hot-reuse is read only with --host-share (a hybrid split)")
+    hybrid_only = [flag for flag, given in (("--hot-reuse", args.hot_reuse != [0.0]), ("--host-gbps", args.host_gbps),
+                                             ("--host-call-us", args.host_call_us)) if given]
+    if args.host_share is None and hybrid_only:
+        raise UsageError(f"{hybrid_only[0]} is read only with --host-share (a hybrid split)")
     hosts = [None] + ([HostSplit(args.host_share, f) for f in args.hot_reuse] if args.host_share is not None else [])
     try:
         trace = RoutingTrace.read(args.trace)
@@ -221,6 +223,7 @@ def _cmd_routing_simulate(args) -> int:
         results = []
         print(report(trace, sizes, args.policy, h2d=h2d_bandwidth(args.h2d_gbps), step_ms=args.step_ms,
                      lrfu_decay=args.lrfu_decay, prefill_demand_tokens=args.prefill_demand_tokens, hosts=hosts,
+                     host_speed=HostSpeed(args.host_gbps or DEFAULT_HOST_GBPS, args.host_call_us or 0.0),
                      results=results))
     except (TraceError, SimulationError) as exc:
         raise UsageError(str(exc)) from None
@@ -343,6 +346,12 @@ def add_routing_commands(sub) -> None:
                           "misses (as --moe-host-share), the rest copied and admitted (default: offload rows only)")
     sim.add_argument("--hot-reuse", type=bounded(float, 0.0), nargs="+", default=[0.0],
                      help="with --host-share: hybrid rows once per --moe-host-hot-reuse")
+    sim.add_argument("--host-gbps", type=bounded(float, 1e-3), default=None,
+                     help="with --host-share: the host kernel's GB/s of expert weights, for the hybrid rows' "
+                          "channel time (default 116.6, an H100 host's)")
+    sim.add_argument("--host-call-us", type=bounded(float, 0.0), default=None,
+                     help="with --host-share: the host's fixed cost of a call that computes any expert, us "
+                          "(default 0)")
     sim.add_argument("--plot", default=None, metavar="PNG",
                      help="also write the decode hit rate by cache size, one curve per policy, to this PNG "
                           "(needs matplotlib; default: none)")

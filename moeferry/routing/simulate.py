@@ -18,16 +18,20 @@ hot ones; only the device's routes are admitted. The host's experts are counted,
 
 Prediction (`moeferry routing simulate`; a model, not a measurement):
 
-    decode time            = compute time + missed decode bytes / H2D bandwidth
+    decode time            = compute time + channel time
+    channel time           = missed decode bytes / H2D bandwidth (offload; hybrid: below)
     predicted decode tok/s = decode tokens / decode time
-    copy floor per step    = missed decode bytes / H2D bandwidth / decode steps
+    channels ms per step   = channel time / decode steps
 
 Compute time: --step-ms x decode steps when given; else, for a trace recorded under the `gpu`
 strategy (every expert resident, so no copies inside its times), the sum of its decode steps'
 recorded wall-clock times (forward, sampling and the read of the tokens; not the scheduler's or
 detokeniser's host time); else none, and no prediction is printed. Copies are taken as not
 overlapping compute (an offload layer copies its misses after its router and before its GEMM,
-inside the step), and the admission's own microseconds per layer are left out. H2D bandwidth:
+inside the step), and the admission's own microseconds per layer are left out. A hybrid row's
+channel time is, per decode layer, the longer of its two channels: its copies over H2D, and its
+host experts' bytes over the host kernel's bandwidth (--host-gbps) plus the host's fixed cost
+of a call (--host-call-us) where it took any; the model the split balances (moe/host_speeds.py). H2D bandwidth:
 --h2d-gbps; else a pinned host-to-device copy measured here when torch sees a CUDA GPU; else
 DEFAULT_H2D_GBPS, the pinned H2D copy_ measured on an H200 over PCIe 5 (benchmarks/RESULTS.md,
 `copy`). There the miss gather reached 89-92% of copy_, so the copy time is a lower bound.
@@ -51,11 +55,21 @@ from moeferry.routing.trace import RoutingTrace, TraceHeader, TraceStep
 logger = logging.getLogger(__name__)
 
 DEFAULT_H2D_GBPS = 55.0  # GB/s (1e9 bytes/s): pinned H2D copy_ on the H200 of benchmarks/RESULTS.md
+DEFAULT_HOST_GBPS = 116.6  # the host kernel's start-up figure on an H100 host (RESULTS, hybrid/decode/qwen3)
 _GIB = 2**30
 
 
 class SimulationError(ValueError):
     """A simulation the trace cannot answer (a cache under one layer's experts, ...)."""
+
+
+@dataclass(frozen=True)
+class HostSpeed:
+    """The host kernel's bandwidth over expert bytes and its fixed cost a call, for a hybrid
+    row's channel time."""
+
+    gbps: float = DEFAULT_HOST_GBPS
+    call_us: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -88,6 +102,7 @@ class SimResult:
     decode_tokens: int
     decode_ms: float | None
     host_experts: int = 0  # decode experts the host computed (under a HostSplit)
+    layer_calls: np.ndarray | None = None  # under a HostSplit: each decode layer call's (copied, host) experts
 
     def hit_rate(self, phase: str) -> float | None:
         """1 - misses / distinct experts admitted (the engine's definition); None if none."""
@@ -102,8 +117,19 @@ class SimResult:
         """The copy floor of the whole decode: its missed bytes over the link."""
         return self.decode_bytes / h2d_bytes_per_s
 
-    def predicted_tok_s(self, h2d_bytes_per_s: float, compute_seconds: float) -> float:
-        return self.decode_tokens / (compute_seconds + self.copy_seconds(h2d_bytes_per_s))
+    def channel_seconds(self, h2d_bytes_per_s: float, host: HostSpeed | None = None) -> float:
+        """The decode's time in its expert channels: the copy floor, or under a split the sum
+        over layer calls of the longer channel (see the module)."""
+        if self.layer_calls is None:
+            return self.copy_seconds(h2d_bytes_per_s)
+        host = host or HostSpeed()
+        copied, on_host = self.layer_calls[:, 0], self.layer_calls[:, 1]
+        copy_s = copied * self.expert_bytes / h2d_bytes_per_s
+        host_s = on_host * self.expert_bytes / (host.gbps * 1e9) + (on_host > 0) * host.call_us * 1e-6
+        return float(np.maximum(copy_s, host_s).sum())
+
+    def predicted_tok_s(self, h2d_bytes_per_s: float, compute_seconds: float, host: HostSpeed | None = None) -> float:
+        return self.decode_tokens / (compute_seconds + self.channel_seconds(h2d_bytes_per_s, host))
 
 
 def admits(step: TraceStep, prefill_demand_tokens: int | None) -> bool:
@@ -129,22 +155,24 @@ def simulate(trace: RoutingTrace, num_slots: int, policy: str, *, lrfu_decay: fl
     cache.fill([[] for _ in range(h.num_moe_layers)], [])
     split = None if host is None else split_values(host.share, hot_reuse=host.hot_reuse)
     rotation, recency = torch.zeros(1, dtype=torch.int64), new_recency(h.num_moe_layers, h.num_experts)
-    host_experts = torch.zeros(1, dtype=torch.int64)
+    host_experts, calls = torch.zeros(1, dtype=torch.int64), []
     for step in trace.steps:
         if admits(step, prefill_demand_tokens):
             ids = torch.from_numpy(step.ids.astype(np.int32))
             for layer in range(h.num_moe_layers):
                 routes = ids[layer]
                 if split is not None and step.phase == "decode":
-                    routes = split_routes(routes, cache.slot_of[layer], split, rotation, host_experts,
-                                          recency[layer], impl="reference")[1]
+                    _, routes, on_host = split_routes(routes, cache.slot_of[layer], split, rotation, host_experts,
+                                                      recency[layer], impl="reference")
                 cache.admit(layer, routes, step.phase)
+                if split is not None and step.phase == "decode":
+                    calls.append((int(cache.plan_count), int(on_host)))
     snap = cache.stats.snapshot()
     decode = [s for s in trace.steps if s.phase == "decode"]
     timed = all(s.timed for s in decode)
     return SimResult(num_slots, policy, h.expert_bytes, snap["decode"], snap["prefill"], len(decode),
                      sum(s.num_tokens for s in decode), sum(s.step_ms for s in decode) if timed else None,
-                     int(host_experts))
+                     int(host_experts), None if split is None else np.array(calls, dtype=np.int64).reshape(-1, 2))
 
 
 # ---- cache sizes ------------------------------------------------------------------------------
@@ -209,11 +237,12 @@ def compute_seconds(header: TraceHeader, result: SimResult, step_ms: float | Non
 # ---- the table --------------------------------------------------------------------------------
 def report(trace: RoutingTrace, sizes: list[CacheSize], policies: list[str], *, h2d: tuple[float, str],
            step_ms: float | None = None, lrfu_decay: float = 0.5, prefill_demand_tokens: int | None = None,
-           hosts: list[HostSplit | None] = (None,), results: list | None = None) -> str:
+           hosts: list[HostSplit | None] = (None,), host_speed: HostSpeed = HostSpeed(),
+           results: list | None = None) -> str:
     """The table `moeferry routing simulate` prints: one row per (cache size, policy, host
     split: None for offload); each (CacheSize, policy, SimResult) of an offload row is also
-    appended to `results` when given (for --plot). A hybrid row's predicted tok/s counts its
-    copies alone (the host's experts run beside them, untimed here)."""
+    appended to `results` when given (for --plot). A hybrid row's channel time: the longer
+    channel of each layer, the host at `host_speed`."""
     h, bandwidth = trace.header, h2d[0]
     rows, compute_note = [], None
     for size in sorted(sizes, key=lambda s: s.slots):
@@ -224,18 +253,20 @@ def report(trace: RoutingTrace, sizes: list[CacheSize], policies: list[str], *, 
                                   prefill_demand_tokens=prefill_demand_tokens, host=host)
                 logger.info("simulated %s under %s in %.1fs", size.label, policy, time.perf_counter() - start)
                 compute, compute_note = compute_seconds(h, result, step_ms)
-                rows.append(_row(h, size, result, bandwidth, compute, host))
+                rows.append(_row(h, size, result, bandwidth, compute, host, host_speed))
                 if results is not None and host is None:
                     results.append((size, policy, result))
     header = ["cache", "slots", "GiB", "% experts", "policy", "split", "decode hit", "prefill hit",
-              "experts/decode step copied / host", "MB copied/decode token", "copy floor ms/step",
+              "experts/decode step copied / host", "MB copied/decode token", "channels ms/step",
               "predicted decode tok/s"]
-    return "\n".join([_summary(trace), f"H2D bandwidth: {bandwidth / 1e9:.1f} GB/s ({h2d[1]})",
+    hybrid = any(host is not None for host in hosts)
+    host_line = [f"host kernel: {host_speed.gbps:g} GB/s, {host_speed.call_us:g} us a call"] if hybrid else []
+    return "\n".join([_summary(trace), f"H2D bandwidth: {bandwidth / 1e9:.1f} GB/s ({h2d[1]})", *host_line,
                       f"compute time: {compute_note}", "", _markdown(header, rows)])
 
 
 def _row(h: TraceHeader, size: CacheSize, result: SimResult, bandwidth: float, compute: float | None,
-         host: HostSplit | None) -> list[str]:
+         host: HostSplit | None, host_speed: HostSpeed) -> list[str]:
     total = h.num_moe_layers * h.num_experts
     steps, tokens = result.decode_steps, result.decode_tokens
     per_step = (f"{result.decode['total']['misses'] / steps:.1f} / {result.host_experts / steps:.1f}"
@@ -244,8 +275,8 @@ def _row(h: TraceHeader, size: CacheSize, result: SimResult, bandwidth: float, c
             result.policy, "offload" if host is None else host.label, _rate(result.hit_rate("decode")),
             _rate(result.hit_rate("prefill")), per_step,
             f"{result.decode_bytes / tokens / 1e6:.2f}" if tokens else "-",
-            f"{result.copy_seconds(bandwidth) * 1e3 / steps:.3f}" if steps else "-",
-            f"{result.predicted_tok_s(bandwidth, compute):.1f}" if compute is not None and tokens else "-"]
+            f"{result.channel_seconds(bandwidth, host_speed) * 1e3 / steps:.3f}" if steps else "-",
+            f"{result.predicted_tok_s(bandwidth, compute, host_speed):.1f}" if compute is not None and tokens else "-"]
 
 
 def _rate(value: float | None) -> str:

@@ -19,7 +19,7 @@ from moeferry.kernels.admission import POLICIES
 from moeferry.moe.strategies import create_strategy
 from moeferry.moe.banks import ExpertNeeds
 from moeferry.routing.recorder import RoutingRecorder
-from moeferry.routing.simulate import (DEFAULT_H2D_GBPS, HostSplit, SimulationError, cache_sizes,
+from moeferry.routing.simulate import (DEFAULT_H2D_GBPS, HostSpeed, HostSplit, SimulationError, cache_sizes,
                                        compute_seconds, h2d_bandwidth, simulate)
 from moeferry.routing.trace import RoutingTrace, TraceHeader, TraceStep, TraceWriter
 from tests.support.fixtures import family_configs, make_checkpoint
@@ -153,6 +153,21 @@ def test_the_prediction_is_compute_time_plus_missed_bytes_over_the_bandwidth():
     expect = 30 / (10 * 2.0 / 1e3 + misses * HEADER.expert_bytes / bandwidth)
     assert result.predicted_tok_s(bandwidth, seconds) == pytest.approx(expect)
     assert compute_seconds(HEADER, result, 5.0)[0] == pytest.approx(10 * 5.0 / 1e3)
+
+
+def test_a_hybrid_rows_channel_time_is_each_layers_longer_channel():
+    """Per layer call: copies over H2D against the host's experts over its bandwidth plus its
+    fixed cost where it took any; the calls' copies add up to the engine's misses."""
+    trace = _decode_trace(step_ms=2.0)
+    result = simulate(trace, 20, "layer_lru", host=HostSplit(0.5))
+    copied, on_host = result.layer_calls[:, 0], result.layer_calls[:, 1]
+    assert len(result.layer_calls) == 10 * HEADER.num_moe_layers and copied.sum() == result.decode["total"]["misses"]
+    assert on_host.sum() == result.host_experts > 0
+    host = HostSpeed(gbps=20.0, call_us=30.0)
+    b = HEADER.expert_bytes
+    want = sum(max(c * b / 50e9, h * b / 20e9 + (30e-6 if h else 0.0)) for c, h in result.layer_calls.tolist())
+    assert result.channel_seconds(50e9, host) == pytest.approx(want)
+    assert result.predicted_tok_s(50e9, 0.02, host) == pytest.approx(30 / (0.02 + want))
 
 
 def test_no_prediction_without_a_compute_time_it_can_trust():
