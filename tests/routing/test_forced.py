@@ -91,7 +91,7 @@ def test_routing_generate_writes_a_trace_simulate_replays(tmp_path, capsys):
     capsys.readouterr()
     assert main(["routing", "simulate", path, "--cache-fraction", "0.25", "1", "--policy", "lru"]) == 0
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| --cache")]
-    quarter, everything = (float(r[5]) for r in rows)
+    quarter, everything = (float(r[6]) for r in rows)
     assert everything == 1.0 and 0.25 < quarter < 1.0  # locality beats the share resident
 
 
