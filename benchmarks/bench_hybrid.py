@@ -81,9 +81,6 @@ def parse_args(argv):
     p.add_argument("--prefetch-experts", type=int, nargs="+", default=[0],
                    help="prefetch rows once per cap on a layer's predicted misses copied ahead "
                         "(--moe-prefetch-experts; 0: all)")
-    p.add_argument("--hot-reuse", type=float, nargs="+", default=[None],
-                   help="hybrid rows once per --moe-host-hot-reuse (default: the engine's): a miss an LRU of "
-                        "this many times the layer's resident experts would hold is copied, not the host's")
     p.add_argument("--miss-copy", nargs="+", choices=["gather", "dma"], default=["gather"],
                    help="offload and hybrid rows once per way of copying a layer's misses (--moe-miss-copy)")
     p.add_argument("--prefetch-copy", nargs="+", choices=["gather", "dma"], default=["dma"],
@@ -230,14 +227,11 @@ def decode_rows(config_dir, args, h2d) -> tuple[list[list], float]:
                       for way in (prefetch_ways(args) if a != "off" else [("dma", 0, 0)])]
         modes = host_channel_modes(args) if strategy in ("cpu", "hybrid") else [None]
         misses = args.miss_copy if strategy in ("offload", "hybrid") else [None]
-        reuses = args.hot_reuse if strategy == "hybrid" else [None]
-        for mode, miss, reuse, (lookahead, recall, copy, programs, cap) in (
-                (m, c, r, a) for m in modes for c in misses for r in reuses for a in lookaheads):
+        for mode, miss, (lookahead, recall, copy, programs, cap) in (
+                (m, c, a) for m in modes for c in misses for a in lookaheads):
             options = dict(zip(("moe_host_dispatch", "moe_host_staging", "moe_host_schedule"), mode[:3] if mode else ()))
             if miss is not None:
                 options["moe_miss_copy"] = miss
-            if reuse is not None:
-                options["moe_host_hot_reuse"] = reuse
             if mode and mode[3] is not None and strategy == "hybrid":
                 options["moe_host_share"] = mode[3]
             if lookahead != "off":
@@ -257,7 +251,6 @@ def decode_rows(config_dir, args, h2d) -> tuple[list[list], float]:
                 label = "hybrid, one layer of slots" if strategy == "hybrid" and share == 0.0 else strategy
                 label += mode_label(args, mode) if mode else ""
                 label += f", misses by {miss}" if miss is not None and len(args.miss_copy) > 1 else ""
-                label += f", hot reuse {reuse:g}" if reuse is not None and len(args.hot_reuse) > 1 else ""
                 label += prefetch_label(lookahead, recall) + (f", gather on {programs} programs" if programs else "")
                 label += ", gather" if copy == "gather" and len(args.prefetch_copy) > 1 else ""
                 label += f", at most {cap} a layer" if cap else ""
@@ -560,7 +553,6 @@ def main(argv, args) -> int:
         report(routed_section("hybrid/decode", args.routing) + ("/prefetch" if prefetch else "")
                + ("/host-share" if args.host_share != [None] else "")
                + ("/miss-copy" if args.miss_copy != ["gather"] else "")
-               + ("/hot-reuse" if len(args.hot_reuse) > 1 else "")
                + (f"/{args.quantization}" if args.quantization else ""),
                f"Decode with {'the lookahead prefetch' if prefetch else 'the host channel'}, routing {args.routing}",
                command,

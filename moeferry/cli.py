@@ -212,11 +212,11 @@ def _cmd_routing_simulate(args) -> int:
 
     if not (args.cache_gb or args.cache_slots or args.cache_fraction):
         raise UsageError("give at least one cache size: --cache-gb, --cache-slots or --cache-fraction")
-    hybrid_only = [flag for flag, given in (("--hot-reuse", args.hot_reuse != [0.0]), ("--host-gbps", args.host_gbps),
-                                             ("--host-call-us", args.host_call_us)) if given]
+    hybrid_only = [flag for flag, given in (("--host-gbps", args.host_gbps), ("--host-call-us", args.host_call_us))
+                   if given]
     if args.host_share is None and hybrid_only:
         raise UsageError(f"{hybrid_only[0]} is read only with --host-share (a hybrid split)")
-    hosts = [None] + ([HostSplit(args.host_share, f) for f in args.hot_reuse] if args.host_share is not None else [])
+    hosts = [None] + ([HostSplit(args.host_share)] if args.host_share is not None else [])
     try:
         trace = RoutingTrace.read(args.trace)
         sizes = cache_sizes(trace.header, args.cache_gb, args.cache_slots, args.cache_fraction)
@@ -344,8 +344,6 @@ def add_routing_commands(sub) -> None:
     sim.add_argument("--host-share", type=bounded(float, 0.0, 1.0), default=None,
                      help="also replay hybrid's route split: the host computes this share of each decode layer's "
                           "misses (as --moe-host-share), the rest copied and admitted (default: offload rows only)")
-    sim.add_argument("--hot-reuse", type=bounded(float, 0.0), nargs="+", default=[0.0],
-                     help="with --host-share: hybrid rows once per --moe-host-hot-reuse")
     sim.add_argument("--host-gbps", type=bounded(float, 1e-3), default=None,
                      help="with --host-share: the host kernel's GB/s of expert weights, for the hybrid rows' "
                           "channel time (default 116.6, an H100 host's)")

@@ -110,7 +110,6 @@ RANGES = {
     "moe_lrfu_decay": Bound(0, 1, low_open=True),
     "moe_host_threads": Bound(0),
     "moe_host_share": Bound(0, 1),
-    "moe_host_hot_reuse": Bound(0),
     "moe_tuner_period": Bound(1),
     "moe_tuner_min_experts": Bound(0),
     "moe_prefetch_programs": Bound(0),
@@ -128,7 +127,6 @@ READ_BY = {
     "moe_collect_stats": ("moe_strategy", ("offload", "uva", "hybrid", "cpu")),
     "moe_host_threads": ("moe_strategy", ("hybrid", "cpu")),
     "moe_host_share": ("moe_strategy", ("hybrid",)),
-    "moe_host_hot_reuse": ("moe_strategy", ("hybrid",)),
     "moe_host_dispatch": ("moe_strategy", ("hybrid", "cpu")),
     "moe_host_staging": ("moe_strategy", ("hybrid", "cpu")),
     "moe_host_schedule": ("moe_strategy", ("hybrid", "cpu")),
@@ -247,11 +245,6 @@ class EngineConfig:
     moe_host_share: float | None = option(None, "MoE", "hybrid: the share of each step's missed experts computed on "
                                                        "the host (default: from the two channels' speeds, measured "
                                                        "at start-up)")
-    moe_host_hot_reuse: float = option(0.0, "MoE", "hybrid: a missed expert is copied and admitted, never left to "
-                                                   "the host, if the layer routed it so recently that a cache of "
-                                                   "this many times its resident experts (LRU) would still hold "
-                                                   "it: under routing with locality it comes back, and the host's "
-                                                   "experts are never admitted (0: the host may take any miss)")
     moe_host_activations: str = option("int8", "MoE", "cpu or hybrid: the tokens' precision in the host kernel's "
                                                       "dots over int4 and mxfp4 experts: int8 (quantized per group, "
                                                       "integer dots: 4-bit weights read at memory speed; held-out "

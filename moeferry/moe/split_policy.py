@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from moeferry.kernels.fused_moe import host as host_kernel
-from moeferry.kernels.route_split import new_recency, split_routes, split_values
+from moeferry.kernels.route_split import split_routes, split_values
 from moeferry.moe.host_speeds import ChannelSpeeds
 
 
@@ -50,15 +50,13 @@ class SplitTuner:
     a period with fewer than `min_experts` host experts moves nothing. The counters are the
     process's: one host channel in a process is what the figures assume."""
 
-    def __init__(self, speeds: ChannelSpeeds, device: torch.device, settings: TunerSettings = TunerSettings(),
-                 hot_reuse: float = 0.0):
+    def __init__(self, speeds: ChannelSpeeds, device: torch.device, settings: TunerSettings = TunerSettings()):
         self.start = self.speeds = speeds
         self.settings = settings
-        self.hot_reuse = hot_reuse
         self.fixed = speeds.share is not None or speeds.host_bytes_per_s <= 0  # user's share, or no host kernel
-        self.split = split_values(speeds.host_share, speeds.host_offset, device, hot_reuse=hot_reuse)
+        self.split = split_values(speeds.host_share, speeds.host_offset, device)
         on_gpu = device.type == "cuda"
-        self._staged = torch.empty(3, dtype=torch.float32, pin_memory=on_gpu)  # the next split, pinned
+        self._staged = torch.empty(2, dtype=torch.float32, pin_memory=on_gpu)  # the next split, pinned
         self._copied = torch.cuda.Event() if on_gpu else None  # the staged row's last copy
         self.updates = 0
         self._mark: dict | None = None  # the counters at the start of the current decode stretch
@@ -117,7 +115,7 @@ class SplitTuner:
         done (long since, in a decode loop)."""
         if self._copied is not None:
             self._copied.synchronize()
-        self._staged.copy_(split_values(self.speeds.host_share, self.speeds.host_offset, hot_reuse=self.hot_reuse))
+        self._staged.copy_(split_values(self.speeds.host_share, self.speeds.host_offset))
         self.split.copy_(self._staged, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
@@ -165,34 +163,25 @@ class AllToHost:
 class ByChannelSpeed:
     """`hybrid`: of a layer's routes, the slot cache's hits stay on the device and a share of the
     misses goes to the host (kernels/route_split, rotating which misses), the rest is copied
-    and admitted. The share follows the host's measured speed (`SplitTuner`). The host takes
-    none of the hot misses (`hot_reuse`, --moe-host-hot-reuse): experts the layer routed so
-    recently that an LRU of hot_reuse x its resident experts would still hold them. Under
-    routing with locality those come back; the host's experts are never admitted, so every
-    return would miss again, where a copy turns the returns into hits.
+    and admitted. The share follows the host's measured speed (`SplitTuner`).
     Invariant: a route is given to exactly one of the two; the routes the host computes are
     never admitted, so they cost the cache nothing."""
 
-    def __init__(self, num_moe_layers: int, num_experts: int, hot_reuse: float = 0.0,
-                 settings: TunerSettings = TunerSettings()):
-        self.num_moe_layers, self.num_experts, self.hot_reuse = num_moe_layers, num_experts, hot_reuse
+    def __init__(self, settings: TunerSettings = TunerSettings()):
         self.settings = settings
 
     def start(self, speeds: ChannelSpeeds, device: torch.device) -> None:
-        """With the channels' speeds measured at start-up: the tuner, the rotation counter and
-        every layer's recency row."""
-        self.tuner = SplitTuner(speeds, device, self.settings, self.hot_reuse)
+        """With the channels' speeds measured at start-up: the tuner and the rotation counter."""
+        self.tuner = SplitTuner(speeds, device, self.settings)
         self.rotation = torch.zeros(1, dtype=torch.int64, device=device)
         self.ahead_rotation = torch.zeros(1, dtype=torch.int64, device=device)
-        self.recency = new_recency(self.num_moe_layers, self.num_experts, device)
 
     def routes(self, moe_layer: int, topk_ids: torch.Tensor, residency: torch.Tensor,
                tally: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(host ids, device ids): each route's expert in one of the two, -1 in the other;
         `residency` is the layer's row of the slot cache's slot_of; `tally` [1] (decode) counts
         the experts the host takes."""
-        host_ids, device_ids, _ = split_routes(topk_ids, residency, self.tuner.split, self.rotation, tally,
-                                               self.recency[moe_layer])
+        host_ids, device_ids, _ = split_routes(topk_ids, residency, self.tuner.split, self.rotation, tally)
         return host_ids, device_ids
 
     def device_part(self, predicted_ids: torch.Tensor, residency: torch.Tensor) -> torch.Tensor:

@@ -95,9 +95,8 @@ def _hybrid(ec, mc):
 
     prefill = PrefillRoute(ec)
     tuner = TunerSettings(period=ec.moe_tuner_period, min_experts=ec.moe_tuner_min_experts)
-    split = ByChannelSpeed(len(mc.moe_layer_ids), mc.num_experts, ec.moe_host_hot_reuse, tuner)
     return MoEStrategy("hybrid", ec, mc, SlotStore(ec, mc, prefill.widest_demand_chunk), prefill=prefill,
-                       host=HostCompute(ec, mc, prefill.widest_demand_chunk), split=split,
+                       host=HostCompute(ec, mc, prefill.widest_demand_chunk), split=ByChannelSpeed(tuner),
                        prefetch=_prefetch(ec, mc))
 
 

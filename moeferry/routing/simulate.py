@@ -13,8 +13,8 @@ prefill never touches the engine's cache, so it is skipped here too.
 
 With a `HostSplit` (`--host-share`, `hybrid`): each decode layer's routes first go through the
 hybrid strategy's own route split (kernels/route_split, its reference), the host taking that
-share of the misses (no fixed cost: --moe-host-share's rule) and, with hot_reuse, none of the
-hot ones; only the device's routes are admitted. The host's experts are counted, not timed.
+share of the misses (no fixed cost: --moe-host-share's rule); only the device's routes are
+admitted. The host's experts are counted, and timed by the channel model below.
 
 Prediction (`moeferry routing simulate`; a model, not a measurement):
 
@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moeferry.kernels.route_split import new_recency, split_routes, split_values
+from moeferry.kernels.route_split import split_routes, split_values
 from moeferry.moe.slot_cache import slots_for_gb
 from moeferry.moe.slot_cache import DEFAULT_MAX_ROUTES, SlotCache
 from moeferry.routing.trace import RoutingTrace, TraceHeader, TraceStep
@@ -75,14 +75,13 @@ class HostSpeed:
 @dataclass(frozen=True)
 class HostSplit:
     """The hybrid strategy's split, replayed: the host's share of a layer's misses
-    (--moe-host-share) and --moe-host-hot-reuse."""
+    (--moe-host-share)."""
 
     share: float
-    hot_reuse: float = 0.0
 
     @property
     def label(self) -> str:
-        return f"hybrid {self.share:g}" + (f", hot reuse {self.hot_reuse:g}" if self.hot_reuse else "")
+        return f"hybrid {self.share:g}"
 
 
 @dataclass(frozen=True)
@@ -153,8 +152,8 @@ def simulate(trace: RoutingTrace, num_slots: int, policy: str, *, lrfu_decay: fl
                       lrfu_decay=lrfu_decay, max_routes=max(DEFAULT_MAX_ROUTES, widest), collect_stats=True,
                       expert_bytes=h.expert_bytes, impl="reference")
     cache.fill([[] for _ in range(h.num_moe_layers)], [])
-    split = None if host is None else split_values(host.share, hot_reuse=host.hot_reuse)
-    rotation, recency = torch.zeros(1, dtype=torch.int64), new_recency(h.num_moe_layers, h.num_experts)
+    split = None if host is None else split_values(host.share)
+    rotation = torch.zeros(1, dtype=torch.int64)
     host_experts, calls = torch.zeros(1, dtype=torch.int64), []
     for step in trace.steps:
         if admits(step, prefill_demand_tokens):
@@ -163,7 +162,7 @@ def simulate(trace: RoutingTrace, num_slots: int, policy: str, *, lrfu_decay: fl
                 routes = ids[layer]
                 if split is not None and step.phase == "decode":
                     _, routes, on_host = split_routes(routes, cache.slot_of[layer], split, rotation, host_experts,
-                                                      recency[layer], impl="reference")
+                                                      impl="reference")
                 cache.admit(layer, routes, step.phase)
                 if split is not None and step.phase == "decode":
                     calls.append((int(cache.plan_count), int(on_host)))

@@ -5,7 +5,7 @@ element on fresh random routes, rotation and tally included."""
 import pytest
 import torch
 
-from moeferry.kernels.route_split import new_recency, split_routes, split_values
+from moeferry.kernels.route_split import split_routes, split_values
 
 IMPLS = ["reference", "triton"]
 
@@ -118,78 +118,3 @@ def test_routes_outside_the_layer_go_to_neither_channel(impl):
     assert bool((host[outside] == -1).all()) and bool((device[outside] == -1).all())
     assert torch.equal(host[~outside], want_host.reshape(-1)) and torch.equal(device[~outside], want_device.reshape(-1))
     assert int(count) == int(want_count) == 2
-
-
-@pytest.mark.parametrize("impl", IMPLS)
-def test_a_miss_an_lru_of_the_resident_count_would_hold_is_copied_not_the_hosts(impl):
-    """4 experts resident, the host's share everything: a missed expert routed again after fewer
-    than 4 distinct experts is hot (the device's, to be admitted); after 4 more it is the host's
-    again; an expert never routed before is the host's."""
-    num_experts = 16
-    slot_of = torch.full((num_experts,), -1, dtype=torch.int32)
-    slot_of[:4] = torch.arange(4, dtype=torch.int32)
-    split, rotation = split_values(1.0, hot_reuse=1.0), torch.zeros(1, dtype=torch.int64)
-    recency = new_recency(1, num_experts)[0]
-
-    def host_takes(*experts):
-        host_ids, device_ids, _ = split_routes(torch.tensor([list(experts)]), slot_of, split, rotation,
-                                               recency=recency, impl=impl)
-        return [e for e, h in zip(experts, host_ids[0].tolist()) if h >= 0]
-
-    assert host_takes(10) == [10]  # never routed: cold
-    assert host_takes(11, 12) == [11, 12]
-    assert host_takes(10) == []  # 2 distinct experts since: an LRU of 4 holds it
-    assert host_takes(5, 6, 7, 8) == [5, 6, 7, 8]
-    assert host_takes(10) == [10]  # 4 distinct experts since: cold again
-    assert host_takes(10, 0) == []  # routed just before (the resident 0 is no miss)
-    assert int(recency[num_experts]) == 6 and int(recency[0]) == 5 and int(recency[12]) == 1
-    assert int(recency[13]) == -1
-
-
-@pytest.mark.parametrize("impl", IMPLS)
-def test_hot_misses_leave_the_count_to_the_cold_ones(impl):
-    """The host's count follows every miss; with hot ones among them it takes that many of the
-    cold ones at most."""
-    num_experts = 16
-    slot_of = torch.full((num_experts,), -1, dtype=torch.int32)
-    slot_of[:8] = torch.arange(8, dtype=torch.int32)
-    recency = new_recency(1, num_experts)[0]
-    recency[[8, 9, 10]] = torch.tensor([3, 4, 5])
-    recency[num_experts] = 6
-    split, rotation = split_values(0.5, hot_reuse=1.0), torch.zeros(1, dtype=torch.int64)
-    host_ids, _, count = split_routes(torch.tensor([[8, 9, 10, 11]]), slot_of, split, rotation, recency=recency,
-                                      impl=impl)
-    assert int(count) == 1 and host_ids[0].tolist() == [-1, -1, -1, 11]  # 2 of 4 misses, 1 of them cold
-
-
-@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 128, 8), (3, 60, 4), (40, 32, 4), (5, 256, 8)])
-def test_triton_matches_reference_with_recency(num_tokens, num_experts, top_k):
-    """Random stamps (some never routed), several hot thresholds, calls in a row: outputs, the
-    rotation and every stamp and clock, element for element."""
-    gen = torch.Generator().manual_seed(num_tokens * 1000 + num_experts + 1)
-    for share, offset, hot_reuse in [(0.55, 0.0, 0.5), (1.0, 0.0, 1.0), (0.7, 0.3, 4.0), (0.6, 0.0, 0.0)]:
-        ids, slot_of, rotation = random_case(gen, num_tokens, num_experts, top_k, torch.int64)
-        stamps = torch.randint(-1, 40, (num_experts,), generator=gen)
-        start = torch.cat([stamps, torch.tensor([40])])
-        got = []
-        for impl in IMPLS:
-            recency, r = start.clone(), rotation.clone()
-            outs = [split_routes(ids.roll(call, 0), slot_of, split_values(share, offset, hot_reuse=hot_reuse), r,
-                                 recency=recency, impl=impl) for call in range(3)]
-            got.append((outs, recency, r))
-        (want_outs, want_recency, want_r), (outs, recency, r) = got
-        for want, out in zip(want_outs, outs):
-            assert all(torch.equal(a, b) for a, b in zip(want, out))
-        assert torch.equal(recency, want_recency) and torch.equal(r, want_r)
-        assert int(recency[num_experts]) == 43
-
-
-@pytest.mark.parametrize("impl", IMPLS)
-def test_no_hot_reuse_splits_as_without_recency(impl):
-    gen = torch.Generator().manual_seed(5)
-    ids, slot_of, rotation = random_case(gen, 4, 64, 8, torch.int64)
-    recency = new_recency(1, 64)[0]
-    recency[:64] = torch.arange(64)
-    with_recency = split_routes(ids, slot_of, split_values(0.6), rotation.clone(), recency=recency, impl=impl)
-    without = split_routes(ids, slot_of, split_values(0.6), rotation.clone(), impl=impl)
-    assert all(torch.equal(a, b) for a, b in zip(with_recency, without))

@@ -164,8 +164,8 @@ KERNELS = [  # kernel, pointer types, constexprs
     (_stamp_kernel, dict(times_ptr="*i64", counter_ptr="*i64"), dict(ADVANCE=True, PDL=True)),
     (_split_routes_kernel, dict(ids_ptr="*i64", slot_ptr="*i32", host_ids_ptr="*i64", device_ids_ptr="*i64",
                                 count_ptr="*i64", rotation_ptr="*i64", tally_ptr="*i64", flags_ptr="*i32",
-                                split_ptr="*fp32", recency_ptr="*i64"),
-     dict(BLOCK_E=128, BLOCK_R=256, HAS_TALLY=True, HAS_RECENCY=True, PDL=True)),
+                                split_ptr="*fp32"),
+     dict(BLOCK_E=128, BLOCK_R=256, HAS_TALLY=True, PDL=True)),
     (_draw_kernel, dict(fixed_ptr="*fp32", gumbel_ptr="*i64", keep_ptr="*i64", step_ptr="*i64", routes_ptr="*i64",
                         keep="fp32"),
      dict(K=8, BLOCK_E=128, BLOCK_K=8, KEEP=True, BIG_VALUE=1e4, PDL=True)),
@@ -188,7 +188,7 @@ for kernel, pointers, constexprs in KERNELS:
 def test_the_host_channel_kernels_compile_for_sm90():
     """The mailbox's post (a pass over its work, a system-scope release exchange) and wait
     (volatile polls of host memory), the staging copies, the timestamp (inline PTX reading %globaltimer), the route
-    split (barriers around a scratch row, a cumulative sum, the recency's stamps compared a chunk at a time) and the generated routes' draw (a
+    split (barriers around a scratch row, a cumulative sum) and the generated routes' draw (a
     uint32 hash), oracle and forcing, with PDL."""
     stdout = _compiled(SMALL)
     for name in ("_post_request_kernel", "_wait_done_kernel", "_staged_copy_kernel", "_staged_routes_kernel",

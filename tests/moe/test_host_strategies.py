@@ -43,23 +43,6 @@ def test_cpu_and_hybrid_generate_what_gpu_generates(family_ckpt, dtype):
     assert stats["host_experts"] > 0 and stats["decode"]["total"]["misses"] > 0  # both channels carried experts
 
 
-def test_hot_misses_are_copied_and_the_tokens_stay_gpus(family_ckpt):
-    """With the host's share every miss, --moe-host-hot-reuse hands the misses a layer routed
-    recently to the copy channel: fewer host experts, more copies, the same tokens. (A layer's
-    LRU capacity is what it holds: the start-up fill gives the first layer all its experts and
-    the second half of them.)"""
-    path, experts = family_ckpt
-    want = tokens(LLM(path, dtype="bfloat16", device="cpu"))
-    stats = {}
-    for hot_reuse in (0.0, 4.0):
-        llm = LLM(path, dtype="bfloat16", device="cpu", moe_strategy="hybrid", moe_cache_slots=experts * 3 // 2,
-                  moe_host_share=1.0, moe_host_hot_reuse=hot_reuse, moe_collect_stats=True)
-        assert tokens(llm) == want
-        stats[hot_reuse] = llm.engine.runner.strategy.stats()
-    assert stats[4.0]["host_experts"] < stats[0.0]["host_experts"]
-    assert stats[4.0]["decode"]["total"]["misses"] > stats[0.0]["decode"]["total"]["misses"]
-
-
 def test_the_share_balances_the_two_channels():
     assert ChannelSpeeds(55e9, 65e9).host_share == pytest.approx(65 / 120)
     assert ChannelSpeeds(55e9, 65e9, share=0.1).host_share == 0.1
@@ -175,13 +158,13 @@ def test_the_split_follows_the_host_speed_decode_finds(monkeypatch):
     calls that computed no expert (no fixed cost paid) do not distort it."""
     start = ChannelSpeeds(50e9, 75e9, host_call_s=20e-6, expert_bytes=10**7)
     tuner, counters = tuned(monkeypatch, start)
-    assert torch.allclose(tuner.split, torch.tensor([start.host_share, start.host_offset, 0.0]))
+    assert torch.allclose(tuner.split, torch.tensor([start.host_share, start.host_offset]))
     tuner.decode_step()  # the first step only marks the counters
     decode_period(tuner, counters, calls=96, seconds=96 * 20e-6 + 300 * 1e7 / 25e9, experts=300,
                   empty_calls=96, empty_seconds=96 * 1e-6)
     assert tuner.speeds.host_bytes_per_s == pytest.approx((75e9 + 25e9) / 2)
     assert tuner.speeds.host_share < start.host_share and tuner.updates == 1
-    assert torch.allclose(tuner.split, torch.tensor([tuner.speeds.host_share, tuner.speeds.host_offset, 0.0]))
+    assert torch.allclose(tuner.split, torch.tensor([tuner.speeds.host_share, tuner.speeds.host_offset]))
     for _ in range(8):
         decode_period(tuner, counters, calls=96, seconds=96 * 20e-6 + 300 * 1e7 / 1e9, experts=300)
     assert tuner.speeds.host_bytes_per_s == pytest.approx(tuner.settings.floor * 75e9)

@@ -218,33 +218,34 @@ def test_routing_simulate_plot_writes_the_hit_rate_curve(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("hot_reuse", [0.0, 2.0])
-def test_the_simulator_counts_exactly_the_hybrid_engines_split_and_admissions(checkpoint, tmp_path, hot_reuse):
-    """A hybrid engine's recorded routes replayed through its own split (a fixed share, hot reuse
-    or not): the same admissions layer by layer and the same host experts."""
+def test_the_simulator_counts_exactly_the_hybrid_engines_split_and_admissions(checkpoint, tmp_path):
+    """A hybrid engine's recorded routes replayed through its own split at its fixed share: the
+    same admissions layer by layer and the same host experts."""
     llm, _, trace = _record(checkpoint, tmp_path / "trace", moe_strategy="hybrid", moe_cache_slots=SLOTS,
-                            moe_cache_policy="layer_lru", moe_host_share=0.5, moe_host_hot_reuse=hot_reuse,
-                            moe_collect_stats=True)
+                            moe_cache_policy="layer_lru", moe_host_share=0.5, moe_collect_stats=True)
     engine = llm.engine.runner.strategy.stats()
-    result = simulate(trace, SLOTS, "layer_lru", host=HostSplit(0.5, hot_reuse))
+    result = simulate(trace, SLOTS, "layer_lru", host=HostSplit(0.5))
     assert result.decode["per_layer"] == engine["decode"]["per_layer"]
     assert result.host_experts == engine["host_experts"] > 0
 
 
-def test_routing_simulate_replays_hybrid_rows_and_hot_misses_go_to_the_copies(tmp_path, capsys):
-    """Under a routing profile with locality, hot reuse moves experts from the host to the copies."""
+def test_routing_simulate_replays_hybrid_rows_beside_offload(tmp_path, capsys):
+    """The host's experts leave the copies: fewer experts copied a step than offload's, each
+    row with its channel time."""
     trace = str(tmp_path / "t")
     assert main(["routing", "generate", "--profile", "qwen3", "--layers", "2", "--experts", "64", "--top-k", "4",
                  "--tokens", "120", "-o", trace]) == 0
     assert main(["routing", "simulate", trace, "--cache-fraction", "0.5", "--policy", "layer_lru",
-                 "--host-share", "0.6", "--hot-reuse", "0", "1", "--h2d-gbps", "25", "--step-ms", "1"]) == 0
-    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| --")]
-    assert [r[5] for r in rows] == ["offload", "hybrid 0.6", "hybrid 0.6, hot reuse 1"]
-    (offload_copied, _), (copied, host), (hot_copied, hot_host) = (
-        (float(v) for v in r[8].split(" / ")) for r in rows)
-    assert hot_host < host and hot_copied > copied and host > 0
-    assert run_cli(["routing", "simulate", trace, "--cache-slots", "64", "--hot-reuse", "1"], capsys).endswith(
-        "--hot-reuse is read only with --host-share (a hybrid split)")
+                 "--host-share", "0.5", "--host-gbps", "25", "--h2d-gbps", "25", "--step-ms", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| --")]
+    assert [r[5] for r in rows] == ["offload", "hybrid 0.5"]
+    (offload_copied, offload_host), (copied, host) = ((float(v) for v in r[8].split(" / ")) for r in rows)
+    assert offload_host == 0 and host > 0 and copied < offload_copied
+    assert all(float(r[10]) > 0 for r in rows)  # channel ms a step
+    assert "host kernel: 25 GB/s, 0 us a call" in out
+    assert run_cli(["routing", "simulate", trace, "--cache-slots", "64", "--host-gbps", "30"], capsys).endswith(
+        "--host-gbps is read only with --host-share (a hybrid split)")
 
 
 @pytest.mark.parametrize("args,says", [

@@ -1,28 +1,18 @@
 """Which routes of a MoE layer the host channel computes (the `hybrid` strategy,
 moe/split_policy.py): decided on the device, inside the decode graph, with no host sync.
 
-    split_routes(topk_ids [T, K] int, slot_of_layer [E] int32, split float32 [3], rotation int64 [1],
-                 tally=None, recency=None) -> (host_ids, device_ids, host_count)
+    split_routes(topk_ids [T, K] int, slot_of_layer [E] int32, split float32 [2], rotation int64 [1],
+                 tally=None) -> (host_ids, device_ids, host_count)
 
-`split` holds (host_share, host_offset, hot_reuse) on the device, read by the kernel when it
-runs, so a captured graph follows a new split written between replays. Of the distinct
-experts the routes name that are not resident (slot_of_layer[e] < 0), the misses, the host
-takes the first n = max(0, floor(misses * host_share - host_offset + 0.5)) of its candidates
-in expert order starting at expert `rotation[0]`, and every route to one of them.
-
-The candidates are every miss, or with `recency` (int64 [E + 1], the layer's own: each
-expert's stamp, -1 if never routed, then the layer's clock) every miss but the hot ones: a
-hot miss was routed before and fewer distinct experts were routed since (stamps greater than
-its own) than hot_reuse x the layer's resident experts (float32), so an LRU of that many
-experts would still hold it. Its routes are likely again soon, and an expert the host
-computes is never admitted: every later route to it would miss again, so a hot miss is copied
-and admitted. hot_reuse 0: no miss is hot. Then every routed expert's stamp becomes the clock,
-and the clock advances by one.
-
-`host_ids` is `topk_ids` with -1 where the device computes the route, `device_ids` the
-reverse (same dtype and shape), so each route is computed by exactly one channel and a
-resident expert always by the device; a route outside [0, E) (-1: another rank's under
---tensor-parallel-size) is counted nowhere and stays -1 in both.
+`split` holds (host_share, host_offset) on the device, read by the kernel when it runs, so
+a captured graph follows a new split written between replays. Of the distinct experts the
+routes name that are not resident (slot_of_layer[e] < 0), the host takes the first n =
+max(0, floor(misses * host_share - host_offset + 0.5)) in expert order starting at expert
+`rotation[0]`, and every route to one of them. `host_ids` is `topk_ids`
+with -1 where the device computes the route, `device_ids` the reverse (same dtype and shape),
+so each route is computed by exactly one channel and a resident expert always by the device;
+a route outside [0, E) (-1: another rank's under --tensor-parallel-size) is counted nowhere and
+stays -1 in both.
 `host_count` (int64 [1]) is n's realised value (the distinct experts the host takes). Then
 rotation[0] = (rotation[0] + 1) % E, so no expert is always the host's, and `tally[0] +=
 host_count` when a tally (int64 [1], e.g. one layer's entry of a per-layer counter) is given.
@@ -37,32 +27,21 @@ import torch
 
 from moeferry.kernels import implementation
 
-__all__ = ["new_recency", "split_routes", "split_values"]
+__all__ = ["split_routes", "split_values"]
 
 
-def split_values(host_share: float, host_offset: float = 0.0, device=None, *, hot_reuse: float = 0.0) -> torch.Tensor:
-    """The `split` tensor of (host_share, host_offset, hot_reuse)."""
-    return torch.tensor([host_share, host_offset, hot_reuse], dtype=torch.float32, device=device)
-
-
-def new_recency(num_layers: int, num_experts: int, device=None) -> torch.Tensor:
-    """Every layer's `recency` row, int64 [num_layers, E + 1]: no expert routed, clocks at 0."""
-    recency = torch.full((num_layers, num_experts + 1), -1, dtype=torch.int64, device=device)
-    recency[:, num_experts] = 0
-    return recency
+def split_values(host_share: float, host_offset: float = 0.0, device=None) -> torch.Tensor:
+    """The `split` tensor of (host_share, host_offset)."""
+    return torch.tensor([host_share, host_offset], dtype=torch.float32, device=device)
 
 
 def split_routes(topk_ids: torch.Tensor, slot_of_layer: torch.Tensor, split: torch.Tensor, rotation: torch.Tensor,
-                 tally: torch.Tensor | None = None, recency: torch.Tensor | None = None, *,
+                 tally: torch.Tensor | None = None, *,
                  impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if topk_ids.dim() != 2 or slot_of_layer.dim() != 1:
         raise ValueError(f"split_routes takes topk_ids [T, K] and slot_of_layer [E], got "
                          f"{tuple(topk_ids.shape)} and {tuple(slot_of_layer.shape)}")
-    if split.dtype != torch.float32 or split.shape != (3,):
-        raise ValueError(f"split_routes takes split as float32 [3] (share, offset, hot reuse), got {split.dtype} "
+    if split.dtype != torch.float32 or split.shape != (2,):
+        raise ValueError(f"split_routes takes split as float32 [2] (share, offset), got {split.dtype} "
                          f"{tuple(split.shape)}")
-    if recency is not None and (recency.dtype != torch.int64 or recency.shape != (slot_of_layer.shape[0] + 1,)):
-        raise ValueError(f"split_routes takes recency as int64 [E + 1] (stamps, clock), got {recency.dtype} "
-                         f"{tuple(recency.shape)}")
-    return implementation("route_split", topk_ids, impl).split_routes(topk_ids, slot_of_layer, split, rotation,
-                                                                      tally, recency)
+    return implementation("route_split", topk_ids, impl).split_routes(topk_ids, slot_of_layer, split, rotation, tally)

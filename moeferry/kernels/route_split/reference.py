@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 
-def split_routes(topk_ids, slot_of_layer, split, rotation, tally, recency):
+def split_routes(topk_ids, slot_of_layer, split, rotation, tally):
     num_experts = slot_of_layer.shape[0]
     valid = (topk_ids >= 0) & (topk_ids < num_experts)  # others (-1: another rank's) go to neither channel
     ids = torch.where(valid, topk_ids, torch.zeros_like(topk_ids)).long()
@@ -13,29 +13,15 @@ def split_routes(topk_ids, slot_of_layer, split, rotation, tally, recency):
     missed = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
     missed.index_add_(0, ids.reshape(-1), missing_route)
     missed = (missed > 0).to(torch.int32)
-    candidate = missed if recency is None else missed * ~_hot(missed, slot_of_layer, split, recency[:num_experts])
     order = (torch.arange(num_experts, device=ids.device) + rotation) % num_experts  # position -> expert
-    rank_in_order = torch.cumsum(candidate[order], 0)
-    rank = torch.empty_like(rank_in_order).scatter_(0, order, rank_in_order)  # expert -> its rank among candidates
+    rank_in_order = torch.cumsum(missed[order], 0)
+    rank = torch.empty_like(rank_in_order).scatter_(0, order, rank_in_order)  # expert -> its rank among misses
     count = (missed.sum().to(torch.float32) * split[0] - split[1] + 0.5).floor().clamp(min=0).to(rank.dtype)
-    host_expert = (candidate > 0) & (rank <= count)
+    host_expert = (missed > 0) & (rank <= count)
     rotation.add_(1).remainder_(num_experts)
-    if recency is not None:  # every routed expert's stamp is this call's clock, then the clock advances
-        routed = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
-        routed.index_add_(0, ids.reshape(-1), valid.reshape(-1).to(torch.int32))
-        recency[:num_experts] = torch.where(routed > 0, recency[num_experts], recency[:num_experts])
-        recency[num_experts:].add_(1)
     host_count = host_expert.sum(dtype=torch.int64).reshape(1)
     if tally is not None:
         tally += host_count
     host_route = host_expert[ids] & valid
     minus_one = torch.full_like(topk_ids, -1)
     return torch.where(host_route, topk_ids, minus_one), torch.where(host_route, minus_one, topk_ids), host_count
-
-
-def _hot(missed, slot_of_layer, split, stamps):
-    """The misses an LRU of the layer's resident count scaled by split[2] would still hold: routed
-    before (stamp >= 0), with fewer distinct experts routed since than that capacity."""
-    resident = (slot_of_layer >= 0).sum().to(torch.float32)
-    routed_since = (stamps[None, :] > stamps[:, None]).sum(1).to(torch.float32)
-    return (missed > 0) & (stamps >= 0) & (routed_since < split[2] * resident)

@@ -16,14 +16,13 @@ import triton.language as tl
 from moeferry.kernels.triton_common import pdl_launch, wait_for_previous_kernel
 
 BLOCK_ROUTES = 256
-HOT_CHUNK = tl.constexpr(32)  # other experts' stamps compared per loop step: [BLOCK_E, HOT_CHUNK] in registers
 
 
 @triton.jit
 def _split_routes_kernel(ids_ptr, slot_ptr, host_ids_ptr, device_ids_ptr, count_ptr, rotation_ptr, tally_ptr,
-                         flags_ptr, split_ptr, recency_ptr, num_routes, num_experts,
+                         flags_ptr, split_ptr, num_routes, num_experts,
                          BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, HAS_TALLY: tl.constexpr,
-                         HAS_RECENCY: tl.constexpr, PDL: tl.constexpr):
+                         PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
     e = tl.arange(0, BLOCK_E)
     is_expert = e < num_experts
@@ -38,22 +37,14 @@ def _split_routes_kernel(ids_ptr, slot_ptr, host_ids_ptr, device_ids_ptr, count_
     routed = tl.load(flags_ptr + e, mask=is_expert, other=0)
     slot = tl.load(slot_ptr + e, mask=is_expert, other=0)
     missed = ((routed > 0) & (slot < 0)).to(tl.int32)
-    if HAS_RECENCY:
-        stamp = tl.load(recency_ptr + e, mask=is_expert, other=-1)
-        clock = tl.load(recency_ptr + num_experts)
-        hot = _hot(missed, slot, stamp, is_expert, recency_ptr, tl.load(split_ptr + 2), num_experts, BLOCK_E)
-        candidate = tl.where(hot, 0, missed)
-    else:
-        candidate = missed
     rotation = tl.load(rotation_ptr)
     misses = tl.sum(missed, axis=0)
-    candidates = tl.sum(candidate, axis=0)
-    before_rotation = tl.sum(tl.where(e < rotation, candidate, 0), axis=0)
-    cumulative = tl.cumsum(candidate, axis=0)
-    rank = tl.where(e >= rotation, cumulative - before_rotation, cumulative + candidates - before_rotation)
+    before_rotation = tl.sum(tl.where(e < rotation, missed, 0), axis=0)
+    cumulative = tl.cumsum(missed, axis=0)
+    rank = tl.where(e >= rotation, cumulative - before_rotation, cumulative + misses - before_rotation)
     host_share, host_offset = tl.load(split_ptr), tl.load(split_ptr + 1)
     count = tl.maximum(tl.floor(misses.to(tl.float32) * host_share - host_offset + 0.5), 0.0).to(tl.int32)
-    host_expert = (candidate > 0) & (rank <= count)
+    host_expert = (missed > 0) & (rank <= count)
     host_count = tl.sum(host_expert.to(tl.int64), axis=0)
     tl.debug_barrier()  # every thread has read the rotation and the flags before either is rewritten
     tl.store(count_ptr, host_count)
@@ -61,9 +52,6 @@ def _split_routes_kernel(ids_ptr, slot_ptr, host_ids_ptr, device_ids_ptr, count_
     if HAS_TALLY:
         tl.store(tally_ptr, tl.load(tally_ptr) + host_count)
     tl.store(flags_ptr + e, host_expert.to(tl.int32), mask=is_expert)
-    if HAS_RECENCY:  # every routed expert's stamp is this call's clock, then the clock advances
-        tl.store(recency_ptr + e, clock, mask=is_expert & (routed > 0))
-        tl.store(recency_ptr + num_experts, clock + 1)
     tl.debug_barrier()
     for start in range(0, num_routes, BLOCK_R):
         r = start + tl.arange(0, BLOCK_R)
@@ -75,30 +63,15 @@ def _split_routes_kernel(ids_ptr, slot_ptr, host_ids_ptr, device_ids_ptr, count_
         tl.store(device_ids_ptr + r, tl.where(on_host, -1, ids), mask=in_range)
 
 
-@triton.jit
-def _hot(missed, slot, stamp, is_expert, recency_ptr, hot_reuse, num_experts, BLOCK_E: tl.constexpr):
-    """The misses an LRU of the layer's resident count scaled by hot_reuse would still hold:
-    routed before, with fewer distinct experts routed since (stamps compared a chunk at a time)."""
-    resident = tl.sum((is_expert & (slot >= 0)).to(tl.int32), axis=0)
-    routed_since = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for start in range(0, num_experts, HOT_CHUNK):
-        others = start + tl.arange(0, HOT_CHUNK)
-        other_stamp = tl.load(recency_ptr + others, mask=others < num_experts, other=-1)
-        routed_since += tl.sum((other_stamp[None, :] > stamp[:, None]).to(tl.int32), axis=1)
-    return (missed > 0) & (stamp >= 0) & (routed_since.to(tl.float32) < hot_reuse * resident.to(tl.float32))
-
-
-def split_routes(topk_ids, slot_of_layer, split, rotation, tally, recency):
+def split_routes(topk_ids, slot_of_layer, split, rotation, tally):
     ids = topk_ids.contiguous()
     num_experts = slot_of_layer.shape[0]
     host_ids, device_ids = torch.empty_like(ids), torch.empty_like(ids)
     host_count = torch.empty(1, dtype=torch.int64, device=ids.device)
     flags = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     _split_routes_kernel[(1,)](ids, slot_of_layer.contiguous(), host_ids, device_ids, host_count, rotation,
-                               host_count if tally is None else tally, flags, split,
-                               host_count if recency is None else recency, ids.numel(), num_experts,
+                               host_count if tally is None else tally, flags, split, ids.numel(), num_experts,
                                BLOCK_E=triton.next_power_of_2(num_experts),
-                               BLOCK_R=BLOCK_ROUTES, HAS_TALLY=tally is not None, HAS_RECENCY=recency is not None,
-                               num_warps=4,
+                               BLOCK_R=BLOCK_ROUTES, HAS_TALLY=tally is not None, num_warps=4,
                                **pdl_launch(ids.device))
     return host_ids, device_ids, host_count
