@@ -187,7 +187,7 @@ class HostExpertChannel:
         if num_tokens > self.max_tokens:
             raise ValueError(f"host channel: {num_tokens} tokens in one call, buffers for {self.max_tokens}")
         if self.device.type != "cuda":
-            self._inflight = (self._run_here(layer_id, hidden, topk_weights, host_ids),)
+            self._inflight = (self._run_here(layer_id, hidden, topk_weights, host_ids), host_ids)
             return
         # The side stream reads the inputs after this returns: holding them until `finish` joins
         # it keeps the caching allocator from handing their memory to the main stream meanwhile.
@@ -232,20 +232,26 @@ class HostExpertChannel:
         """Whether a mailbox wait ever gave up on the host kernel (never on a CPU-only machine)."""
         return self.device.type == "cuda" and self.mailbox.stalled()
 
-    def finish(self) -> torch.Tensor:
+    def finish(self, into: torch.Tensor | None = None) -> torch.Tensor:
         """The last `begin`'s host routes' weighted outputs [T, K, H] on the compute device (bf16
-        from the kernel; zeros at the other routes), joined into the current stream. Read it
-        before the next `begin`."""
-        routes = self._inflight[0]
+        from the kernel), joined into the current stream: zeros at the other routes, or with
+        `into` (the device's routes [T, K, H], contiguous) merged into it, its own rows at the
+        other routes, and `into` returned. Read it before the next `begin`."""
+        routes, host_ids = self._inflight[0], self._inflight[-1]
+        self._inflight = ()
         if self.device.type == "cuda":
-            host_ids = self._inflight[3]
             if self.options.dispatch == "mailbox":
                 host_mailbox.wait_done(self.mailbox.box, self.mailbox.counter)
             else:
                 torch.cuda.current_stream(self.device).wait_stream(self.side)
-            if self.options.staging == "kernel":  # the host's routes alone cross PCIe
+            if self.options.staging == "kernel":  # the host's routes alone cross PCIe, into `into` when given
                 rows = routes.shape[0] * self.top_k
-                staged_routes(self.out[:routes.shape[0]].view(rows, self.hidden), routes.view(rows, self.hidden),
-                              host_ids.view(rows))
-        self._inflight = ()
-        return routes
+                merged = into is not None and into.dtype == routes.dtype and into.is_contiguous()
+                target = into if merged else routes
+                staged_routes(self.out[:routes.shape[0]].view(rows, self.hidden), target.view(rows, self.hidden),
+                              host_ids.view(rows), keep=merged)
+                if merged:
+                    return into
+        if into is None:
+            return routes
+        return torch.where((host_ids >= 0).unsqueeze(-1), routes.to(into.dtype), into)

@@ -58,8 +58,8 @@ class HostCompute:
     def begin(self, layer_id: int, hidden: torch.Tensor, topk_weights: torch.Tensor, host_ids: torch.Tensor) -> None:
         self.channel.begin(layer_id, hidden, topk_weights, host_ids)
 
-    def finish(self) -> torch.Tensor:
-        return self.channel.finish()
+    def finish(self, into: torch.Tensor | None = None) -> torch.Tensor:
+        return self.channel.finish(into)
 
     def restart(self) -> None:
         self.experts.zero_()

@@ -137,14 +137,14 @@ class AllToHost:
         pass
 
     def routes(self, moe_layer: int, topk_ids: torch.Tensor, residency: torch.Tensor | None,
-               tally: torch.Tensor | None) -> tuple[torch.Tensor, None]:
-        """(host ids, device ids or None): here every id to the host; `tally` [1] (decode) counts
-        the layer's distinct routed experts."""
+               tally: torch.Tensor | None, weights: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        """(host ids, device ids, the device's weights): here every id to the host, None for the
+        device; `tally` [1] (decode) counts the layer's distinct routed experts."""
         if tally is not None:
             distinct = torch.zeros(self.num_experts, dtype=torch.int32, device=topk_ids.device)
             distinct.index_fill_(0, topk_ids.reshape(-1).long(), 1)
             tally += distinct.sum()
-        return topk_ids, None
+        return topk_ids, None, None
 
     def device_part(self, predicted_ids: torch.Tensor, residency: torch.Tensor) -> torch.Tensor:
         """Of a lookahead's predicted experts, none for the device: every route is the host's."""
@@ -177,12 +177,13 @@ class ByChannelSpeed:
         self.ahead_rotation = torch.zeros(1, dtype=torch.int64, device=device)
 
     def routes(self, moe_layer: int, topk_ids: torch.Tensor, residency: torch.Tensor,
-               tally: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(host ids, device ids): each route's expert in one of the two, -1 in the other;
-        `residency` is the layer's row of the slot cache's slot_of; `tally` [1] (decode) counts
-        the experts the host takes."""
-        host_ids, device_ids, _ = split_routes(topk_ids, residency, self.tuner.split, self.rotation, tally)
-        return host_ids, device_ids
+               tally: torch.Tensor | None, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(host ids, device ids, the device's weights): each route's expert in one of the two, -1
+        in the other, and `weights` with zeros at the host's routes; `residency` is the layer's row
+        of the slot cache's slot_of; `tally` [1] (decode) counts the experts the host takes."""
+        host_ids, device_ids, _, device_weights = split_routes(topk_ids, residency, self.tuner.split, self.rotation,
+                                                               tally, weights)
+        return host_ids, device_ids, device_weights
 
     def device_part(self, predicted_ids: torch.Tensor, residency: torch.Tensor) -> torch.Tensor:
         """Of a lookahead's predicted experts (moe/prefetch.py), those the device channel fetches

@@ -223,8 +223,9 @@ class MoEStrategy:
         mark = self._marker(moe_layer, phase)
         mark("start")
         residency = self.store.residency()
-        host_ids, device_ids = self.split.routes(moe_layer, topk_ids, None if residency is None else residency[moe_layer],
-                                                 self.host.tally(moe_layer, phase))
+        host_ids, device_ids, device_weights = self.split.routes(
+            moe_layer, topk_ids, None if residency is None else residency[moe_layer], self.host.tally(moe_layer, phase),
+            topk_weights)
         mark("split")
         self.host.begin(layer_id, hidden, topk_weights, host_ids)
         mark("posted")
@@ -234,13 +235,10 @@ class MoEStrategy:
         if ahead is not None:
             ahead.ahead(layer_id, hidden, device_ids.numel())
         mark("copied")
-        on_host = host_ids >= 0
-        device_routes = self._on_device(hidden, banks, topk_weights.masked_fill(on_host, 0.0), rows.clamp(min=0),
-                                        sum_routes=False)
+        device_routes = self._on_device(hidden, banks, device_weights, rows.clamp(min=0), sum_routes=False)
         mark("computed")
-        host_routes = self.host.finish()
+        routes = self.host.finish(into=device_routes)  # the host's routes merged into the device's
         mark("joined")
-        routes = torch.where(on_host.unsqueeze(-1), host_routes.to(device_routes.dtype), device_routes)
         out = _summed(routes, hidden.dtype, sum_routes)
         mark("combined")
         return out

@@ -161,7 +161,7 @@ def simulate(trace: RoutingTrace, num_slots: int, policy: str, *, lrfu_decay: fl
             for layer in range(h.num_moe_layers):
                 routes = ids[layer]
                 if split is not None and step.phase == "decode":
-                    _, routes, on_host = split_routes(routes, cache.slot_of[layer], split, rotation, host_experts,
+                    _, routes, on_host, _ = split_routes(routes, cache.slot_of[layer], split, rotation, host_experts,
                                                       impl="reference")
                 cache.admit(layer, routes, step.phase)
                 if split is not None and step.phase == "decode":

@@ -36,7 +36,9 @@ def test_triton_matches_copy(chosen):
 
 
 @pytest.mark.parametrize("rows, hidden", [(8, 2048), (6, 700), (1, 5)])
-def test_routes_triton_matches_reference_and_reads_only_the_routed_rows(rows, hidden):
+@pytest.mark.parametrize("keep", [False, True])
+def test_routes_triton_matches_reference_and_reads_only_the_routed_rows(rows, hidden, keep):
+    """The routed rows copied; the others zeros, or with `keep` the destination's own."""
     from moeferry.kernels.host_staging import triton as triton_staging
 
     gen = torch.Generator().manual_seed(rows)
@@ -44,11 +46,11 @@ def test_routes_triton_matches_reference_and_reads_only_the_routed_rows(rows, hi
     ids = torch.randint(-1, 3, (rows,), generator=gen)
     ids[0] = -1
     got, want = torch.full_like(src, 7), torch.full_like(src, 7)
-    triton_staging.staged_routes(src, got, ids)
-    reference.staged_routes(src, want, ids)
+    triton_staging.staged_routes(src, got, ids, keep)
+    reference.staged_routes(src, want, ids, keep)
     routed = (ids >= 0).unsqueeze(-1)
-    assert torch.equal(got, want) and torch.equal(got, torch.where(routed, src, 0))
-    assert not got[0].any()
+    assert torch.equal(got, want) and torch.equal(got, torch.where(routed, src, 7 if keep else 0))
+    assert bool((got[0] == 7).all()) if keep else not got[0].any()
 
 
 def test_bad_pairs_are_refused():

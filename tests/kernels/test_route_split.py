@@ -18,7 +18,7 @@ def test_the_host_computes_its_share_of_the_misses_and_nothing_resident(impl):
         slot_of = torch.where(torch.rand(num_experts, generator=gen) < 0.4, 3, -1).int()
         ids = torch.stack([torch.randperm(num_experts, generator=gen)[:4] for _ in range(5)])
         share = [0.0, 0.3, 0.5, 1.0][step % 4]
-        host_ids, device_ids, host_count = split_routes(ids, slot_of, split_values(share), rotation, impl=impl)
+        host_ids, device_ids, host_count, _ = split_routes(ids, slot_of, split_values(share), rotation, impl=impl)
         assert torch.equal(torch.where(host_ids >= 0, host_ids, device_ids), ids)  # every route, one channel
         assert bool(((host_ids < 0) | (device_ids < 0)).all())
         host_experts = set(host_ids[host_ids >= 0].tolist())
@@ -34,7 +34,7 @@ def test_rotation_spreads_the_host_share_over_the_missed_experts(impl):
     ids, slot_of = torch.arange(8).view(2, 4), torch.full((num_experts,), -1, dtype=torch.int32)
     rotation, seen = torch.zeros(1, dtype=torch.int64), set()
     for _ in range(num_experts):
-        host_ids, _, _ = split_routes(ids, slot_of, split_values(0.25), rotation, impl=impl)
+        host_ids, _, _, _ = split_routes(ids, slot_of, split_values(0.25), rotation, impl=impl)
         seen |= set(host_ids[host_ids >= 0].tolist())
     assert seen == set(range(8))
 
@@ -42,7 +42,7 @@ def test_rotation_spreads_the_host_share_over_the_missed_experts(impl):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_the_fixed_cost_keeps_small_miss_counts_on_pcie(impl):
     ids, slot_of = torch.tensor([[0, 1]]), torch.full((8,), -1, dtype=torch.int32)
-    host_ids, device_ids, count = split_routes(ids, slot_of, split_values(0.5, 1.5), torch.zeros(1, dtype=torch.int64),
+    host_ids, device_ids, count, _ = split_routes(ids, slot_of, split_values(0.5, 1.5), torch.zeros(1, dtype=torch.int64),
                                                impl=impl)
     assert int(count) == 0 and bool((host_ids < 0).all()) and torch.equal(device_ids, ids)
 
@@ -56,17 +56,21 @@ def random_case(gen, num_tokens, num_experts, top_k, id_dtype, device="cpu"):
 
 
 def assert_same_split(ids, slot_of, rotation, share, offset):
-    """The kernel against the reference: outputs, the rotation and a tally, element for element."""
+    """The kernel against the reference: outputs (the device's weights too), the rotation and a
+    tally, element for element; the device's weights are the routes' with zeros at the host's."""
+    weights = torch.rand(ids.shape, generator=torch.Generator().manual_seed(ids.numel())).to(ids.device)
     outs, rotations, tallies = [], [], []
     for impl in IMPLS:
         r, tally = rotation.clone(), torch.full((1,), 7, dtype=torch.int64, device=ids.device)
-        outs.append(split_routes(ids, slot_of, split_values(share, offset, ids.device), r, tally, impl=impl))
+        outs.append(split_routes(ids, slot_of, split_values(share, offset, ids.device), r, tally, weights, impl=impl))
         rotations.append(r)
         tallies.append(tally)
     for want, got in zip(outs[0], outs[1]):
         assert got.dtype == want.dtype and torch.equal(got, want)
     assert torch.equal(rotations[0], rotations[1]) and torch.equal(tallies[0], tallies[1])
     assert int(tallies[1]) == 7 + int(outs[1][2])
+    host_ids, _, _, device_weights = outs[1]
+    assert torch.equal(device_weights, torch.where(host_ids >= 0, 0.0, weights))
 
 
 @pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 128, 8), (3, 60, 4), (40, 32, 4), (70, 256, 8)])
@@ -111,8 +115,8 @@ def test_routes_outside_the_layer_go_to_neither_channel(impl):
     ids = torch.tensor([[0, -1, 2, -1], [-1, 3, 5, -1]])
     alone = torch.tensor([[0, 2], [3, 5]])
     split = split_values(0.5)
-    host, device, count = split_routes(ids, slot_of, split, torch.zeros(1, dtype=torch.int64), impl=impl)
-    want_host, want_device, want_count = split_routes(alone, slot_of, split, torch.zeros(1, dtype=torch.int64),
+    host, device, count, _ = split_routes(ids, slot_of, split, torch.zeros(1, dtype=torch.int64), impl=impl)
+    want_host, want_device, want_count, _ = split_routes(alone, slot_of, split, torch.zeros(1, dtype=torch.int64),
                                                       impl=impl)
     outside = ids < 0
     assert bool((host[outside] == -1).all()) and bool((device[outside] == -1).all())

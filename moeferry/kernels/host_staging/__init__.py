@@ -9,9 +9,10 @@ where `Tensor.copy_` would put memcpy nodes: the host channel (moe/host_channel.
 inputs and outputs this way, so its graph branch is kernels and a host function, ordered by
 the step's own kernels instead of by the copy engines' queues. The reference is `copy_`.
 
-``staged_routes(src, dst, ids)``: the host channel's outputs back, route by route: dst[r] =
-src[r] where ids[r] >= 0, zeros elsewhere (src, dst [N, H] of one floating dtype, src pinned on
-a GPU; ids [N] on dst's device). Only the rows the host computed cross PCIe: pinned memory read
+``staged_routes(src, dst, ids, keep=False)``: the host channel's outputs back, route by route:
+dst[r] = src[r] where ids[r] >= 0, zeros elsewhere, or with `keep` dst's own rows left as they
+are there (the device's routes, merged in place: no separate combine); src, dst [N, H] of one
+floating dtype, src pinned on a GPU; ids [N] on dst's device. Only the rows the host computed cross PCIe: pinned memory read
 in place costs a PCIe round trip every few rows, and a decode layer gives the host few routes.
 """
 from __future__ import annotations
@@ -58,7 +59,9 @@ def check_routes(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor) -> Non
         raise ValueError("staged_routes: src, dst and ids must be contiguous")
 
 
-def staged_routes(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, *, impl: str | None = None) -> None:
-    """dst[r] = src[r] where ids[r] >= 0, else zeros; dispatched on dst's device."""
+def staged_routes(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, *, keep: bool = False,
+                  impl: str | None = None) -> None:
+    """dst[r] = src[r] where ids[r] >= 0, else zeros (or, with `keep`, dst[r] as it is);
+    dispatched on dst's device."""
     check_routes(src, dst, ids)
-    implementation("host_staging", dst, impl).staged_routes(src, dst, ids)
+    implementation("host_staging", dst, impl).staged_routes(src, dst, ids, keep)

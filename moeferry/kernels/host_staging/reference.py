@@ -13,6 +13,7 @@ def staged_copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         dst.copy_(src.reshape(dst.shape))
 
 
-def staged_routes(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor) -> None:
+def staged_routes(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, keep: bool = False) -> None:
     check_routes(src, dst, ids)
-    dst.copy_(torch.where((ids >= 0).to(dst.device).unsqueeze(-1), src.to(dst.device), 0.0))
+    other = dst.clone() if keep else 0.0
+    dst.copy_(torch.where((ids >= 0).to(dst.device).unsqueeze(-1), src.to(dst.device), other))

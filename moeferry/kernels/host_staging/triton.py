@@ -50,7 +50,8 @@ def staged_copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 
 @triton.jit
-def _staged_routes_kernel(src_ptr, dst_ptr, ids_ptr, hidden, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _staged_routes_kernel(src_ptr, dst_ptr, ids_ptr, hidden, KEEP: tl.constexpr, BLOCK: tl.constexpr,
+                          PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -58,13 +59,13 @@ def _staged_routes_kernel(src_ptr, dst_ptr, ids_ptr, hidden, BLOCK: tl.constexpr
     # the row's flag as a block: the interpreter takes no scalar in a mask
     routed = (tl.zeros([BLOCK], dtype=tl.int64) + tl.load(ids_ptr + row)) >= 0
     values = tl.load(src_ptr + row * hidden + cols, mask=in_row & routed, other=0.0)
-    tl.store(dst_ptr + row * hidden + cols, values, mask=in_row)
+    tl.store(dst_ptr + row * hidden + cols, values, mask=in_row & (routed | (not KEEP)))
 
 
-def staged_routes(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor) -> None:
+def staged_routes(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, keep: bool = False) -> None:
     check_routes(src, dst, ids)
     rows, hidden = dst.shape
     if rows == 0:
         return
     _staged_routes_kernel[(rows, triton.cdiv(hidden, BLOCK))](kernel_argument(src, dst.is_cuda), dst, ids, hidden,
-                                                             BLOCK=BLOCK, **pdl_launch(dst.device))
+                                                             KEEP=keep, BLOCK=BLOCK, **pdl_launch(dst.device))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 
-def split_routes(topk_ids, slot_of_layer, split, rotation, tally):
+def split_routes(topk_ids, slot_of_layer, split, rotation, tally, weights):
     num_experts = slot_of_layer.shape[0]
     valid = (topk_ids >= 0) & (topk_ids < num_experts)  # others (-1: another rank's) go to neither channel
     ids = torch.where(valid, topk_ids, torch.zeros_like(topk_ids)).long()
@@ -24,4 +24,6 @@ def split_routes(topk_ids, slot_of_layer, split, rotation, tally):
         tally += host_count
     host_route = host_expert[ids] & valid
     minus_one = torch.full_like(topk_ids, -1)
-    return torch.where(host_route, topk_ids, minus_one), torch.where(host_route, minus_one, topk_ids), host_count
+    device_weights = None if weights is None else weights.masked_fill(host_route, 0.0)
+    return (torch.where(host_route, topk_ids, minus_one), torch.where(host_route, minus_one, topk_ids), host_count,
+            device_weights)

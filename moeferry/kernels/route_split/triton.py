@@ -20,9 +20,9 @@ BLOCK_ROUTES = 256
 
 @triton.jit
 def _split_routes_kernel(ids_ptr, slot_ptr, host_ids_ptr, device_ids_ptr, count_ptr, rotation_ptr, tally_ptr,
-                         flags_ptr, split_ptr, num_routes, num_experts,
+                         flags_ptr, split_ptr, weights_ptr, device_weights_ptr, num_routes, num_experts,
                          BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, HAS_TALLY: tl.constexpr,
-                         PDL: tl.constexpr):
+                         HAS_WEIGHTS: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
     e = tl.arange(0, BLOCK_E)
     is_expert = e < num_experts
@@ -61,17 +61,23 @@ def _split_routes_kernel(ids_ptr, slot_ptr, host_ids_ptr, device_ids_ptr, count_
         on_host = tl.load(flags_ptr + ids, mask=valid, other=0) > 0
         tl.store(host_ids_ptr + r, tl.where(on_host, ids, -1), mask=in_range)
         tl.store(device_ids_ptr + r, tl.where(on_host, -1, ids), mask=in_range)
+        if HAS_WEIGHTS:
+            weights = tl.load(weights_ptr + r, mask=in_range, other=0.0)
+            tl.store(device_weights_ptr + r, tl.where(on_host, tl.zeros_like(weights), weights), mask=in_range)
 
 
-def split_routes(topk_ids, slot_of_layer, split, rotation, tally):
+def split_routes(topk_ids, slot_of_layer, split, rotation, tally, weights):
     ids = topk_ids.contiguous()
+    weights = None if weights is None else weights.contiguous()
+    device_weights = None if weights is None else torch.empty_like(weights)
     num_experts = slot_of_layer.shape[0]
     host_ids, device_ids = torch.empty_like(ids), torch.empty_like(ids)
     host_count = torch.empty(1, dtype=torch.int64, device=ids.device)
     flags = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     _split_routes_kernel[(1,)](ids, slot_of_layer.contiguous(), host_ids, device_ids, host_count, rotation,
-                               host_count if tally is None else tally, flags, split, ids.numel(), num_experts,
-                               BLOCK_E=triton.next_power_of_2(num_experts),
-                               BLOCK_R=BLOCK_ROUTES, HAS_TALLY=tally is not None, num_warps=4,
-                               **pdl_launch(ids.device))
-    return host_ids, device_ids, host_count
+                               host_count if tally is None else tally, flags, split,
+                               split if weights is None else weights, split if weights is None else device_weights,
+                               ids.numel(), num_experts, BLOCK_E=triton.next_power_of_2(num_experts),
+                               BLOCK_R=BLOCK_ROUTES, HAS_TALLY=tally is not None, HAS_WEIGHTS=weights is not None,
+                               num_warps=4, **pdl_launch(ids.device))
+    return host_ids, device_ids, host_count, device_weights
