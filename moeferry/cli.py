@@ -207,7 +207,8 @@ def add_model_positional(parser: argparse.ArgumentParser) -> None:
 
 def _cmd_routing_simulate(args) -> int:
     """A recorded trace replayed through the slot cache at each size and policy (routing/simulate.py)."""
-    from moeferry.routing.simulate import DEFAULT_HOST_GBPS, HostSpeed, HostSplit, SimulationError, cache_sizes, h2d_bandwidth, report
+    from moeferry.routing.simulate import (DEFAULT_HOST_GBPS, HostSpeed, HostSplit, SimulationError, cache_sizes,
+                                           h2d_bandwidth, report)
     from moeferry.routing.trace import RoutingTrace, TraceError
 
     if not (args.cache_gb or args.cache_slots or args.cache_fraction):

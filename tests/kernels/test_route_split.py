@@ -42,8 +42,8 @@ def test_rotation_spreads_the_host_share_over_the_missed_experts(impl):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_the_fixed_cost_keeps_small_miss_counts_on_pcie(impl):
     ids, slot_of = torch.tensor([[0, 1]]), torch.full((8,), -1, dtype=torch.int32)
-    host_ids, device_ids, count, _ = split_routes(ids, slot_of, split_values(0.5, 1.5), torch.zeros(1, dtype=torch.int64),
-                                               impl=impl)
+    host_ids, device_ids, count, _ = split_routes(ids, slot_of, split_values(0.5, 1.5),
+                                                  torch.zeros(1, dtype=torch.int64), impl=impl)
     assert int(count) == 0 and bool((host_ids < 0).all()) and torch.equal(device_ids, ids)
 
 

@@ -12,8 +12,9 @@ the step's own kernels instead of by the copy engines' queues. The reference is 
 ``staged_routes(src, dst, ids, keep=False)``: the host channel's outputs back, route by route:
 dst[r] = src[r] where ids[r] >= 0, zeros elsewhere, or with `keep` dst's own rows left as they
 are there (the device's routes, merged in place: no separate combine); src, dst [N, H] of one
-floating dtype, src pinned on a GPU; ids [N] on dst's device. Only the rows the host computed cross PCIe: pinned memory read
-in place costs a PCIe round trip every few rows, and a decode layer gives the host few routes.
+floating dtype, src pinned on a GPU; ids [N] on dst's device. Only the rows the host computed
+cross PCIe: pinned memory read in place costs a PCIe round trip every few rows, and a decode
+layer gives the host few routes.
 """
 from __future__ import annotations
 
