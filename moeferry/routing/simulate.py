@@ -31,8 +31,8 @@ overlapping compute (an offload layer copies its misses after its router and bef
 inside the step), and the admission's own microseconds per layer are left out. A hybrid row's
 channel time is, per decode layer, the longer of its two channels: its copies over H2D, and its
 host experts' bytes over the host kernel's bandwidth (--host-gbps) plus the host's fixed cost
-of a call (--host-call-us) where it took any; the model the split balances (moe/host_speeds.py). H2D bandwidth:
---h2d-gbps; else a pinned host-to-device copy measured here when torch sees a CUDA GPU; else
+of a call (--host-call-us) where it took any; the model the split balances (moe/host_speeds.py).
+H2D bandwidth: --h2d-gbps; else a pinned host-to-device copy measured here when torch sees a CUDA GPU; else
 DEFAULT_H2D_GBPS, the pinned H2D copy_ measured on an H200 over PCIe 5 (benchmarks/RESULTS.md,
 `copy`). There the miss gather reached 89-92% of copy_, so the copy time is a lower bound.
 """
@@ -100,8 +100,12 @@ class SimResult:
     decode_steps: int
     decode_tokens: int
     decode_ms: float | None
-    host_experts: int = 0  # decode experts the host computed (under a HostSplit)
     layer_calls: np.ndarray | None = None  # under a HostSplit: each decode layer call's (copied, host) experts
+
+    @property
+    def host_experts(self) -> int:
+        """Decode experts the host computed (0 without a HostSplit)."""
+        return 0 if self.layer_calls is None else int(self.layer_calls[:, 1].sum())
 
     def hit_rate(self, phase: str) -> float | None:
         """1 - misses / distinct experts admitted (the engine's definition); None if none."""
@@ -153,25 +157,25 @@ def simulate(trace: RoutingTrace, num_slots: int, policy: str, *, lrfu_decay: fl
                       expert_bytes=h.expert_bytes, impl="reference")
     cache.fill([[] for _ in range(h.num_moe_layers)], [])
     split = None if host is None else split_values(host.share)
-    rotation = torch.zeros(1, dtype=torch.int64)
-    host_experts, calls = torch.zeros(1, dtype=torch.int64), []
+    rotation, calls = torch.zeros(1, dtype=torch.int64), []
     for step in trace.steps:
         if admits(step, prefill_demand_tokens):
             ids = torch.from_numpy(step.ids.astype(np.int32))
+            splitting = split is not None and step.phase == "decode"
             for layer in range(h.num_moe_layers):
                 routes = ids[layer]
-                if split is not None and step.phase == "decode":
-                    _, routes, on_host, _ = split_routes(routes, cache.slot_of[layer], split, rotation, host_experts,
-                                                      impl="reference")
+                if splitting:
+                    _, routes, on_host, _ = split_routes(routes, cache.slot_of[layer], split, rotation,
+                                                         impl="reference")
                 cache.admit(layer, routes, step.phase)
-                if split is not None and step.phase == "decode":
+                if splitting:
                     calls.append((int(cache.plan_count), int(on_host)))
     snap = cache.stats.snapshot()
     decode = [s for s in trace.steps if s.phase == "decode"]
     timed = all(s.timed for s in decode)
     return SimResult(num_slots, policy, h.expert_bytes, snap["decode"], snap["prefill"], len(decode),
                      sum(s.num_tokens for s in decode), sum(s.step_ms for s in decode) if timed else None,
-                     int(host_experts), None if split is None else np.array(calls, dtype=np.int64).reshape(-1, 2))
+                     None if split is None else np.array(calls, dtype=np.int64).reshape(-1, 2))
 
 
 # ---- cache sizes ------------------------------------------------------------------------------

