@@ -238,7 +238,7 @@ class HostExpertChannel:
         `into` (the device's routes [T, K, H], contiguous) merged into it, its own rows at the
         other routes, and `into` returned. Read it before the next `begin`."""
         routes, host_ids = self._inflight[0], self._inflight[-1]
-        self._inflight = ()
+        merged = False
         if self.device.type == "cuda":
             if self.options.dispatch == "mailbox":
                 host_mailbox.wait_done(self.mailbox.box, self.mailbox.counter)
@@ -247,11 +247,9 @@ class HostExpertChannel:
             if self.options.staging == "kernel":  # the host's routes alone cross PCIe, into `into` when given
                 rows = routes.shape[0] * self.top_k
                 merged = into is not None and into.dtype == routes.dtype and into.is_contiguous()
-                target = into if merged else routes
-                staged_routes(self.out[:routes.shape[0]].view(rows, self.hidden), target.view(rows, self.hidden),
-                              host_ids.view(rows), keep=merged)
-                if merged:
-                    return into
-        if into is None:
-            return routes
+                staged_routes(self.out[:routes.shape[0]].view(rows, self.hidden),
+                              (into if merged else routes).view(rows, self.hidden), host_ids.view(rows), keep=merged)
+        self._inflight = ()
+        if merged or into is None:
+            return into if merged else routes
         return torch.where((host_ids >= 0).unsqueeze(-1), routes.to(into.dtype), into)
