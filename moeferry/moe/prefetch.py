@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from moeferry.kernels.gather_copy import GatherTuning, copy_engine
+from moeferry.kernels.gather_copy import GatherTuning
 from moeferry.moe.predictors import FittedPredictors
 
 PREFETCH_MODES = ("off", "router", "fitted")
@@ -150,7 +150,7 @@ class Prefetch:
         if self.mode == "fitted":
             self.predictors = fitted_predictors(self.predictor_path, order[1:], store.model_config, device)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.on_copy_engine = self.stream is not None and self.copy == "dma" and copy_engine.available(device)
+        self.on_copy_engine = self.stream is not None and self.copy == "dma" and store.has_copy_engine
         self.set_statistics(self.collect_stats)
 
     def set_statistics(self, on: bool) -> None:

@@ -288,15 +288,22 @@ class SlotStore(ExpertStore):
             copier.wait()
         return self.pool, slot_ids
 
+    @property
+    def has_copy_engine(self) -> bool:
+        """Whether `copy_engine` gives one here (a CUDA device and a C++ compiler)."""
+        from moeferry.kernels.gather_copy import copy_engine
+
+        return copy_engine.available(self.device)
+
     def copy_engine(self):
         """The copy engine (kernels/gather_copy/copy_engine.py) over the current pool, or None
-        where there is none (no CUDA device, no C++ compiler). One serves the demand copies and
-        the lookahead's (moe/prefetch.py): a layer joins its lookahead before it admits, so one
+        where there is none (`has_copy_engine`). One serves the demand copies and the
+        lookahead's (moe/prefetch.py): a layer joins its lookahead before it admits, so one
         request at most is in flight. Started from an eager forward on first use, and again
         once the pool was rebuilt (its table holds the pool's addresses)."""
         from moeferry.kernels.gather_copy import copy_engine
 
-        if not copy_engine.available(self.device):
+        if not self.has_copy_engine:
             return None
         pool = self.pool.tensors()
         key = (tuple(t.data_ptr() for t in pool), self.cache.plan.numel())
