@@ -81,7 +81,7 @@ def parse_args(argv):
     p.add_argument("--prefetch-experts", type=int, nargs="+", default=[0],
                    help="prefetch rows once per cap on a layer's predicted misses copied ahead "
                         "(--moe-prefetch-experts; 0: all)")
-    p.add_argument("--miss-copy", nargs="+", choices=["gather", "dma"], default=["gather"],
+    p.add_argument("--miss-copy", nargs="+", choices=["gather", "dma"], default=["dma"],
                    help="offload and hybrid rows once per way of copying a layer's misses (--moe-miss-copy)")
     p.add_argument("--prefetch-copy", nargs="+", choices=["gather", "dma"], default=["dma"],
                    help="prefetch rows once per way of copying ahead (--moe-prefetch-copy; gather rows once per "
@@ -552,7 +552,7 @@ def main(argv, args) -> int:
         prefetch = args.prefetch != ["off"]
         report(routed_section("hybrid/decode", args.routing) + ("/prefetch" if prefetch else "")
                + ("/host-share" if args.host_share != [None] else "")
-               + ("/miss-copy" if args.miss_copy != ["gather"] else "")
+               + ("/miss-copy" if args.miss_copy != ["dma"] else "")
                + (f"/{args.quantization}" if args.quantization else ""),
                f"Decode with {'the lookahead prefetch' if prefetch else 'the host channel'}, routing {args.routing}",
                command,

@@ -319,11 +319,11 @@ class EngineConfig:
                                                       "dma (the copy engine, issued by a worker thread, so the SMs "
                                                       "stay with the compute) or gather (the gather kernel on a "
                                                       "side stream)")
-    moe_miss_copy: str = option("gather", DEVELOPER, "offload or hybrid on a GPU: how a layer's missed experts "
-                                                     "are copied into their slots: gather (the gather kernel, "
-                                                     "every SM reading pinned memory) or dma (the copy engine, one "
-                                                     "DMA copy a row issued by a worker thread; the gather where "
-                                                     "there is no GPU)")
+    moe_miss_copy: str = option("dma", DEVELOPER, "offload or hybrid on a GPU: how a layer's missed experts are "
+                                                  "copied into their slots: dma (the copy engine, one DMA copy a "
+                                                  "row issued by a worker thread, at the link's speed; the gather "
+                                                  "where there is no GPU) or gather (the gather kernel, every SM "
+                                                  "reading pinned memory)")
     moe_timeline: bool = option(False, DEVELOPER, "hybrid: stamp the points of every decode MoE layer inside the "
                                                   "decode graph, read back by benchmarks (moe/timeline.py)")
     moe_tuner_period: int = option(8, DEVELOPER, "hybrid: decode steps between two updates of the host's share "

@@ -357,7 +357,7 @@ def test_the_miss_copy_is_refused_where_nothing_reads_it_and_a_cpu_gathers(tmp_p
     make_checkpoint(config, path)
     for strategy in ("gpu", "uva", "cpu"):
         with pytest.raises(ConfigError, match="--moe-miss-copy"):
-            LLM(path, dtype="float32", device="cpu", moe_strategy=strategy, moe_miss_copy="dma")
+            LLM(path, dtype="float32", device="cpu", moe_strategy=strategy, moe_miss_copy="gather")
     with pytest.raises(ConfigError, match="--moe-miss-copy"):
         LLM(path, dtype="float32", device="cpu", moe_strategy="offload", moe_miss_copy="rdma")
     want = tokens(LLM(path, dtype="float32", device="cpu"))
