@@ -7,7 +7,9 @@ the clamped SwiGLU, top-4) with ``--layers`` layers (--hf-overrides num_hidden_l
 weights, the experts bf16 or ``--quantization`` (mxfp4: the release's format, its own section);
 ``offload`` and ``hybrid`` with ``--cache-fracs`` of the experts resident, and ``gpu``. Rows,
 floor and hit rate as bench_deepseek's decode section (its decode_rows). Routing: --routing (bench_deepseek's
-add_decode_flags), the dummy router as it is (near-uniform) by default.
+add_decode_flags), the dummy router as it is (near-uniform) by default. At --layers 24 with mxfp4
+experts a second table puts each share's fastest batch-1 row beside llama.cpp's decode of the
+same shape (LLAMA_CPP_MXFP4_BATCH1).
 
 GPU only: without CUDA it says so and exits 0.
 """
@@ -23,6 +25,11 @@ from benchmarks.common import (MODEL_ROUTING, add_results_flag, command_line, gp
                                markdown_table, report, routed_section, routing_note)
 from tests.support.fixtures import GPT_OSS_20B_DIR_CONFIG, write_config_dir
 
+# llama.cpp's llama-bench tg tokens/s on the 24-layer MXFP4 shape (benchmarks/llamacpp_gpt_oss.py: a GGUF
+# of random weights, --n-cpu-moe 24 / 18 / 12 / 6 / 0), by share of the experts on the GPU; measured on
+# the H100 host on 2026-12-07, beside this benchmark's run of fe80758.
+LLAMA_CPP_MXFP4_BATCH1 = {0.0: 40.0, 0.25: 47.8, 0.5: 72.3, 0.75: 115.2, 1.0: 246.4}
+
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -32,6 +39,22 @@ def parse_args(argv):
     if args.layers < 1 or args.steps < 1:
         p.error("--layers and --steps must be positive")
     return args
+
+
+def peer_table(decode: list[list]) -> str:
+    """Each share's fastest batch-1 row of `decode` (the section's rows: strategy label, requests,
+    tok/s first) beside llama.cpp's figure for that share; "" where no share has both."""
+    best: dict[float, tuple[float, str]] = {}
+    for label, requests, tok_s, *_ in decode:
+        if requests != 1:
+            continue
+        share = 1.0 if label == "gpu" else int(label.split()[1].rstrip("%")) / 100
+        if share in LLAMA_CPP_MXFP4_BATCH1 and float(tok_s) > best.get(share, (0.0, ""))[0]:
+            best[share] = (float(tok_s), label.split()[0])
+    lines = [[f"{share:.0%}", f"{LLAMA_CPP_MXFP4_BATCH1[share]:.1f}", strategy, f"{tok_s:.1f}",
+              f"{tok_s / LLAMA_CPP_MXFP4_BATCH1[share]:.2f}x"] for share, (tok_s, strategy) in sorted(best.items())]
+    return markdown_table(["experts on GPU", "llama.cpp MXFP4 tok/s", "moeferry's fastest", "tok/s", "vs llama.cpp"],
+                          lines) if lines else ""
 
 
 def rows(config_dir: str, cfg: dict, args, h2d: float, hbm: float, device_type: str = "cuda") -> list[list]:
@@ -58,8 +81,13 @@ def main(argv, args) -> int:
              + routing_note(args.routing, args.routing_seed))
     section = routed_section("gpt-oss/decode", args.routing, MODEL_ROUTING) + (
         f"/{args.quantization}" if args.quantization else "")
+    decode = rows(cfg_dir, GPT_OSS_20B_DIR_CONFIG, args, h2d, hbm)
+    body = markdown_table(header, decode)
+    beside = peer_table(decode) if args.quantization == "mxfp4" and args.layers == 24 else ""
+    if beside:
+        body += "\n\nBatch 1 beside llama.cpp (llama-bench tg on the same shape, MXFP4 experts, --n-cpu-moe for the share):\n\n" + beside
     report(section, f"gpt-oss-20b-shaped decode tokens/s vs floor{', ' + args.quantization if args.quantization else ''}",
-           command, markdown_table(header, rows(cfg_dir, GPT_OSS_20B_DIR_CONFIG, args, h2d, hbm)), notes, args.results)
+           command, body, notes, args.results)
     return 0
 
 

@@ -60,3 +60,20 @@ def test_bench_gpt_oss_hybrid_rows_with_mxfp4_experts_on_the_cpu(tmp_path):
 
     engine = make_engine(model_dir, args, "hybrid", 8, "cpu", {"num_hidden_layers": 2})
     assert engine.runner.strategy.store.format_description().startswith("mxfp4")
+
+
+def test_the_peer_table_takes_each_shares_fastest_batch_one_row():
+    """Beside llama.cpp: per share, the faster of offload and hybrid at one request (batch 4 rows
+    and shares llama.cpp has no figure for left out); gpu is the 100% row."""
+    from benchmarks.bench_gpt_oss import LLAMA_CPP_MXFP4_BATCH1, peer_table
+
+    decode = [["offload 75% (576 slots)", 1, "250.0", "4.0"], ["offload 75% (576 slots)", 4, "900.0", "4.4"],
+              ["hybrid 75% (576 slots)", 1, "240.0", "4.1"], ["hybrid 0% (32 slots)", 1, "42.0", "23.8"],
+              ["offload 0% (32 slots)", 1, "28.0", "35.7"], ["hybrid 10% (76 slots)", 1, "60.0", "16.0"],
+              ["gpu", 1, "330.0", "3.0"]]
+    lines = peer_table(decode).splitlines()
+    assert lines[2:] == [f"| 0% | {LLAMA_CPP_MXFP4_BATCH1[0.0]:.1f} | hybrid | 42.0 | {42 / LLAMA_CPP_MXFP4_BATCH1[0.0]:.2f}x |",
+                         f"| 75% | {LLAMA_CPP_MXFP4_BATCH1[0.75]:.1f} | offload | 250.0 | "
+                         f"{250 / LLAMA_CPP_MXFP4_BATCH1[0.75]:.2f}x |",
+                         f"| 100% | {LLAMA_CPP_MXFP4_BATCH1[1.0]:.1f} | gpu | 330.0 | {330 / LLAMA_CPP_MXFP4_BATCH1[1.0]:.2f}x |"]
+    assert peer_table([["offload 75% (576 slots)", 4, "900.0"]]) == ""
