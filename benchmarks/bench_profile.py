@@ -5,9 +5,10 @@ compute (every other kernel), each one's busy time, the time both run together a
 nothing runs (the device idle: launches, waits on the host). A step whose copies and compute
 never overlap pays their sum; a lookahead that works shows as overlap.
 
-The engine is bench_hybrid's (12-layer Qwen3-30B-A3B shape, dummy weights) under generated
-routes (--routing), the cache at --share of the experts, with or without --moe-prefetch
-(oracle: the generated routes' next layer at --oracle-recall).
+The engine is bench_hybrid's (12-layer Qwen3-30B-A3B shape, or --shape gpt-oss: gpt-oss-20b's,
+dummy weights) under generated routes (--routing; gpt-oss: --routing model, its own router), the
+cache at --share of the experts, with or without --moe-prefetch (oracle: the generated routes'
+next layer at --oracle-recall).
 
 GPU only: without CUDA it says so and exits 0.
 """
@@ -21,9 +22,11 @@ import tempfile
 
 import torch
 
-from benchmarks.common import (DECODE_WARMUP_STEPS, add_results_flag, add_routing_flag, command_line, force_routing, free_engine_memory, gpu_main,
+from benchmarks.common import (DECODE_WARMUP_STEPS, MODEL_ROUTING, add_results_flag, add_routing_flag, command_line, force_routing, free_engine_memory, gpu_main,
                                markdown_table, report, routing_note, share_slots, start_decode, timed_decode)
 
+SHAPES = {"qwen3": "QWEN3_30B_DIR_CONFIG", "gpt-oss": "GPT_OSS_20B_DIR_CONFIG"}  # tests/support/fixtures.py
+SHAPE_NAMES = {"qwen3": "Qwen3-30B-A3B", "gpt-oss": "gpt-oss-20b"}
 COPY_KERNELS = ("gather_rows", "memcpy", "Memcpy")
 WAIT_KERNELS = ("wait_done",)  # a kernel spinning on a host worker's done word (copy engine, host experts)
 
@@ -33,6 +36,7 @@ def parse_args(argv):
     p.add_argument("--strategies", nargs="+", choices=["gpu", "offload", "hybrid", "uva"], default=["gpu", "offload"])
     p.add_argument("--share", type=float, default=0.25, help="offload and hybrid: the experts on the GPU")
     p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3", help="the model's config (dummy weights)")
     p.add_argument("--quantization", choices=["int4", "fp8", "mxfp4"], default=None,
                    help="the experts' format (bf16 without)")
     p.add_argument("--batch", type=int, default=1)
@@ -52,7 +56,10 @@ def parse_args(argv):
     p.add_argument("--trace-dir", default=None, help="also write each row's Chrome trace here (gzipped JSON)")
     add_routing_flag(p, default="qwen3")
     add_results_flag(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.shape != "qwen3" and args.routing != MODEL_ROUTING:
+        p.error(f"--shape {args.shape} routes by its own router: --routing {MODEL_ROUTING}")
+    return args
 
 
 def device_events(trace: dict) -> list[dict]:
@@ -210,10 +217,10 @@ def label(args, strategy: str, prefetch: str, stats: str, sched: str) -> str:
 
 @gpu_main("bench_profile", parse_args)
 def main(argv, args) -> int:
-    from tests.support.fixtures import QWEN3_30B_DIR_CONFIG, write_config_dir
+    from tests.support import fixtures
 
     config_dir = tempfile.mkdtemp()
-    write_config_dir(config_dir, QWEN3_30B_DIR_CONFIG)
+    fixtures.write_config_dir(config_dir, getattr(fixtures, SHAPES[args.shape]))
     rows = []
     for row in variants(args):
         engine = make_engine(config_dir, args, *row)
@@ -231,7 +238,7 @@ def main(argv, args) -> int:
         free_engine_memory()
     body = markdown_table(["row", "wall µs a step", "device window", "busy", "copy", "compute", "waiting",
                            "copy ∥ compute", "idle"], rows)
-    notes = (f"{args.layers} layers of the Qwen3-30B-A3B shape, {args.quantization or 'bf16'} experts, dummy weights, "
+    notes = (f"{args.layers} layers of the {SHAPE_NAMES[args.shape]} shape, {args.quantization or 'bf16'} experts, dummy weights, "
              f"batch {args.batch}, "
              f"{'eager' if args.eager else 'CUDA graphs'}; {args.steps} decode steps under torch.profiler, µs a step. "
              "Wall: the same steps timed without the profiler. Each kernel counted from when it could run (a kernel "
@@ -241,7 +248,8 @@ def main(argv, args) -> int:
              "word (the copy engine's copies, the host's experts); compute: every other kernel; copy ∥ compute: "
              "both at once; idle: nothing. Async scheduling on unless a row says off (each step launched before the "
              "host reads the previous one's tokens). " + routing_note(args.routing, args.routing_seed))
-    report("decode-profile", f"Where a decode step's device time goes, routing {args.routing}",
+    section = "decode-profile" + ("" if args.shape == "qwen3" else f"/{args.shape}")
+    report(section, f"Where a decode step's device time goes, routing {args.routing}",
            command_line("benchmarks.bench_profile", argv), body, notes, args.results)
     return 0
 

@@ -1,6 +1,8 @@
 """The decode profile's arithmetic over a trace's device events (the profiler itself needs a GPU)."""
 
-from benchmarks.bench_profile import device_events, intersection, step_summary, union, variants, parse_args
+import pytest
+
+from benchmarks.bench_profile import device_events, intersection, parse_args, step_summary, union, variants
 
 
 def kernel(name, ts, dur, cat="kernel"):
@@ -55,3 +57,13 @@ def test_a_kernel_launched_early_counts_from_the_end_of_the_one_before_it_on_its
     events = [{"ts": 0, "dur": 10, "tid": 7, "name": "a"}, {"ts": 2, "dur": 12, "tid": 7, "name": "b"},
               {"ts": 3, "dur": 5, "tid": 9, "name": "c"}]
     assert effective_spans(events) == [(0, 10), (10, 14), (3, 8)]
+
+
+def test_a_shape_of_its_own_router_refuses_generated_routes(capsys):
+    """--shape gpt-oss has 32 experts of top-4, which the generated profiles do not draw: it takes
+    --routing model, and the Qwen3 shape keeps its generated default."""
+    assert parse_args([]).shape == "qwen3" and parse_args([]).routing == "qwen3"
+    assert parse_args(["--shape", "gpt-oss", "--routing", "model"]).shape == "gpt-oss"
+    with pytest.raises(SystemExit):
+        parse_args(["--shape", "gpt-oss"])
+    assert "--routing model" in capsys.readouterr().err
