@@ -10,29 +10,45 @@ expert a layer touches once (9 MiB in bf16), against the H200's ~4.3 TB/s HBM.
 """
 import argparse
 import sys
+from dataclasses import astuple, dataclass
 
 import torch
 
 from benchmarks.common import add_results_flag, command_line, report
 
-HIDDEN, INTERMEDIATE, NUM_EXPERTS, TOP_K = 2048, 768, 128, 8
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """One MoE layer's sizes: hidden, intermediate rows per expert, routed experts, top-k."""
+
+    hidden: int
+    inter: int
+    experts: int
+    top_k: int
+
+
+# The layers the sweeps take (--shape): Qwen3-30B-A3B's, this benchmark's, and gpt-oss-20b's (its
+# biases and clamped SwiGLU left out: they move no weight bytes).
+SHAPES = {"qwen3": MoEShape(2048, 768, 128, 8), "gpt-oss": MoEShape(2880, 2880, 32, 4)}
+HIDDEN, INTERMEDIATE, NUM_EXPERTS, TOP_K = astuple(SHAPES["qwen3"])
 EXPERT_BYTES = 3 * HIDDEN * INTERMEDIATE * 2  # gate + up + down, bf16: 9 MiB
 HBM_BYTES_PER_S = 4.3e12
 NUM_LAYERS = 8
 
 
-def _make_layers(num_tokens: int, seed: int = 0) -> list[tuple]:
-    """NUM_LAYERS independent (hidden, w13, w2, weights, ids, out) on the GPU."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+def _make_layers(num_tokens: int, seed: int = 0, shape: MoEShape = SHAPES["qwen3"], device: str = "cuda",
+                 count: int = NUM_LAYERS) -> list[tuple]:
+    """`count` independent (hidden, w13, w2, weights, ids, out) of `shape` on `device`."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    h, inter, experts = shape.hidden, shape.inter, shape.experts
     layers = []
-    for _ in range(NUM_LAYERS):
-        w13 = torch.randn(NUM_EXPERTS, 2 * INTERMEDIATE, HIDDEN, device="cuda", generator=gen,
-                          dtype=torch.bfloat16) * HIDDEN ** -0.5
-        w2 = torch.randn(NUM_EXPERTS, HIDDEN, INTERMEDIATE, device="cuda", generator=gen,
-                         dtype=torch.bfloat16) * INTERMEDIATE ** -0.5
-        hidden = torch.randn(num_tokens, HIDDEN, device="cuda", generator=gen, dtype=torch.bfloat16)
-        logits = torch.randn(num_tokens, NUM_EXPERTS, device="cuda", generator=gen)
-        weights, ids = torch.softmax(logits, -1).topk(TOP_K, dim=-1)
+    for _ in range(count):
+        w13 = torch.randn(experts, 2 * inter, h, device=device, generator=gen, dtype=torch.bfloat16) * h ** -0.5
+        w2 = torch.randn(experts, h, inter, device=device, generator=gen, dtype=torch.bfloat16) * inter ** -0.5
+        hidden = torch.randn(num_tokens, h, device=device, generator=gen, dtype=torch.bfloat16)
+        logits = torch.randn(num_tokens, experts, device=device, generator=gen)
+        weights, ids = torch.softmax(logits, -1).topk(shape.top_k, dim=-1)
         layers.append((hidden, w13, w2, weights.contiguous(), ids.to(torch.int32).contiguous(),
                        torch.empty_like(hidden)))
     return layers

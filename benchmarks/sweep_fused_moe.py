@@ -2,7 +2,7 @@
 layer (a CUDA graph over bench_fused_moe's 8 distinct layer banks) against the floor, the
 bytes of the distinct experts' rows of that bank (weights and scales as stored) over 4.3 TB/s.
   python -m benchmarks.sweep_fused_moe [--format bf16|fp8|int4|mxfp4] [--tokens 1 4]
-      [--block-n 16 32 64] [--block-k 128 256] [--warps 2 4] [--stages 3 5]
+      [--block-n 16 32 64] [--block-k 128 256] [--warps 2 4] [--stages 3 5] [--shape qwen3|gpt-oss]
 4-bit formats try every tile with and without split-field dots (FusedMoEConfig.split_fields),
 MXFP4 its split tiles both ways: int32 words (FusedMoEConfig.mxfp4_words; K tiles of
 --block-k) and bytes (one 32-value scale block a tile). The "K tile" column says what ran and
@@ -14,7 +14,7 @@ from dataclasses import replace
 import torch
 import triton.testing
 
-from benchmarks.bench_fused_moe import HBM_BYTES_PER_S, HIDDEN, INTERMEDIATE, NUM_EXPERTS, TOP_K, _make_layers
+from benchmarks.bench_fused_moe import HBM_BYTES_PER_S, SHAPES, MoEShape, _make_layers
 from moeferry.kernels.fused_moe import triton as fm
 from moeferry.moe.formats import QUANTIZATIONS, expert_format, quantize
 
@@ -32,15 +32,22 @@ def bank_bytes(bank) -> int:
     return sum(t[0].numel() * t.element_size() for t in bank if t is not None)
 
 
+def layer_shape(layer) -> MoEShape:
+    """The sizes of one of _make_layers' layers, read off its tensors."""
+    _, w13, w2, _, ids, _ = layer
+    return MoEShape(hidden=w2.shape[1], inter=w2.shape[2], experts=w13.shape[0], top_k=ids.shape[1])
+
+
 def gemm_inputs(layers, banks, config):
     """Per layer: (hidden, w13 bank, w2 bank, route weights, blocks, flat ids, act, route_out, naive)."""
     out = []
-    for (hidden, w13, w2, weights, ids, _), (b13, b2) in zip(layers, banks):
+    for layer, (b13, b2) in zip(layers, banks):
+        (hidden, w13, w2, weights, ids, _), shape = layer, layer_shape(layer)
         flat = ids.reshape(-1).contiguous()
-        assignment = fm.choose_block_assignment(hidden.shape[0], TOP_K, NUM_EXPERTS, w13, w2)
-        blocks = fm._route_blocks(flat, w13.shape[0], NUM_EXPERTS, assignment, config.block_m)
-        act = torch.randn(flat.numel(), INTERMEDIATE, device="cuda", dtype=hidden.dtype)
-        route_out = torch.empty(flat.numel(), HIDDEN, device="cuda", dtype=hidden.dtype)
+        assignment = fm.choose_block_assignment(hidden.shape[0], shape.top_k, shape.experts, w13, w2)
+        blocks = fm._route_blocks(flat, w13.shape[0], shape.experts, assignment, config.block_m)
+        act = torch.randn(flat.numel(), shape.inter, device=hidden.device, dtype=hidden.dtype)
+        route_out = torch.empty(flat.numel(), shape.hidden, device=hidden.device, dtype=hidden.dtype)
         out.append((hidden, b13, b2, weights.reshape(-1).float(), blocks, flat, act, route_out,
                     assignment == "naive"))
     return out
@@ -62,11 +69,13 @@ def k_tile(inputs, gated: bool, config, block_shape) -> tuple[str, int]:
 
 
 def time_gemm(inputs, gated: bool, config, block_shape) -> float:
+    top_k = inputs[0][5].numel() // inputs[0][0].shape[0]  # flat ids over tokens
+
     def step():
         for hidden, (w13, s13), (w2, s2), weights, blocks, flat, act, route_out, naive in inputs:
             if gated:
                 fm._launch_gemm(hidden, w13, act, weights, blocks, flat, gated=True, weighted=False,
-                                a_div=TOP_K, naive=naive, config=config, scales=s13, block_shape=block_shape)
+                                a_div=top_k, naive=naive, config=config, scales=s13, block_shape=block_shape)
             else:
                 fm._launch_gemm(act, w2, route_out, weights, blocks, flat, gated=False, weighted=True,
                                 a_div=1, naive=naive, config=config, scales=s2, block_shape=block_shape)
@@ -84,16 +93,18 @@ def main() -> None:
     p.add_argument("--block-k", type=int, nargs="+", default=[128, 256])
     p.add_argument("--warps", type=int, nargs="+", default=[2, 4])
     p.add_argument("--stages", type=int, nargs="+", default=[3, 5])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3", help="the MoE layer's sizes")
     args = p.parse_args()
+    shape = SHAPES[args.shape]
     block_shape = None if args.format == "bf16" else expert_format(None, args.format).block_shape
-    print(f"{torch.cuda.get_device_name()}; H={HIDDEN}, I={INTERMEDIATE}, E={NUM_EXPERTS}, top-{TOP_K}, "
+    print(f"{torch.cuda.get_device_name()}; H={shape.hidden}, I={shape.inter}, E={shape.experts}, top-{shape.top_k}, "
           f"{args.format} experts, bf16 activations")
     print("| tokens | GEMM | block_n | K tile | warps | stages | us / layer | floor us | of floor |")
     print("|---:|---|---:|---|---:|---:|---:|---:|---:|")
     for tokens in args.tokens:
-        layers = _make_layers(tokens)
+        layers = _make_layers(tokens, shape=shape)
         distinct = sum(int(ids.unique().numel()) for *_, ids, _ in layers) / len(layers)
-        current = fm.select_config(tokens, TOP_K, HIDDEN, INTERMEDIATE, NUM_EXPERTS, torch.bfloat16)
+        current = fm.select_config(tokens, shape.top_k, shape.hidden, shape.inter, shape.experts, torch.bfloat16)
         banks = stored_banks(layers, args.format)
         inputs = gemm_inputs(layers, banks, current)
         for gated in (True, False):

@@ -3,7 +3,7 @@ naive calls, per weight format, each GEMM timed on its own (us per layer: a CUDA
 bench_fused_moe's 8 distinct layer banks) against its floor (the distinct experts' rows of the
 bank, weights and scales as stored, over 4.3 TB/s); then whole fused_moe calls both ways.
   python -m benchmarks.sweep_route_gemv [--formats bf16 fp8 int4 mxfp4] [--tokens 1 4]
-      [--block-n 4 8 16 32] [--step 16 32 64 128] [--warps 2 4 8] [--int8]
+      [--block-n 4 8 16 32] [--step 16 32 64 128] [--warps 2 4 8] [--int8] [--shape qwen3|gpt-oss]
 --int8 times int4's int8 path too (activations quantized per group, dp4a dots: gemv.py) at each
 of the GEMV's tiles."""
 import argparse
@@ -13,8 +13,8 @@ from dataclasses import replace
 import torch
 import triton.testing
 
-from benchmarks.bench_fused_moe import HBM_BYTES_PER_S, HIDDEN, INTERMEDIATE, NUM_EXPERTS, TOP_K, _make_layers
-from benchmarks.sweep_fused_moe import bank_bytes, gemm_inputs, stored_banks, time_gemm
+from benchmarks.bench_fused_moe import HBM_BYTES_PER_S, SHAPES, _make_layers
+from benchmarks.sweep_fused_moe import bank_bytes, gemm_inputs, layer_shape, stored_banks, time_gemm
 from moeferry.kernels.fused_moe import fused_moe
 from moeferry.kernels.fused_moe import gemv
 from moeferry.kernels.fused_moe import triton as fm
@@ -22,10 +22,12 @@ from moeferry.moe.formats import expert_format
 
 
 def time_route_gemv(inputs, gated: bool, config: gemv.GemvConfig, block_shape, int8: bool = False) -> float:
+    top_k = inputs[0][5].numel() // inputs[0][0].shape[0]  # flat ids over tokens
+
     def step():
         for hidden, (w13, s13), (w2, s2), weights, _, flat, act, route_out, _ in inputs:
             if gated:
-                gemv.launch_route_gemv(hidden, w13, act, weights, flat, gated=True, weighted=False, a_div=TOP_K,
+                gemv.launch_route_gemv(hidden, w13, act, weights, flat, gated=True, weighted=False, a_div=top_k,
                                        scales=s13, block_shape=block_shape, config=config, int8=int8)
             else:
                 gemv.launch_route_gemv(act, w2, route_out, weights, flat, gated=False, weighted=True, a_div=1,
@@ -37,12 +39,13 @@ def time_route_gemv(inputs, gated: bool, config: gemv.GemvConfig, block_shape, i
 
 
 def time_fused_moe(layers, banks, block_shape, route_gemv: bool) -> float:
+    experts = layer_shape(layers[0]).experts
     select = fm.select_config
     fm.select_config = lambda *args: replace(select(*args), route_gemv=route_gemv)
     try:
         def step():
             for (hidden, _, _, weights, ids, out), ((w13, s13), (w2, s2)) in zip(layers, banks):
-                fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=NUM_EXPERTS, out=out, w13_scale=s13,
+                fused_moe(hidden, w13, w2, weights, ids, num_routed_experts=experts, out=out, w13_scale=s13,
                           w2_scale=s2, block_shape=block_shape)
         step()
         ms = triton.testing.do_bench_cudagraph(step, rep=40, return_mode="median")
@@ -60,16 +63,19 @@ def main() -> None:
     p.add_argument("--warps", type=int, nargs="+", default=[2, 4])
     p.add_argument("--sweep-tokens", type=int, nargs="+", default=[1], help="token counts that sweep the tiles")
     p.add_argument("--int8", action="store_true", help="int4: time the int8 path too, at every GEMV tile")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3", help="the MoE layer's sizes")
     args = p.parse_args()
-    print(f"{torch.cuda.get_device_name()}; H={HIDDEN}, I={INTERMEDIATE}, E={NUM_EXPERTS}, top-{TOP_K}, bf16 activations")
+    shape = SHAPES[args.shape]
+    print(f"{torch.cuda.get_device_name()}; H={shape.hidden}, I={shape.inter}, E={shape.experts}, top-{shape.top_k}, "
+          "bf16 activations")
     print("| format | tokens | GEMM | kernel | tiles | us / layer | floor us | of floor |")
     print("|---|---:|---|---|---|---:|---:|---:|")
     whole = []
     for fmt, tokens in itertools.product(args.formats, args.tokens):
-        layers = _make_layers(tokens)
+        layers = _make_layers(tokens, shape=shape)
         block_shape = None if fmt == "bf16" else expert_format(None, fmt).block_shape
         banks = stored_banks(layers, fmt)
-        current = fm.select_config(tokens, TOP_K, HIDDEN, INTERMEDIATE, NUM_EXPERTS, torch.bfloat16)
+        current = fm.select_config(tokens, shape.top_k, shape.hidden, shape.inter, shape.experts, torch.bfloat16)
         inputs = gemm_inputs(layers, banks, current)
         dot_config = replace(current, route_gemv=False)
         for gated in (True, False):
