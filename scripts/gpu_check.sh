@@ -17,7 +17,8 @@
 # qwen3 and uniform routing, bf16 and int4, the perfect-oracle lookahead), miss-copy (this host's copy
 # bandwidths, and offload and hybrid with their misses copied by the gather kernel and by the copy
 # engine, side by side: a host's SM gather may trail its DMA), gpt-oss-mxfp4 (the gpt-oss-20b shape, 24 layers of MXFP4
-# experts, at 0-100% resident under gpu, offload and hybrid), gpt-oss-peer (llama.cpp built from
+# experts, at 0-100% resident under gpu, offload and hybrid), gpt-oss-tune (where its resident step's time goes at 1
+# and 4 requests, MXFP4, and the route GEMV's tiles at its shape), gpt-oss-peer (llama.cpp built from
 # .peer/llamacpp-src.tgz into /tmp/lcbuild, about 4.5 minutes, then llama-bench on the same shape at
 # --n-cpu-moe 24 18 12 6 0; the tarball from the llama-cpp-python 0.3.36 sdist, carried in .peer/, which
 # git ignores; the two stages together may pass one call's 10 minutes: run them in two calls while the
@@ -88,6 +89,14 @@ if has miss-copy; then
     --routing qwen3 --miss-copy gather dma --repeats 1 --results "$RESULTS" "$CURRENT"
 fi
 has gpt-oss && run bench-gpt-oss python3 -m benchmarks.bench_gpt_oss --results "$RESULTS" "$CURRENT"
+if has gpt-oss-tune; then
+  for b in 1 4; do
+    run profile-gpt-oss-b$b python3 -m benchmarks.bench_profile --shape gpt-oss --routing model --quantization mxfp4 \
+      --layers 24 --strategies gpu --batch $b --top 24
+  done
+  run sweep-gemv-gpt-oss python3 -m benchmarks.sweep_route_gemv --shape gpt-oss --formats bf16 mxfp4 --tokens 1 4 \
+    --block-n 8 16 32 --step 32 64 128 --warps 4 8
+fi
 has gpt-oss-mxfp4 && run bench-gpt-oss-mxfp4 python3 -m benchmarks.bench_gpt_oss --layers 24 --quantization mxfp4 \
   --strategies gpu offload hybrid --cache-fracs 0 0.25 0.5 0.75 --batch 1 4 --repeats 1 --results "$RESULTS" "$CURRENT"
 if has gpt-oss-peer; then
