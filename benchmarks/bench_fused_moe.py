@@ -17,7 +17,6 @@ import torch
 from benchmarks.common import add_results_flag, command_line, report
 
 
-
 @dataclass(frozen=True)
 class MoEShape:
     """One MoE layer's sizes: hidden, intermediate rows per expert, routed experts, top-k."""

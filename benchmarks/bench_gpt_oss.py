@@ -85,7 +85,8 @@ def main(argv, args) -> int:
     body = markdown_table(header, decode)
     beside = peer_table(decode) if args.quantization == "mxfp4" and args.layers == 24 else ""
     if beside:
-        body += "\n\nBatch 1 beside llama.cpp (llama-bench tg on the same shape, MXFP4 experts, --n-cpu-moe for the share):\n\n" + beside
+        body += ("\n\nBatch 1 beside llama.cpp (llama-bench tg on the same shape, MXFP4 experts, --n-cpu-moe for "
+                 "the share):\n\n" + beside)
     report(section, f"gpt-oss-20b-shaped decode tokens/s vs floor{', ' + args.quantization if args.quantization else ''}",
            command, body, notes, args.results)
     return 0

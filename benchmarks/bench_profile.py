@@ -24,9 +24,10 @@ import torch
 
 from benchmarks.common import (DECODE_WARMUP_STEPS, MODEL_ROUTING, add_results_flag, add_routing_flag, command_line, force_routing, free_engine_memory, gpu_main,
                                markdown_table, report, routing_note, share_slots, start_decode, timed_decode)
+from tests.support.fixtures import GPT_OSS_20B_DIR_CONFIG, QWEN3_30B_DIR_CONFIG, write_config_dir
 
-SHAPES = {"qwen3": "QWEN3_30B_DIR_CONFIG", "gpt-oss": "GPT_OSS_20B_DIR_CONFIG"}  # tests/support/fixtures.py
-SHAPE_NAMES = {"qwen3": "Qwen3-30B-A3B", "gpt-oss": "gpt-oss-20b"}
+# --shape: the model named and its config.json (dummy weights)
+MODELS = {"qwen3": ("Qwen3-30B-A3B", QWEN3_30B_DIR_CONFIG), "gpt-oss": ("gpt-oss-20b", GPT_OSS_20B_DIR_CONFIG)}
 COPY_KERNELS = ("gather_rows", "memcpy", "Memcpy")
 WAIT_KERNELS = ("wait_done",)  # a kernel spinning on a host worker's done word (copy engine, host experts)
 
@@ -36,7 +37,7 @@ def parse_args(argv):
     p.add_argument("--strategies", nargs="+", choices=["gpu", "offload", "hybrid", "uva"], default=["gpu", "offload"])
     p.add_argument("--share", type=float, default=0.25, help="offload and hybrid: the experts on the GPU")
     p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3", help="the model's config (dummy weights)")
+    p.add_argument("--shape", choices=sorted(MODELS), default="qwen3", help="the model's config (dummy weights)")
     p.add_argument("--quantization", choices=["int4", "fp8", "mxfp4"], default=None,
                    help="the experts' format (bf16 without)")
     p.add_argument("--batch", type=int, default=1)
@@ -217,10 +218,9 @@ def label(args, strategy: str, prefetch: str, stats: str, sched: str) -> str:
 
 @gpu_main("bench_profile", parse_args)
 def main(argv, args) -> int:
-    from tests.support import fixtures
-
+    model, config = MODELS[args.shape]
     config_dir = tempfile.mkdtemp()
-    fixtures.write_config_dir(config_dir, getattr(fixtures, SHAPES[args.shape]))
+    write_config_dir(config_dir, config)
     rows = []
     for row in variants(args):
         engine = make_engine(config_dir, args, *row)
@@ -238,7 +238,7 @@ def main(argv, args) -> int:
         free_engine_memory()
     body = markdown_table(["row", "wall µs a step", "device window", "busy", "copy", "compute", "waiting",
                            "copy ∥ compute", "idle"], rows)
-    notes = (f"{args.layers} layers of the {SHAPE_NAMES[args.shape]} shape, {args.quantization or 'bf16'} experts, dummy weights, "
+    notes = (f"{args.layers} layers of the {model} shape, {args.quantization or 'bf16'} experts, dummy weights, "
              f"batch {args.batch}, "
              f"{'eager' if args.eager else 'CUDA graphs'}; {args.steps} decode steps under torch.profiler, µs a step. "
              "Wall: the same steps timed without the profiler. Each kernel counted from when it could run (a kernel "

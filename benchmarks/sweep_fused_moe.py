@@ -68,8 +68,14 @@ def k_tile(inputs, gated: bool, config, block_shape) -> tuple[str, int]:
     return ("bytes" if stored.dtype == torch.uint8 else "words"), tiles.block_k
 
 
+def inputs_top_k(inputs) -> int:
+    """Routes a token of gemm_inputs' layers: their flat ids over their tokens."""
+    hidden, *_, flat, _, _, _ = inputs[0]
+    return flat.numel() // hidden.shape[0]
+
+
 def time_gemm(inputs, gated: bool, config, block_shape) -> float:
-    top_k = inputs[0][5].numel() // inputs[0][0].shape[0]  # flat ids over tokens
+    top_k = inputs_top_k(inputs)
 
     def step():
         for hidden, (w13, s13), (w2, s2), weights, blocks, flat, act, route_out, naive in inputs:

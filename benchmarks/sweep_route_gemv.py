@@ -14,7 +14,7 @@ import torch
 import triton.testing
 
 from benchmarks.bench_fused_moe import HBM_BYTES_PER_S, SHAPES, _make_layers
-from benchmarks.sweep_fused_moe import bank_bytes, gemm_inputs, layer_shape, stored_banks, time_gemm
+from benchmarks.sweep_fused_moe import bank_bytes, gemm_inputs, inputs_top_k, layer_shape, stored_banks, time_gemm
 from moeferry.kernels.fused_moe import fused_moe
 from moeferry.kernels.fused_moe import gemv
 from moeferry.kernels.fused_moe import triton as fm
@@ -22,7 +22,7 @@ from moeferry.moe.formats import expert_format
 
 
 def time_route_gemv(inputs, gated: bool, config: gemv.GemvConfig, block_shape, int8: bool = False) -> float:
-    top_k = inputs[0][5].numel() // inputs[0][0].shape[0]  # flat ids over tokens
+    top_k = inputs_top_k(inputs)
 
     def step():
         for hidden, (w13, s13), (w2, s2), weights, _, flat, act, route_out, _ in inputs:

@@ -21,3 +21,13 @@ def test_gpt_oss_k_quantizes_to_mxfp4_blocks_of_32():
     layers = _make_layers(1, shape=MoEShape(hidden=2880, inter=64, experts=2, top_k=1), device="cpu", count=1)
     (w13, w2), = stored_banks(layers, "mxfp4")
     assert bank_bytes(w13) == 2 * 64 * 90 * 17 and bank_bytes(w2) == 2880 * 2 * 17
+
+
+def test_the_sweeps_read_top_k_off_their_inputs():
+    """gemm_inputs' tuples: (hidden, w13, w2, weights, blocks, flat ids, act, route_out, naive)."""
+    import torch
+
+    from benchmarks.sweep_fused_moe import inputs_top_k
+
+    inputs = [(torch.zeros(3, 8), None, None, None, None, torch.zeros(12, dtype=torch.int32), None, None, True)]
+    assert inputs_top_k(inputs) == 4
