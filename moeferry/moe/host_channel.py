@@ -250,6 +250,8 @@ class HostExpertChannel:
                 staged_routes(self.out[:routes.shape[0]].view(rows, self.hidden),
                               (into if merged else routes).view(rows, self.hidden), host_ids.view(rows), keep=merged)
         self._inflight = ()
-        if merged or into is None:
-            return into if merged else routes
+        if merged:
+            return into
+        if into is None:
+            return routes
         return torch.where((host_ids >= 0).unsqueeze(-1), routes.to(into.dtype), into)

@@ -32,9 +32,11 @@ inside the step), and the admission's own microseconds per layer are left out. A
 channel time is, per decode layer, the longer of its two channels: its copies over H2D, and its
 host experts' bytes over the host kernel's bandwidth (--host-gbps) plus the host's fixed cost
 of a call (--host-call-us) where it took any; the model the split balances (moe/host_speeds.py).
-H2D bandwidth: --h2d-gbps; else a pinned host-to-device copy measured here when torch sees a CUDA GPU; else
-DEFAULT_H2D_GBPS, the pinned H2D copy_ measured on an H200 over PCIe 5 (benchmarks/RESULTS.md,
-`copy`). There the miss gather reached 89-92% of copy_, so the copy time is a lower bound.
+H2D bandwidth: --h2d-gbps; else a pinned host-to-device copy measured here when torch sees a
+CUDA GPU; else DEFAULT_H2D_GBPS, the pinned H2D copy_ of the H200 and H100 hosts over PCIe 5
+(benchmarks/RESULTS.md, `copy`). The engine copies its misses by DMA at that speed by default
+(--moe-miss-copy dma); the gather kernel may trail it, so for a gather the copy time is a
+lower bound.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from moeferry.routing.trace import RoutingTrace, TraceHeader, TraceStep
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_H2D_GBPS = 55.0  # GB/s (1e9 bytes/s): pinned H2D copy_ on the H200 of benchmarks/RESULTS.md
+DEFAULT_H2D_GBPS = 55.0  # GB/s (1e9 bytes/s): pinned H2D copy_ on the hosts of benchmarks/RESULTS.md
 DEFAULT_HOST_GBPS = 116.6  # the host kernel's start-up figure on an H100 host (RESULTS, hybrid/decode/qwen3)
 _GIB = 2**30
 
