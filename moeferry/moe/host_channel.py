@@ -9,14 +9,15 @@ until the worker has published it done (kernels/host_mailbox). The graph holds k
 on one stream; the GPU's own experts run between the post and the wait while the host
 computes:
 
-    main stream   ... router -> stage -> post -> admit, copy misses, fused_moe -> wait done -> unstage -> combine
-    worker thread                        |<-------- host kernel -------->|
+    main stream   ... router -> stage, post -> admit, copy misses, fused_moe -> wait done -> unstage -> combine
+    worker thread                         |<-------- host kernel -------->|
 
-Staging is one small Triton kernel each way (kernels/host_staging) that writes the inputs into
-the pinned buffers and reads the host's route outputs back over PCIe, on the main stream. A
-layer that gives the host no route (most of them once the slot cache holds a model's hot
-experts) posts no request: the post kernel reads the routes on the device, and neither the
-worker nor the wait does anything.
+Staging writes the inputs into the pinned buffers and reads the host's route outputs back over
+PCIe, on the main stream: for a few tokens the post kernel stages the inputs itself before it
+posts (kernels/host_mailbox), else a small Triton kernel does (kernels/host_staging), which also
+brings the outputs back. A layer that gives the host no route (most of them once the slot cache
+holds a model's hot experts) posts no request: the post kernel reads the routes on the device,
+stages nothing, and neither the worker nor the wait does anything.
 
 Dispatch "host_function" runs the kernel as a CUDA host function on a side stream forked
 from the main one instead (graph capture records it as a host node), with no Python and no
@@ -47,6 +48,9 @@ from moeferry.kernels.host_staging import staged_copy, staged_routes
 
 
 DISPATCHES = ("mailbox", "host_function")
+# The most hidden-state elements a mailbox post stages itself (one program: four tokens of
+# Qwen3-30B-A3B's; more take kernels/host_staging's launch of many programs first).
+POST_STAGED_ELEMENTS = 8192
 STAGINGS = ("kernel", "copy")
 
 
@@ -195,13 +199,19 @@ class HostExpertChannel:
         self._inflight = (self.out_device[:num_tokens], hidden, topk_weights, host_ids)
         call = self._call(layer_id, num_tokens)
         staged = self.options.staging == "kernel"
-        if staged:
-            staged_copy([(hidden.contiguous(), self.x[:num_tokens]), (host_ids, self.ids[:num_tokens]),
-                         (topk_weights.contiguous(), self.weights[:num_tokens])])
+        inputs = [(hidden.contiguous(), self.x[:num_tokens]), (host_ids, self.ids[:num_tokens]),
+                  (topk_weights.contiguous(), self.weights[:num_tokens])]
         if self.options.dispatch == "mailbox":
-            # a layer whose routes all stay on the device posts nothing and waits for nothing
-            host_mailbox.post_request(self.mailbox.box, self.mailbox.counter, self.mailbox.entry(call), host_ids)
+            # a layer whose routes all stay on the device posts nothing, stages nothing and waits
+            # for nothing; a few tokens' inputs are staged by the posting launch itself
+            in_post = hidden.numel() <= POST_STAGED_ELEMENTS
+            if not in_post:
+                staged_copy(inputs)
+            host_mailbox.post_request(self.mailbox.box, self.mailbox.counter, self.mailbox.entry(call), host_ids,
+                                      stage=inputs if in_post else ())
             return
+        if staged:
+            staged_copy(inputs)
         self.side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.side):
             if not staged:

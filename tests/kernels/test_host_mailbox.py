@@ -44,6 +44,34 @@ def test_wait_returns_once_done_and_gives_up_flagged_otherwise(impl):
 
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_a_post_stages_its_inputs_and_a_post_of_nothing_stages_nothing(impl):
+    ops = _implementations()[impl]
+    box = torch.zeros(mailbox.MAILBOX_WORDS, dtype=torch.int64)
+    counter = torch.zeros(mailbox.COUNTER_WORDS, dtype=torch.int64)
+    plan = torch.arange(1, 2502, dtype=torch.int32)  # past two passes of the kernel's block
+    tokens = torch.randn(3, 5, dtype=torch.bfloat16)
+    ids = torch.tensor([[4, -1], [-1, 2]], dtype=torch.int64)
+    staged = (torch.full_like(plan, -7), torch.zeros_like(tokens), torch.zeros(2, 2, dtype=torch.int32))
+    stage = [(plan, staged[0]), (tokens, staged[1]), (ids, staged[2])]
+    plan[0] = 0  # no rows: nothing posted, nothing staged
+    ops.post_request(box, counter, 3, plan[:1], 1, stage=stage)
+    assert int(counter[0]) == 0 and bool((staged[0] == -7).all()) and not staged[1].any()
+    plan[0] = 5
+    ops.post_request(box, counter, 3, plan[:1], 1, stage=stage)
+    assert int(counter[0]) == 1 and int(box[mailbox.REQUEST]) == 1 and int(box[mailbox.CALL]) == 3
+    assert torch.equal(staged[0], plan) and torch.equal(staged[1], tokens) and torch.equal(staged[2], ids.int())
+
+
+def test_a_stage_of_another_size_or_a_converted_float_is_refused():
+    box = torch.zeros(mailbox.MAILBOX_WORDS, dtype=torch.int64)
+    counter = torch.zeros(mailbox.COUNTER_WORDS, dtype=torch.int64)
+    for source, staged in ((torch.zeros(5, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)),
+                           (torch.zeros(5), torch.zeros(5, dtype=torch.bfloat16))):
+        with pytest.raises(ValueError, match="pair 0"):
+            mailbox.post_request(box, counter, 0, stage=[(source, staged)])
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
 def test_a_call_with_no_work_posts_nothing_and_its_wait_reads_no_mailbox(impl):
     ops = _implementations()[impl]
     box = torch.zeros(mailbox.MAILBOX_WORDS, dtype=torch.int64)

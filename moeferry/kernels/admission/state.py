@@ -52,10 +52,10 @@ class SlotState:
     ``last_used[S]`` int64, ``score[S]`` float32 (LRFU only, kept at 0 under LRU),
     ``clock[1]`` int64. Plan: ``plan_src[P]``, ``plan_dst[P]`` int32, ``plan_count[1]`` int32
     with ``P = min(E, max_routes)``, views of one buffer ``plan[1 + 2P]`` (count, sources,
-    destinations: kernels/gather_copy/copy_engine.py's plan, staged to the host in one copy);
-    a lookahead admission's own plan ``ahead_src``, ``ahead_dst[P]``, ``ahead_count[1]``,
-    views of ``ahead_plan[1 + 2P]`` alike (its copies run beside the next call's, so they
-    never share a plan).
+    destinations: kernels/gather_copy/copy_engine.py's plan, staged to the host by the copy
+    engine's posting kernel); a lookahead admission's own plan ``ahead_src``, ``ahead_dst[P]``,
+    ``ahead_count[1]``, views of ``ahead_plan[1 + 2P]`` alike (its copies run beside the next
+    call's, so they never share a plan).
     Output: ``slot_ids[max_routes]`` int32. Scratch for the Triton kernel (the reference does
     not touch it): ``expert_mark[E]`` int64,
     ``slot_key[S]`` int64, ``victim_key[P]`` int64, ``victim_slot[P]`` int32,

@@ -3,17 +3,16 @@
 // beside it keeps its speed (an SM gather over PCIe slows a kernel beside it several-fold:
 // RESULTS copy/beside-compute).
 //
-// GPU kernels post a request in a pinned mailbox (kernels/host_mailbox: [0] REQUEST, the
-// request's sequence number; [1] CALL, here the MoE layer whose host banks the plan reads),
-// after the plan was copied beside it into pinned memory: int32 [1 + 2P], the row count, then
-// P source rows (experts of the layer), then P destination rows (slots). This thread polls the
-// mailbox, enqueues one host-to-device copy per planned row and bank on a CUDA stream of its
-// own, then a write of the request's number into the mailbox's DONE word ([8]) behind them
-// (cuStreamWriteValue64: it lands once every copy before it has), which the GPU's wait kernel
-// reads (where the driver has no stream memory operations, the worker waits for the copies and
-// writes the word itself). Requests come one at a time (the GPU posts the next after it has
-// seen the last done).
-// A failed driver call sets [16] to its error code and still publishes the request done, so
+// GPU kernels post a request in a pinned mailbox (kernels/host_mailbox: [0] REQUEST, the request's
+// sequence number; [1] CALL, here the MoE layer whose host banks the plan reads), the posting
+// kernel having copied the plan into pinned memory first: int32 [1 + 2P], the row count, then P
+// source rows (experts of the layer), then P destination rows (slots). This thread polls the
+// mailbox, enqueues one host-to-device copy per planned row and bank on a CUDA stream of its own,
+// then a write of the request's number into the mailbox's DONE word ([8]) behind them
+// (cuStreamWriteValue64: it lands once every copy before it has), which the GPU's wait kernel reads
+// (where the driver has no stream memory operations, the worker waits for the copies and writes the
+// word itself). Requests come one at a time (the GPU posts the next after it has seen the last
+// done). A failed driver call sets [16] to its error code and still publishes the request done, so
 // the GPU never hangs; the Python side checks that word (copy_engine.py: `failed`).
 //
 // The CUDA driver is reached through dlopen/dlsym of libcuda.so.1 (already loaded by torch):

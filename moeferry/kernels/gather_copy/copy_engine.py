@@ -2,11 +2,11 @@
 to run `gather_copy` beside compute (copy_engine.cpp has the protocol).
 
     engine = CopyEngine(host_banks, slot_banks, capacity, device)   # a worker thread starts
-    engine.post(layer, plan)   # on the current stream: the plan [1 + 2P] (count, sources,
-                               # destinations) staged to pinned memory, a request posted
+    engine.post(layer, plan)   # on the current stream, one launch: the plan [1 + 2P] (count,
+                               # sources, destinations) staged to pinned memory, a request posted
     engine.wait()              # on the current stream: returns once that request's copies landed
 
-Both are device work (a copy node and two small kernels), so they replay inside a captured
+Both are device work (two one-program kernels), so they replay inside a captured
 decode graph; the copies themselves are issued by the worker on its own stream as each request
 arrives. The SM gather (triton.py) reads host memory with loads from every SM, which slows a
 kernel running beside it several-fold; the copy engine leaves the SMs to the compute (RESULTS
@@ -97,13 +97,12 @@ class CopyEngine:
         self._stop = weakref.finalize(self, library().moe_copy_engine_stop, handle)
 
     def post(self, layer: int, plan: torch.Tensor) -> None:
-        """Copy `plan`'s rows (int32 [1 + 2P] on the device) of MoE layer `layer`'s host banks:
-        the plan staged to pinned memory, then the request posted, both on the current stream;
-        a plan of no rows posts nothing (its wait returns at once)."""
+        """Copy `plan`'s rows (int32 [1 + 2P] on the device, contiguous) of MoE layer `layer`'s
+        host banks: one launch on the current stream stages the plan to pinned memory and posts
+        the request; a plan of no rows stages and posts nothing (its wait returns at once)."""
         if plan.numel() != self.plan.numel():
             raise ValueError(f"a plan of {plan.numel()} words for a copy engine of {self.plan.numel()}")
-        self.plan.copy_(plan, non_blocking=True)
-        host_mailbox.post_request(self.box, self.counter, layer, plan[:1], 1)
+        host_mailbox.post_request(self.box, self.counter, layer, plan[:1], 1, stage=[(plan, self.plan)])
 
     def wait(self, max_polls: int = host_mailbox.MAX_POLLS) -> None:
         """The current stream waits until the last posted request's copies have landed (or

@@ -5,12 +5,15 @@ from __future__ import annotations
 import torch
 
 from moeferry.kernels.host_mailbox import CALL, CONFIRMED, DONE, REQUEST, STALLED
+from moeferry.kernels.host_staging import staged_copy
 
 
 def post_request(box: torch.Tensor, counter: torch.Tensor, call_index: int, work: torch.Tensor | None = None,
-                 at_least: int = 0) -> None:
+                 at_least: int = 0, stage: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> None:
     if work is not None and not bool((work >= at_least).any()):
         return
+    if stage:
+        staged_copy(stage, impl="reference")
     counter[0] += 1
     box[CALL] = call_index
     box[REQUEST] = counter[0].item()
