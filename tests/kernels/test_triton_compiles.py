@@ -154,8 +154,9 @@ from moeferry.kernels.route_split.triton import _split_routes_kernel
 from moeferry.kernels.timestamps.triton import _stamp_kernel
 
 KERNELS = [  # kernel, pointer types, constexprs
-    (_post_request_kernel, dict(box_ptr="*i64", counter_ptr="*i64", work_ptr="*i64"),
-     dict(REQUEST_WORD=0, CALL_WORD=1, HAS_WORK=True, WORK_BLOCK=256, PDL=True)),
+    (_post_request_kernel, dict(box_ptr="*i64", counter_ptr="*i64", work_ptr="*i64", src0="*bf16", dst0="*bf16",
+                                src1="*i64", dst1="*i32", src2="*fp32", dst2="*fp32"),
+     dict(REQUEST_WORD=0, CALL_WORD=1, HAS_WORK=True, STAGED_PAIRS=3, WORK_BLOCK=256, STAGE_BLOCK=1024, PDL=True)),
     (_wait_done_kernel, dict(box_ptr="*i64", counter_ptr="*i64"),
      dict(DONE_WORD=8, STALLED_WORD=1, CONFIRMED_WORD=2, PDL=True)),
     (_staged_copy_kernel, dict(src0="*bf16", dst0="*bf16", src1="*i64", dst1="*i32", src2="*fp32", dst2="*fp32"),
@@ -187,10 +188,11 @@ for kernel, pointers, constexprs in KERNELS:
 
 @pytest.mark.slow
 def test_the_host_channel_kernels_compile_for_sm90():
-    """The mailbox's post (a pass over its work, a system-scope release exchange) and wait
-    (volatile polls of host memory), the staging copies, the timestamp (inline PTX reading %globaltimer), the route
-    split (barriers around a scratch row, a cumulative sum) and the generated routes' draw (a
-    uint32 hash), oracle and forcing, with PDL."""
+    """The mailbox's post (a pass over its work, staged copies behind a barrier, a system-scope
+    release exchange) and wait (volatile polls of host memory), the staging copies, the
+    timestamp (inline PTX reading %globaltimer), the route split (barriers around a scratch row,
+    a cumulative sum) and the generated routes' draw (a uint32 hash), oracle and forcing, with
+    PDL."""
     stdout = _compiled(SMALL)
     for name in ("_post_request_kernel", "_wait_done_kernel", "_staged_copy_kernel", "_staged_routes_kernel",
                  "_stamp_kernel", "_split_routes_kernel", "_draw_kernel", "_oracle_kernel", "_force_kernel"):
