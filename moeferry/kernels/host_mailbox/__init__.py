@@ -8,7 +8,7 @@ worker finished (its own cache line); BAD_CALL, 1 once a request named no call. 
 device memory, int64 [COUNTER_WORDS]: the last sequence number posted; STALLED, 1 once a wait
 gave up; CONFIRMED, the last sequence number a wait saw done.
 
-    post_request(box, counter, call_index, work=None, at_least=0, stage=None): counter[0] += 1;
+    post_request(box, counter, call_index, work=None, at_least=0, stage=()): counter[0] += 1;
         box[CALL] = call_index; then box[REQUEST] = counter[0], released after the CALL word (and
         after every write of the kernels before it, which the worker then reads). Given `work`
         (integers on the device) it posts only if one of them is >= `at_least`: a call with
