@@ -121,6 +121,24 @@ def effective_spans(events: list[dict]) -> list[tuple[float, float]]:
     return spans
 
 
+def copy_wait_edges(spans: list[tuple[float, float]], events: list[dict]) -> tuple[int, float, float]:
+    """Of every waiting kernel that copies overlap (the copy engine's): how many, the time from
+    its start to its first copy's (the worker seeing the request, its driver calls, the DMA's
+    start) and from its last copy's end to its own end (the done word's write and the GPU's poll),
+    summed. Both are latency on top of the copies themselves."""
+    copies = sorted(s for s, e in zip(spans, events) if is_copy(e))
+    count, lead, tail = 0, 0.0, 0.0
+    for (start, end), e in zip(spans, events):
+        if not is_wait(e):
+            continue
+        inside = [(s, t) for s, t in copies if s < end and t > start]
+        if inside:
+            count += 1
+            lead += max(0.0, inside[0][0] - start)
+            tail += max(0.0, end - max(t for _, t in inside))
+    return count, lead, tail
+
+
 def step_summary(events: list[dict], steps: int) -> dict:
     """Microseconds a step, over the events' effective spans (`effective_spans`): the window
     from the first device event to the last, busy (anything running), copy, compute and waiting
@@ -128,7 +146,7 @@ def step_summary(events: list[dict], steps: int) -> dict:
     overlap, idle; and per kernel name its calls and time a step, largest first."""
     if not events:
         return {"window": 0.0, "busy": 0.0, "copy": 0.0, "compute": 0.0, "waiting": 0.0, "overlap": 0.0, "idle": 0.0,
-                "kernels": []}
+                "copy_waits": 0.0, "wait_lead": 0.0, "wait_tail": 0.0, "kernels": []}
     spans = effective_spans(events)
     copies = union([s for s, e in zip(spans, events) if is_copy(e)])
     compute = union([s for s, e in zip(spans, events) if not is_copy(e) and not is_wait(e)])
@@ -140,10 +158,12 @@ def step_summary(events: list[dict], steps: int) -> dict:
         calls_time = by_name.setdefault(e["name"], [0, 0.0])
         calls_time[0] += 1
         calls_time[1] += end - start
+    copy_waits, lead, tail = copy_wait_edges(spans, events)
     kernels = sorted(((name, n / steps, t / steps) for name, (n, t) in by_name.items()), key=lambda k: -k[2])
     return {"window": window / steps, "busy": busy / steps, "copy": covered(copies) / steps,
             "compute": covered(compute) / steps, "waiting": covered(waiting) / steps, "overlap": intersection(copies, compute) / steps,
-            "idle": (window - busy) / steps, "kernels": kernels}
+            "idle": (window - busy) / steps, "copy_waits": copy_waits / steps, "wait_lead": lead / steps,
+            "wait_tail": tail / steps, "kernels": kernels}
 
 
 def make_engine(config_dir, args, strategy: str, prefetch: str, stats: str, sched: str):
@@ -230,14 +250,15 @@ def main(argv, args) -> int:
         events, wall = profile_decode(engine, args, trace)
         s = step_summary(events, args.steps)
         rows.append([name, f"{wall:.0f}", f"{s['window']:.0f}", f"{s['busy']:.0f}", f"{s['copy']:.0f}",
-                     f"{s['compute']:.0f}", f"{s['waiting']:.0f}", f"{s['overlap']:.0f}", f"{s['idle']:.0f}"])
+                     f"{s['compute']:.0f}", f"{s['waiting']:.0f}", f"{s['overlap']:.0f}", f"{s['idle']:.0f}",
+                     f"{s['copy_waits']:.1f} / {s['wait_lead']:.0f} / {s['wait_tail']:.0f}"])
         print(f"{name}:\n" + markdown_table(["kernel", "calls a step", "µs a step"],
                                              [[short(n), f"{c:.1f}", f"{t:.1f}"] for n, c, t in s["kernels"][:args.top]])
               + "\n", flush=True)
         del engine
         free_engine_memory()
     body = markdown_table(["row", "wall µs a step", "device window", "busy", "copy", "compute", "waiting",
-                           "copy ∥ compute", "idle"], rows)
+                           "copy ∥ compute", "idle", "copy waits: count / before / after copies"], rows)
     notes = (f"{args.layers} layers of the {model} shape, {args.quantization or 'bf16'} experts, dummy weights, "
              f"batch {args.batch}, "
              f"{'eager' if args.eager else 'CUDA graphs'}; {args.steps} decode steps under torch.profiler, µs a step. "
@@ -246,7 +267,9 @@ def main(argv, args) -> int:
              "window: first device event to last, the host's time between steps included; busy: anything running; "
              "copy: the slot cache's gather kernel and memcpys; waiting: kernels spinning on a host worker's done "
              "word (the copy engine's copies, the host's experts); compute: every other kernel; copy ∥ compute: "
-             "both at once; idle: nothing. Async scheduling on unless a row says off (each step launched before the "
+             "both at once; idle: nothing; copy waits: waiting kernels with copies under them, a step, and their "
+             "time before the first copy starts (the worker seeing the request, its driver calls) and after the "
+             "last one ends (the done word's write, the GPU's poll). Async scheduling on unless a row says off (each step launched before the "
              "host reads the previous one's tokens). " + routing_note(args.routing, args.routing_seed))
     section = "decode-profile" + ("" if args.shape == "qwen3" else f"/{args.shape}")
     report(section, f"Where a decode step's device time goes, routing {args.routing}",

@@ -36,6 +36,17 @@ def test_a_kernel_waiting_on_a_host_worker_is_neither_copy_nor_compute():
     assert s["waiting"] == 12 and s["compute"] == 5 and s["copy"] == 10 and s["overlap"] == 0
 
 
+def test_a_copy_wait_splits_into_its_latency_before_and_after_the_copies():
+    """A wait of 100 µs over two copies (20-50, 45-80): 20 before, 20 after; a wait with no copy
+    under it (the host's experts) counts in neither."""
+    events = [{**kernel("_wait_done_kernel", 0, 100), "tid": 1},
+              kernel("Memcpy HtoD (Pinned -> Device)", 20, 30, cat="gpu_memcpy"),
+              kernel("Memcpy HtoD (Pinned -> Device)", 45, 35, cat="gpu_memcpy"),
+              {**kernel("_wait_done_kernel", 200, 50), "tid": 1}]
+    s = step_summary(events, steps=2)
+    assert s["copy_waits"] == 0.5 and s["wait_lead"] == 10 and s["wait_tail"] == 10
+
+
 def test_only_device_events_count():
     trace = {"traceEvents": [kernel("k", 0, 1), kernel("cudaLaunchKernel", 0, 1, cat="cuda_runtime"),
                              {"ph": "i", "cat": "kernel", "name": "x", "ts": 0}]}
