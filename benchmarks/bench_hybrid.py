@@ -554,7 +554,8 @@ def main(argv, args) -> int:
                + ("/host-share" if args.host_share != [None] else "")
                + ("/miss-copy" if args.miss_copy != ["dma"] else "")
                + (f"/{args.quantization}" if args.quantization else ""),
-               f"Decode with {'the lookahead prefetch' if prefetch else 'the host channel'}, routing {args.routing}",
+               f"Decode with {'the lookahead prefetch' if prefetch else 'the host channel'}, routing {args.routing}"
+               + (f", {args.quantization} experts" if args.quantization else ""),
                command,
                markdown_table(DECODE_HEADER, rows),
                f"{args.layers} layers, 128 experts, top-8, {args.quantization or 'bf16'} experts, dummy weights; prompt {args.prompt_len}, {args.warmup} warm-up + {args.steps} timed "

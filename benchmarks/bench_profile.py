@@ -29,13 +29,15 @@ from tests.support.fixtures import GPT_OSS_20B_DIR_CONFIG, QWEN3_30B_DIR_CONFIG,
 # --shape: the model named and its config.json (dummy weights)
 MODELS = {"qwen3": ("Qwen3-30B-A3B", QWEN3_30B_DIR_CONFIG), "gpt-oss": ("gpt-oss-20b", GPT_OSS_20B_DIR_CONFIG)}
 COPY_KERNELS = ("gather_rows", "memcpy", "Memcpy")
+DEFAULT_SHARE = 0.25
 WAIT_KERNELS = ("wait_done",)  # a kernel spinning on a host worker's done word (copy engine, host experts)
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--strategies", nargs="+", choices=["gpu", "offload", "hybrid", "uva"], default=["gpu", "offload"])
-    p.add_argument("--share", type=float, default=0.25, help="offload and hybrid: the experts on the GPU")
+    p.add_argument("--share", type=float, default=DEFAULT_SHARE,
+                   help="offload and hybrid: the experts on the GPU (another share: a section of its own)")
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--shape", choices=sorted(MODELS), default="qwen3", help="the model's config (dummy weights)")
     p.add_argument("--quantization", choices=["int4", "fp8", "mxfp4"], default=None,
@@ -271,7 +273,8 @@ def main(argv, args) -> int:
              "time before the first copy starts (the worker seeing the request, its driver calls) and after the "
              "last one ends (the done word's write, the GPU's poll). Async scheduling on unless a row says off (each step launched before the "
              "host reads the previous one's tokens). " + routing_note(args.routing, args.routing_seed))
-    section = "decode-profile" + ("" if args.shape == "qwen3" else f"/{args.shape}")
+    section = "decode-profile" + ("" if args.shape == "qwen3" else f"/{args.shape}") + \
+        ("" if args.share == DEFAULT_SHARE else f"/at-{round(args.share * 100)}")
     report(section, f"Where a decode step's device time goes, routing {args.routing}",
            command_line("benchmarks.bench_profile", argv), body, notes, args.results)
     return 0

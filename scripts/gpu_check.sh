@@ -19,9 +19,9 @@
 # engine, side by side: a host's SM gather may trail its DMA), gpt-oss-mxfp4 (the gpt-oss-20b shape, 24 layers of MXFP4
 # experts, at 0-100% resident under gpu, offload and hybrid), profile-75 (where the decode step's time
 # goes under gpu, offload and hybrid with 75% of the experts resident, qwen3 routing: the offloaded rows'
-# cost beyond the resident step and their copies; its log only, RESULTS' decode-profile stays the step
-# stage's), gpt-oss-tune (where its resident step's time goes at 1 and 4 requests, MXFP4, and the route
-# GEMV's tiles at its shape), gpt-oss-peer (llama.cpp built from
+# cost beyond the resident step, their copies and the latency around them; RESULTS decode-profile/at-75),
+# gpt-oss-tune (where its resident step's time goes at 1 and 4 requests, MXFP4, and the route GEMV's
+# tiles at its shape), gpt-oss-peer (llama.cpp built from
 # .peer/llamacpp-src.tgz into /tmp/lcbuild, about 4.5 minutes, then llama-bench on the same shape at
 # --n-cpu-moe 24 18 12 6 0; the tarball from the llama-cpp-python 0.3.36 sdist, carried in .peer/, which
 # git ignores; the two stages together may pass one call's 10 minutes: run them in two calls while the
@@ -132,7 +132,8 @@ if has step; then
     --step 32 128 --warps 4
 fi
 if has profile-75; then
-  run bench-profile-75 python3 -m benchmarks.bench_profile --strategies gpu offload hybrid --share 0.75 --top 40
+  run bench-profile-75 python3 -m benchmarks.bench_profile --strategies gpu offload hybrid --share 0.75 --top 40 \
+    --results "$RESULTS" "$CURRENT"
 fi
 if has goals; then
   shares=(--shares 0 0.1 0.25 0.5 0.75 1.0 --batch 1 4 --repeats 1)
