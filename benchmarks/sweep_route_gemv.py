@@ -82,10 +82,11 @@ def main() -> None:
             distinct = sum(int(ids.unique().numel()) for *_, ids, _ in layers) / len(layers)
             floor_us = distinct * bank_bytes(banks[0][0 if gated else 1]) / HBM_BYTES_PER_S * 1e6
             name = "w13" if gated else "w2"
-            stored = banks[0][0 if gated else 1][0].dtype
+            bank = banks[0][0 if gated else 1][0]
+            stored = bank.dtype
             rows = [("dot", f"{dot_config.block_n}x{dot_config.block_k}", lambda: time_gemm(inputs, gated, dot_config,
                                                                                           block_shape))]
-            chosen = gemv.select_gemv_config(gated, stored)
+            chosen = gemv.select_gemv_config(gated, stored, gemv.stored_row(bank))
             configs = [chosen]
             if tokens in args.sweep_tokens:
                 configs += [gemv.GemvConfig(n, s, w) for n, s, w in itertools.product(args.block_n, args.step, args.warps)

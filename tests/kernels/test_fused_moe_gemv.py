@@ -70,7 +70,7 @@ def test_one_token_takes_the_route_gemv_and_matches_reference(gemv_calls, fmt, d
 @pytest.mark.parametrize("fmt", ["plain", "fp8", "int4/128", "mxfp4"])
 def test_whole_steps_take_the_unmasked_tiles_and_match_reference(monkeypatch, gemv_calls, fmt):
     """H = 256, I = 128 in steps of 16 stored elements and tiles of 4 rows: no mask (EVEN)."""
-    monkeypatch.setattr(gemv, "select_gemv_config", lambda gated, stored: gemv.GemvConfig(4, 16, 4))
+    monkeypatch.setattr(gemv, "select_gemv_config", lambda gated, stored, row: gemv.GemvConfig(4, 16, 4))
     launches = []
     kernel = gemv._route_gemv_kernel
 
@@ -201,3 +201,13 @@ def test_the_int8_path_reads_only_int4_banks():
     hidden, weights, ids = make_routes(1, 64, 32, 2, torch.bfloat16, seed=1)
     with pytest.raises(ValueError, match="int8 path reads int4 banks"):
         int8_route_gemv(hidden, w13, w2, weights, ids, **scales)
+
+
+def test_mxfp4_down_tiles_follow_the_row_length():
+    """MXFP4's down GEMM: Qwen3-30B-A3B's short rows (768 values, 96 words) in 32-row tiles,
+    gpt-oss-20b's long ones (2880, 360 words) as the gated GEMM's; a bank of bytes counts words."""
+    short, long_ = gemv.select_gemv_config(False, torch.uint8, 96), gemv.select_gemv_config(False, torch.uint8, 360)
+    assert short == gemv.GemvConfig(32, 32, 4)
+    assert long_ == gemv.select_gemv_config(True, torch.uint8, 360) == gemv.GemvConfig(8, 128, 4)
+    assert gemv.stored_row(torch.zeros(2, 3, 1440, dtype=torch.uint8)) == 360
+    assert gemv.stored_row(torch.zeros(2, 3, 96, dtype=torch.int32)) == 96

@@ -114,8 +114,9 @@ ALIGNED_INTS = ("stride_am", "stride_be", "stride_bn", "stride_cm", "k_in", "n_o
 params = list(inspect.signature(kernel.fn).parameters)
 for name in sys.argv[1:]:
     weight, scale, stored, constexprs = FORMATS[name]
-    for gated in (True, False):
-        tiles = select_gemv_config(gated, stored)
+    # each distinct tile of the rows of Qwen3-30B-A3B (96 words of 4-bit values) and gpt-oss-20b (360)
+    for gated, tiles in dict.fromkeys((g, select_gemv_config(g, stored, row)) for g, row in ((True, 96), (False, 96),
+                                                                                         (False, 360))):
         values = dict(A_ROWS_PER_ROUTE_DIV=8 if gated else 1, GATED=gated, WEIGHTED=not gated, BIAS=gated,
                       CLAMPED=gated, BLOCK_N=tiles.block_n, STEP=tiles.step, EVEN=gated, PDL=True, INT8=False)
         values.update(constexprs)

@@ -54,11 +54,15 @@ from moeferry.kernels.fused_moe import SILU
 from moeferry.kernels.fused_moe.values import activate, e2m1_value, e8m0_value
 from moeferry.kernels.triton_common import INTERPRETED, pdl_launch, rounded, wait_for_previous_kernel
 
-__all__ = ["GemvConfig", "launch_route_gemv", "route_gemv_allowed", "select_gemv_config"]
+__all__ = ["GemvConfig", "launch_route_gemv", "route_gemv_allowed", "select_gemv_config", "stored_row"]
 
 # Formats as the kernel sees them (its FORMAT; constexpr globals, which a kernel may read).
 PLAIN, FP8, INT4, MXFP4 = (tl.constexpr(code) for code in range(4))
 _INTERPRETED = tl.constexpr(INTERPRETED)
+
+
+# A down GEMM's MXFP4 rows at least this many words long take the gated GEMM's tiles
+LONG_MXFP4_ROW_WORDS = 256
 
 
 @dataclass(frozen=True)
@@ -71,18 +75,26 @@ class GemvConfig:
     num_warps: int
 
 
-def select_gemv_config(gated: bool, stored: torch.dtype) -> GemvConfig:
-    """Tiles for the Qwen3-30B-A3B-like decode GEMMs (H 2048, I 768), from benchmarks/
-    sweep_route_gemv.py on an H100 (docs/performance.md, the route GEMV): the gated GEMM reads
-    each row's whole K in one or two steps (int4: 128 words; both matrices' loads in flight
-    together), the down GEMM's short rows (96 words of int4) in 32-row tiles."""
+def select_gemv_config(gated: bool, stored: torch.dtype, row_elements: int) -> GemvConfig:
+    """Tiles for one GEMM of a bank of `stored` elements, `row_elements` of them a row (words for
+    int4 and MXFP4), from benchmarks/sweep_route_gemv.py at one token on an H100 (docs/
+    performance.md, the route GEMV): the gated GEMM reads each row's whole K in one to three steps
+    (int4 and MXFP4: 128 words; both matrices' loads in flight together); a down GEMM's short rows
+    (Qwen3-30B-A3B's 96 words of 4-bit values) in 32-row tiles, MXFP4's long ones (gpt-oss-20b's
+    360) as the gated GEMM's, 8 rows of 128 words."""
     if stored == torch.int32:  # int4 words
         return GemvConfig(block_n=16, step=128, num_warps=4) if gated else GemvConfig(32, 32, 4)
     if stored == torch.uint8:  # MXFP4 bytes, read as words
-        return GemvConfig(block_n=8, step=128, num_warps=4) if gated else GemvConfig(32, 32, 4)
+        long_rows = row_elements >= LONG_MXFP4_ROW_WORDS
+        return GemvConfig(block_n=8, step=128, num_warps=4) if gated or long_rows else GemvConfig(32, 32, 4)
     if stored == torch.float8_e4m3fn:
         return GemvConfig(block_n=16, step=256, num_warps=4)
     return GemvConfig(block_n=8, step=256, num_warps=4)
+
+
+def stored_row(bank: torch.Tensor) -> int:
+    """Stored elements of a bank's row as the kernel reads them (MXFP4 bytes as int32 words)."""
+    return bank.shape[-1] // 4 if bank.dtype == torch.uint8 else bank.shape[-1]
 
 
 def _format(bank: torch.Tensor, quantized: bool) -> tuple[int, int]:
@@ -323,9 +335,9 @@ def launch_route_gemv(a, bank, c, route_weights, flat_ids, *, gated: bool, weigh
     if int8 and (fmt != INT4.value or block_shape[1] % 8):
         raise ValueError(f"the route GEMV's int8 path reads int4 banks in groups of a multiple of 8 values, not "
                          f"{bank.dtype} in groups of {block_shape and block_shape[1]}")
+    config = config or select_gemv_config(gated, bank.dtype, stored_row(bank))
     if fmt == MXFP4.value:
         bank = bank.view(torch.int32)  # eight E2M1 codes a word, value 8w + i at bits 4i: int4's layout
-    config = config or select_gemv_config(gated, bank.dtype)
     group = block_shape[1] if quantized else 1
     if int8 and (config.step * 8) % group:
         config = GemvConfig(config.block_n, group // 8, config.num_warps)  # a step of whole groups
