@@ -93,9 +93,10 @@ if has miss-copy; then
 fi
 has gpt-oss && run bench-gpt-oss python3 -m benchmarks.bench_gpt_oss --results "$RESULTS" "$CURRENT"
 if has gpt-oss-tune; then
-  for b in 1 4; do
+  for b in 1 4; do  # RESULTS decode-profile/gpt-oss is the 1-request profile; 4 requests, the log only
+    written=(); ((b == 1)) && written=(--results "$RESULTS" "$CURRENT")
     run profile-gpt-oss-b$b python3 -m benchmarks.bench_profile --shape gpt-oss --routing model --quantization mxfp4 \
-      --layers 24 --strategies gpu --batch $b --top 24
+      --layers 24 --strategies gpu --batch $b --top 24 "${written[@]}"
   done
   run sweep-gemv-gpt-oss python3 -m benchmarks.sweep_route_gemv --shape gpt-oss --formats bf16 mxfp4 --tokens 1 4 \
     --block-n 8 16 32 --step 32 64 128 --warps 4 8
