@@ -271,8 +271,8 @@ def main(argv, args) -> int:
              "word (the copy engine's copies, the host's experts); compute: every other kernel; copy ∥ compute: "
              "both at once; idle: nothing; copy waits: waiting kernels with copies under them, a step, and their "
              "time before the first copy starts (the worker seeing the request, its driver calls) and after the "
-             "last one ends (the done word's write, the GPU's poll). Async scheduling on unless a row says off (each step launched before the "
-             "host reads the previous one's tokens). " + routing_note(args.routing, args.routing_seed))
+             "last one ends (the done word's write, the GPU's poll). Async scheduling on unless a row says off "
+             "(each step launched before the host reads the previous one's tokens). " + routing_note(args.routing, args.routing_seed))
     section = "decode-profile" + ("" if args.shape == "qwen3" else f"/{args.shape}") + \
         ("" if args.share == DEFAULT_SHARE else f"/at-{round(args.share * 100)}")
     report(section, f"Where a decode step's device time goes, routing {args.routing}",
