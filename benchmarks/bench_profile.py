@@ -43,6 +43,8 @@ def parse_args(argv):
     p.add_argument("--quantization", choices=["int4", "fp8", "mxfp4"], default=None,
                    help="the experts' format (bf16 without)")
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--host-threads", type=int, default=None,
+                   help="hybrid: --moe-host-threads (default: the engine's; fewer leave the copy engine's worker a core)")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--warmup", type=int, default=DECODE_WARMUP_STEPS,
                    help="untimed decode steps first: the slot cache settles (benchmarks/common.py)")
@@ -174,7 +176,7 @@ def make_engine(config_dir, args, strategy: str, prefetch: str, stats: str, sche
     from benchmarks.bench_hybrid import make_engine as hybrid_engine
 
     engine_args = argparse.Namespace(prompt_len=args.prompt_len, warmup=args.warmup, steps=args.steps,
-                                     batch=[args.batch], layers=args.layers, host_threads=None,
+                                     batch=[args.batch], layers=args.layers, host_threads=args.host_threads,
                                      quantization=args.quantization)
     engine = hybrid_engine(config_dir, engine_args, strategy, moe_prefetch="off" if prefetch == "off" else "router",
                            disable_cuda_graph=args.eager, async_scheduling=sched == "on")
@@ -272,7 +274,9 @@ def main(argv, args) -> int:
              "both at once; idle: nothing; copy waits: waiting kernels with copies under them, a step, and their "
              "time before the first copy starts (the worker seeing the request, its driver calls) and after the "
              "last one ends (the done word's write, the GPU's poll). Async scheduling on unless a row says off "
-             "(each step launched before the host reads the previous one's tokens). " + routing_note(args.routing, args.routing_seed))
+             "(each step launched before the host reads the previous one's tokens). "
+             + (f"Hybrid's host kernel on {args.host_threads} threads. " if args.host_threads else "")
+             + routing_note(args.routing, args.routing_seed))
     section = "decode-profile" + ("" if args.shape == "qwen3" else f"/{args.shape}") + \
         ("" if args.share == DEFAULT_SHARE else f"/at-{round(args.share * 100)}")
     report(section, f"Where a decode step's device time goes, routing {args.routing}",
