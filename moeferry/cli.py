@@ -207,8 +207,8 @@ def add_model_positional(parser: argparse.ArgumentParser) -> None:
 
 def _cmd_routing_simulate(args) -> int:
     """A recorded trace replayed through the slot cache at each size and policy (routing/simulate.py)."""
-    from moeferry.routing.simulate import (DEFAULT_HOST_GBPS, HostSpeed, HostSplit, SimulationError, cache_sizes,
-                                           h2d_bandwidth, report)
+    from moeferry.routing.simulate import (DEFAULT_COPY_CALL_US, DEFAULT_HOST_GBPS, HostSpeed, HostSplit,
+                                           SimulationError, cache_sizes, h2d_bandwidth, report)
     from moeferry.routing.trace import RoutingTrace, TraceError
 
     if not (args.cache_gb or args.cache_slots or args.cache_fraction):
@@ -225,6 +225,7 @@ def _cmd_routing_simulate(args) -> int:
         print(report(trace, sizes, args.policy, h2d=h2d_bandwidth(args.h2d_gbps), step_ms=args.step_ms,
                      lrfu_decay=args.lrfu_decay, prefill_demand_tokens=args.prefill_demand_tokens, hosts=hosts,
                      host_speed=HostSpeed(args.host_gbps or DEFAULT_HOST_GBPS, args.host_call_us or 0.0),
+                     copy_call_us=DEFAULT_COPY_CALL_US if args.copy_call_us is None else args.copy_call_us,
                      results=results))
     except (TraceError, SimulationError) as exc:
         raise UsageError(str(exc)) from None
@@ -342,6 +343,9 @@ def add_routing_commands(sub) -> None:
                      help="host-to-device GB/s (default: measured on this GPU, else 55, an H200's pinned H2D)")
     sim.add_argument("--step-ms", type=bounded(float, 0.0), default=None,
                      help="compute ms per decode step (default: the trace's own times if recorded under gpu)")
+    sim.add_argument("--copy-call-us", type=bounded(float, 0.0), default=None,
+                     help="a decode layer call's fixed cost of copying any expert, us: the wait around its DMA "
+                          "copies (default 34, measured on an H100 host; 0 for the bytes alone)")
     sim.add_argument("--host-share", type=bounded(float, 0.0, 1.0), default=None,
                      help="also replay hybrid's route split: the host computes this share of each decode layer's "
                           "misses (as --moe-host-share), the rest copied and admitted (default: offload rows only)")

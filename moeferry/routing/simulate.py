@@ -19,7 +19,8 @@ admitted. The host's experts are counted, and timed by the channel model below.
 Prediction (`moeferry routing simulate`; a model, not a measurement):
 
     decode time            = compute time + channel time
-    channel time           = missed decode bytes / H2D bandwidth (offload; hybrid: below)
+    channel time           = per decode layer call that copies: its missed bytes / H2D bandwidth
+                             + the copy's fixed cost a call (--copy-call-us); hybrid: below
     predicted decode tok/s = decode tokens / decode time
     channels ms per step   = channel time / decode steps
 
@@ -28,8 +29,10 @@ strategy (every expert resident, so no copies inside its times), the sum of its 
 recorded wall-clock times (forward, sampling and the read of the tokens; not the scheduler's or
 detokeniser's host time); else none, and no prediction is printed. Copies are taken as not
 overlapping compute (an offload layer copies its misses after its router and before its GEMM,
-inside the step), and the admission's own microseconds per layer are left out. A hybrid row's
-channel time is, per decode layer, the longer of its two channels: its copies over H2D, and its
+inside the step), and the admission's own microseconds per layer are left out. A copy's fixed
+cost is the wait around a layer's DMA copies (the worker's notice and first driver call before
+the first copy, the done word after the last: DEFAULT_COPY_CALL_US, measured). A hybrid row's
+channel time is, per decode layer, the longer of its two channels: its copies as above, and its
 host experts' bytes over the host kernel's bandwidth (--host-gbps) plus the host's fixed cost
 of a call (--host-call-us) where it took any; the model the split balances (moe/host_speeds.py).
 H2D bandwidth: --h2d-gbps; else a pinned host-to-device copy measured here when torch sees a
@@ -57,6 +60,9 @@ from moeferry.routing.trace import RoutingTrace, TraceHeader, TraceStep
 logger = logging.getLogger(__name__)
 
 DEFAULT_H2D_GBPS = 55.0  # GB/s (1e9 bytes/s): pinned H2D copy_ on the hosts of benchmarks/RESULTS.md
+# us a decode layer call that copies any expert: the wait's latency around its DMA copies on an H100
+# host (RESULTS, decode-profile/at-75: 30 us before the first copy, 4 after the last)
+DEFAULT_COPY_CALL_US = 34.0
 DEFAULT_HOST_GBPS = 116.6  # the host kernel's start-up figure on an H100 host (RESULTS, hybrid/decode/qwen3)
 _GIB = 2**30
 
@@ -102,7 +108,7 @@ class SimResult:
     decode_steps: int
     decode_tokens: int
     decode_ms: float | None
-    layer_calls: np.ndarray | None = None  # under a HostSplit: each decode layer call's (copied, host) experts
+    layer_calls: np.ndarray | None = None  # each decode layer call's (copied, host) experts
 
     @property
     def host_experts(self) -> int:
@@ -122,19 +128,21 @@ class SimResult:
         """The copy floor of the whole decode: its missed bytes over the link."""
         return self.decode_bytes / h2d_bytes_per_s
 
-    def channel_seconds(self, h2d_bytes_per_s: float, host: HostSpeed | None = None) -> float:
-        """The decode's time in its expert channels: the copy floor, or under a split the sum
-        over layer calls of the longer channel (see the module)."""
+    def channel_seconds(self, h2d_bytes_per_s: float, host: HostSpeed | None = None,
+                        copy_call_us: float = DEFAULT_COPY_CALL_US) -> float:
+        """The decode's time in its expert channels: the sum over layer calls of their copies'
+        time and fixed cost, or under a split of the longer channel (see the module)."""
         if self.layer_calls is None:
             return self.copy_seconds(h2d_bytes_per_s)
         host = host or HostSpeed()
         copied, on_host = self.layer_calls[:, 0], self.layer_calls[:, 1]
-        copy_s = copied * self.expert_bytes / h2d_bytes_per_s
+        copy_s = copied * self.expert_bytes / h2d_bytes_per_s + (copied > 0) * copy_call_us * 1e-6
         host_s = on_host * self.expert_bytes / (host.gbps * 1e9) + (on_host > 0) * host.call_us * 1e-6
         return float(np.maximum(copy_s, host_s).sum())
 
-    def predicted_tok_s(self, h2d_bytes_per_s: float, compute_seconds: float, host: HostSpeed | None = None) -> float:
-        return self.decode_tokens / (compute_seconds + self.channel_seconds(h2d_bytes_per_s, host))
+    def predicted_tok_s(self, h2d_bytes_per_s: float, compute_seconds: float, host: HostSpeed | None = None,
+                        copy_call_us: float = DEFAULT_COPY_CALL_US) -> float:
+        return self.decode_tokens / (compute_seconds + self.channel_seconds(h2d_bytes_per_s, host, copy_call_us))
 
 
 def admits(step: TraceStep, prefill_demand_tokens: int | None) -> bool:
@@ -170,14 +178,14 @@ def simulate(trace: RoutingTrace, num_slots: int, policy: str, *, lrfu_decay: fl
                     _, routes, on_host, _ = split_routes(routes, cache.slot_of[layer], split, rotation,
                                                          impl="reference")
                 cache.admit(layer, routes, step.phase)
-                if splitting:
-                    calls.append((int(cache.plan_count), int(on_host)))
+                if step.phase == "decode":
+                    calls.append((int(cache.plan_count), int(on_host) if splitting else 0))
     snap = cache.stats.snapshot()
     decode = [s for s in trace.steps if s.phase == "decode"]
     timed = all(s.timed for s in decode)
     return SimResult(num_slots, policy, h.expert_bytes, snap["decode"], snap["prefill"], len(decode),
                      sum(s.num_tokens for s in decode), sum(s.step_ms for s in decode) if timed else None,
-                     None if split is None else np.array(calls, dtype=np.int64).reshape(-1, 2))
+                     np.array(calls, dtype=np.int64).reshape(-1, 2))
 
 
 # ---- cache sizes ------------------------------------------------------------------------------
@@ -243,7 +251,7 @@ def compute_seconds(header: TraceHeader, result: SimResult, step_ms: float | Non
 def report(trace: RoutingTrace, sizes: list[CacheSize], policies: list[str], *, h2d: tuple[float, str],
            step_ms: float | None = None, lrfu_decay: float = 0.5, prefill_demand_tokens: int | None = None,
            hosts: list[HostSplit | None] = (None,), host_speed: HostSpeed = HostSpeed(),
-           results: list | None = None) -> str:
+           copy_call_us: float = DEFAULT_COPY_CALL_US, results: list | None = None) -> str:
     """The table `moeferry routing simulate` prints: one row per (cache size, policy, host
     split: None for offload); each (CacheSize, policy, SimResult) of an offload row is also
     appended to `results` when given (for --plot). A hybrid row's channel time: the longer
@@ -258,7 +266,7 @@ def report(trace: RoutingTrace, sizes: list[CacheSize], policies: list[str], *, 
                                   prefill_demand_tokens=prefill_demand_tokens, host=host)
                 logger.info("simulated %s under %s in %.1fs", size.label, policy, time.perf_counter() - start)
                 compute, compute_note = compute_seconds(h, result, step_ms)
-                rows.append(_row(h, size, result, bandwidth, compute, host, host_speed))
+                rows.append(_row(h, size, result, bandwidth, compute, host, host_speed, copy_call_us))
                 if results is not None and host is None:
                     results.append((size, policy, result))
     header = ["cache", "slots", "GiB", "% experts", "policy", "split", "decode hit", "prefill hit",
@@ -266,12 +274,13 @@ def report(trace: RoutingTrace, sizes: list[CacheSize], policies: list[str], *, 
               "predicted decode tok/s"]
     hybrid = any(host is not None for host in hosts)
     host_line = [f"host kernel: {host_speed.gbps:g} GB/s, {host_speed.call_us:g} us a call"] if hybrid else []
-    return "\n".join([_summary(trace), f"H2D bandwidth: {bandwidth / 1e9:.1f} GB/s ({h2d[1]})", *host_line,
+    return "\n".join([_summary(trace), f"H2D bandwidth: {bandwidth / 1e9:.1f} GB/s ({h2d[1]}), "
+                      f"{copy_call_us:g} us a layer call that copies", *host_line,
                       f"compute time: {compute_note}", "", _markdown(header, rows)])
 
 
 def _row(h: TraceHeader, size: CacheSize, result: SimResult, bandwidth: float, compute: float | None,
-         host: HostSplit | None, host_speed: HostSpeed) -> list[str]:
+         host: HostSplit | None, host_speed: HostSpeed, copy_call_us: float) -> list[str]:
     total = h.num_moe_layers * h.num_experts
     steps, tokens = result.decode_steps, result.decode_tokens
     per_step = (f"{result.decode['total']['misses'] / steps:.1f} / {result.host_experts / steps:.1f}"
@@ -280,8 +289,9 @@ def _row(h: TraceHeader, size: CacheSize, result: SimResult, bandwidth: float, c
             result.policy, "offload" if host is None else host.label, _rate(result.hit_rate("decode")),
             _rate(result.hit_rate("prefill")), per_step,
             f"{result.decode_bytes / tokens / 1e6:.2f}" if tokens else "-",
-            f"{result.channel_seconds(bandwidth, host_speed) * 1e3 / steps:.3f}" if steps else "-",
-            f"{result.predicted_tok_s(bandwidth, compute, host_speed):.1f}" if compute is not None and tokens else "-"]
+            f"{result.channel_seconds(bandwidth, host_speed, copy_call_us) * 1e3 / steps:.3f}" if steps else "-",
+            f"{result.predicted_tok_s(bandwidth, compute, host_speed, copy_call_us):.1f}"
+            if compute is not None and tokens else "-"]
 
 
 def _rate(value: float | None) -> str:

@@ -19,8 +19,8 @@ from moeferry.kernels.admission import POLICIES
 from moeferry.moe.strategies import create_strategy
 from moeferry.moe.banks import ExpertNeeds
 from moeferry.routing.recorder import RoutingRecorder
-from moeferry.routing.simulate import (DEFAULT_H2D_GBPS, HostSpeed, HostSplit, SimulationError, cache_sizes,
-                                       compute_seconds, h2d_bandwidth, simulate)
+from moeferry.routing.simulate import (DEFAULT_COPY_CALL_US, DEFAULT_H2D_GBPS, HostSpeed, HostSplit, SimulationError,
+                                       cache_sizes, compute_seconds, h2d_bandwidth, simulate)
 from moeferry.routing.trace import RoutingTrace, TraceHeader, TraceStep, TraceWriter
 from tests.support.fixtures import family_configs, make_checkpoint
 from tests.test_cli import run_cli
@@ -142,7 +142,7 @@ def _decode_trace(step_ms=2.0):
     return RoutingTrace(HEADER, steps)
 
 
-def test_the_prediction_is_compute_time_plus_missed_bytes_over_the_bandwidth():
+def test_the_prediction_is_compute_time_plus_missed_bytes_over_the_bandwidth_plus_a_cost_a_copying_call():
     trace = _decode_trace(step_ms=2.0)
     result = simulate(trace, 20, "layer_lru")
     misses = result.decode["total"]["misses"]
@@ -150,7 +150,13 @@ def test_the_prediction_is_compute_time_plus_missed_bytes_over_the_bandwidth():
     seconds, source = compute_seconds(HEADER, result, None)  # recorded under gpu: its own times
     assert seconds == pytest.approx(10 * 2.0 / 1e3) and "own decode step times" in source
     bandwidth = 50e9
-    expect = 30 / (10 * 2.0 / 1e3 + misses * HEADER.expert_bytes / bandwidth)
+    copied = result.layer_calls[:, 0]
+    assert len(copied) == 10 * HEADER.num_moe_layers and copied.sum() == misses and result.host_experts == 0
+    copying_calls = int((copied > 0).sum())
+    assert 0 < copying_calls < len(copied)  # some calls copy nothing, and cost nothing
+    bytes_s = misses * HEADER.expert_bytes / bandwidth
+    assert result.predicted_tok_s(bandwidth, seconds, copy_call_us=0.0) == pytest.approx(30 / (seconds + bytes_s))
+    expect = 30 / (seconds + bytes_s + copying_calls * DEFAULT_COPY_CALL_US * 1e-6)
     assert result.predicted_tok_s(bandwidth, seconds) == pytest.approx(expect)
     assert compute_seconds(HEADER, result, 5.0)[0] == pytest.approx(10 * 5.0 / 1e3)
 
@@ -165,9 +171,10 @@ def test_a_hybrid_rows_channel_time_is_each_layers_longer_channel():
     assert on_host.sum() > 0
     host = HostSpeed(gbps=20.0, call_us=30.0)
     b = HEADER.expert_bytes
-    want = sum(max(c * b / 50e9, h * b / 20e9 + (30e-6 if h else 0.0)) for c, h in result.layer_calls.tolist())
-    assert result.channel_seconds(50e9, host) == pytest.approx(want)
-    assert result.predicted_tok_s(50e9, 0.02, host) == pytest.approx(30 / (0.02 + want))
+    want = sum(max(c * b / 50e9 + (5e-6 if c else 0.0), h * b / 20e9 + (30e-6 if h else 0.0))
+               for c, h in result.layer_calls.tolist())
+    assert result.channel_seconds(50e9, host, copy_call_us=5.0) == pytest.approx(want)
+    assert result.predicted_tok_s(50e9, 0.02, host, copy_call_us=5.0) == pytest.approx(30 / (0.02 + want))
 
 
 def test_no_prediction_without_a_compute_time_it_can_trust():
