@@ -108,12 +108,12 @@ class SimResult:
     decode_steps: int
     decode_tokens: int
     decode_ms: float | None
-    layer_calls: np.ndarray | None = None  # each decode layer call's (copied, host) experts
+    layer_calls: np.ndarray  # each decode layer call's (copied, host) experts, int64 [calls, 2]
 
     @property
     def host_experts(self) -> int:
         """Decode experts the host computed (0 without a HostSplit)."""
-        return 0 if self.layer_calls is None else int(self.layer_calls[:, 1].sum())
+        return int(self.layer_calls[:, 1].sum())
 
     def hit_rate(self, phase: str) -> float | None:
         """1 - misses / distinct experts admitted (the engine's definition); None if none."""
@@ -124,16 +124,10 @@ class SimResult:
     def decode_bytes(self) -> int:
         return self.decode["total"]["bytes_copied"]
 
-    def copy_seconds(self, h2d_bytes_per_s: float) -> float:
-        """The copy floor of the whole decode: its missed bytes over the link."""
-        return self.decode_bytes / h2d_bytes_per_s
-
     def channel_seconds(self, h2d_bytes_per_s: float, host: HostSpeed | None = None,
                         copy_call_us: float = DEFAULT_COPY_CALL_US) -> float:
         """The decode's time in its expert channels: the sum over layer calls of their copies'
         time and fixed cost, or under a split of the longer channel (see the module)."""
-        if self.layer_calls is None:
-            return self.copy_seconds(h2d_bytes_per_s)
         host = host or HostSpeed()
         copied, on_host = self.layer_calls[:, 0], self.layer_calls[:, 1]
         copy_s = copied * self.expert_bytes / h2d_bytes_per_s + (copied > 0) * copy_call_us * 1e-6
