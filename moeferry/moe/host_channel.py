@@ -198,7 +198,6 @@ class HostExpertChannel:
         host_ids = host_ids.contiguous()
         self._inflight = (self.out_device[:num_tokens], hidden, topk_weights, host_ids)
         call = self._call(layer_id, num_tokens)
-        staged = self.options.staging == "kernel"
         inputs = [(hidden.contiguous(), self.x[:num_tokens]), (host_ids, self.ids[:num_tokens]),
                   (topk_weights.contiguous(), self.weights[:num_tokens])]
         if self.options.dispatch == "mailbox":
@@ -210,6 +209,7 @@ class HostExpertChannel:
             host_mailbox.post_request(self.mailbox.box, self.mailbox.counter, self.mailbox.entry(call), host_ids,
                                       stage=inputs if in_post else ())
             return
+        staged = self.options.staging == "kernel"
         if staged:
             staged_copy(inputs)
         self.side.wait_stream(torch.cuda.current_stream(self.device))

@@ -1,11 +1,11 @@
 """The mailbox's GPU side as two one-program Triton kernels (the contract:
 kernels/host_mailbox/__init__.py). The mailbox is pinned host memory, handed over as a bare
-pointer (triton_common.kernel_argument); its words are
-read with volatile loads (every poll crosses PCIe) and the request is published by a
-system-scope release exchange, ordered after the CALL word, the kernels before it and, behind a
-barrier of the program's threads, the staged copies every thread wrote. A post
-given work reads it on the device first, WORK_BLOCK values a pass, and posts nothing if none is
->= at_least; a wait reads the mailbox only while its CONFIRMED word trails the sequence."""
+pointer (triton_common.kernel_argument); its words are read with volatile loads (every poll
+crosses PCIe) and the request is published by a system-scope release exchange, ordered after
+the CALL word, the kernels before it and, behind a barrier of the program's threads, the staged
+copies every thread wrote (host_staging's copy_pair). A post given work reads it on the device
+first, WORK_BLOCK values a pass, and posts nothing if none is >= at_least; a wait reads the
+mailbox only while its CONFIRMED word trails the sequence."""
 from __future__ import annotations
 
 import torch
@@ -13,19 +13,11 @@ import triton
 import triton.language as tl
 
 from moeferry.kernels.host_mailbox import CALL, CONFIRMED, DONE, REQUEST, STALLED
-from moeferry.kernels.host_staging import MAX_PAIRS
+from moeferry.kernels.host_staging.triton import BLOCK as STAGE_BLOCK, copy_pair, pair_arguments
 from moeferry.kernels.triton_common import kernel_argument, pdl_launch, wait_for_previous_kernel
 
 
 WORK_BLOCK = 256
-STAGE_BLOCK = 1024  # elements a staging pass, 4 warps
-
-
-@triton.jit
-def _stage(src_ptr, dst_ptr, n, STAGE_BLOCK: tl.constexpr):
-    for start in range(0, n, STAGE_BLOCK):
-        offs = start + tl.arange(0, STAGE_BLOCK)
-        tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < n).to(dst_ptr.dtype.element_ty), mask=offs < n)
 
 
 @triton.jit(do_not_specialize=["call_index", "num_work", "at_least", "n0", "n1", "n2"])
@@ -45,11 +37,11 @@ def _post_request_kernel(box_ptr, counter_ptr, call_index, work_ptr, num_work, a
         post = tl.max(found, axis=0) > 0
     if post:
         if STAGED_PAIRS > 0:  # every thread's copies, then the barrier: the release below covers them all
-            _stage(src0, dst0, n0, STAGE_BLOCK)
+            copy_pair(src0, dst0, n0, STAGE_BLOCK)
             if STAGED_PAIRS > 1:
-                _stage(src1, dst1, n1, STAGE_BLOCK)
+                copy_pair(src1, dst1, n1, STAGE_BLOCK)
             if STAGED_PAIRS > 2:
-                _stage(src2, dst2, n2, STAGE_BLOCK)
+                copy_pair(src2, dst2, n2, STAGE_BLOCK)
             tl.debug_barrier()
         sequence = tl.load(counter_ptr) + 1
         tl.store(counter_ptr, sequence)
@@ -76,15 +68,10 @@ def _wait_done_kernel(box_ptr, counter_ptr, max_polls, DONE_WORD: tl.constexpr, 
 
 def post_request(box: torch.Tensor, counter: torch.Tensor, call_index: int, work: torch.Tensor | None = None,
                  at_least: int = 0, stage: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> None:
-    has_work, on_gpu = work is not None, counter.is_cuda
-    pairs = []
-    for src, dst in stage:
-        pairs += [kernel_argument(src, on_gpu), kernel_argument(dst, on_gpu), src.numel()]
-    for _ in range(MAX_PAIRS - len(stage)):  # unused pairs: a copy of nothing (distinct tensors,
-        # since the interpreter copies every argument back after the launch)
-        pairs += [torch.empty(1, device=counter.device), torch.empty(1, device=counter.device), 0]
-    _post_request_kernel[(1,)](kernel_argument(box, on_gpu), counter, call_index,
-                               work if has_work else counter, work.numel() if has_work else 0, at_least, *pairs,
+    has_work = work is not None
+    _post_request_kernel[(1,)](kernel_argument(box, counter.is_cuda), counter, call_index,
+                               work if has_work else counter, work.numel() if has_work else 0, at_least,
+                               *pair_arguments(stage, counter.device),
                                REQUEST_WORD=REQUEST, CALL_WORD=CALL, HAS_WORK=has_work, STAGED_PAIRS=len(stage),
                                WORK_BLOCK=WORK_BLOCK, STAGE_BLOCK=STAGE_BLOCK, num_warps=4 if stage else 1,
                                **pdl_launch(counter.device))

@@ -24,6 +24,27 @@ def _copy_block(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def copy_pair(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    """All n elements of a pair in one program, BLOCK a pass (a posting kernel's staging,
+    kernels/host_mailbox)."""
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < n).to(dst_ptr.dtype.element_ty), mask=offs < n)
+
+
+def pair_arguments(pairs: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> list:
+    """A kernel's MAX_PAIRS (source, destination, length) arguments for `pairs`, the host side
+    as bare pointers on a GPU; the pairs left over copy nothing."""
+    on_gpu = device.type == "cuda"
+    args = []
+    for src, dst in pairs:
+        args += [kernel_argument(src, on_gpu), kernel_argument(dst, on_gpu), src.numel()]
+    for _ in range(MAX_PAIRS - len(pairs)):  # distinct tensors: the interpreter copies every argument back
+        args += [torch.empty(1, device=device), torch.empty(1, device=device), 0]
+    return args
+
+
+@triton.jit
 def _staged_copy_kernel(src0, dst0, n0, src1, dst1, n1, src2, dst2, n2, BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
     pair = tl.program_id(1)
@@ -38,15 +59,9 @@ def _staged_copy_kernel(src0, dst0, n0, src1, dst1, n1, src2, dst2, n2, BLOCK: t
 def staged_copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     check_pairs(pairs)
     device = next((t.device for pair in pairs for t in pair if t.is_cuda), pairs[0][1].device)
-    on_gpu = device.type == "cuda"
-    args, longest = [], 1
-    for src, dst in pairs:
-        args += [kernel_argument(src, on_gpu), kernel_argument(dst, on_gpu), src.numel()]
-        longest = max(longest, src.numel())
-    for _ in range(MAX_PAIRS - len(pairs)):  # unused pairs: a copy of nothing (distinct tensors,
-        # since the interpreter copies every argument back after the launch)
-        args += [torch.empty(1, device=device), torch.empty(1, device=device), 0]
-    _staged_copy_kernel[(triton.cdiv(longest, BLOCK), len(pairs))](*args, BLOCK=BLOCK, **pdl_launch(device))
+    longest = max([1] + [src.numel() for src, _ in pairs])
+    _staged_copy_kernel[(triton.cdiv(longest, BLOCK), len(pairs))](*pair_arguments(pairs, device), BLOCK=BLOCK,
+                                                                   **pdl_launch(device))
 
 
 @triton.jit
