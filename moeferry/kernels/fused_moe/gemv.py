@@ -143,9 +143,19 @@ def _int4_field(stored, i: tl.constexpr):
 def _e2m1_field(stored, i: tl.constexpr):
     """E2M1 field i of int32 words as fp32 value * 2^-126: the code's magnitude bits (two of
     exponent, one of mantissa) at float32's bits 24-22 and its sign at bit 31 make exactly that
-    number, a subnormal for the code 0.5 (two shifts and two logic ops; FFMA keeps subnormals)."""
-    magnitude = _field_bits(stored, i, 22) & 0x1C00000
-    return ((_field_bits(stored, i, 28) & -0x80000000) | magnitude).to(tl.float32, bitcast=True)
+    number, a subnormal for the code 0.5 (FFMA keeps subnormals). The field alone (one logic op)
+    times 2^s + 2^(s + 6) holds two copies of it that cannot overlap, one with its magnitude at
+    bits 24-22 and one with its sign at bit 31, which one more logic op keeps: three operations a
+    value, the multiply on the FMA pipe. Fields 6 and 7, whose magnitude must move down, are
+    fields 2 and 3 of the word shifted right by 16 (one shift for both)."""
+    if i >= 6:
+        field = (stored >> 16) & (0xF << (4 * i - 16))
+        shift: tl.constexpr = 22 - 4 * (i - 4)
+    else:
+        field = stored & (0xF << (4 * i))
+        shift: tl.constexpr = 22 - 4 * i
+    both = field * ((1 << shift) + (1 << (shift + 6)))
+    return (both & -0x7E400000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
