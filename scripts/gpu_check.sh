@@ -19,7 +19,8 @@
 # engine, side by side: a host's SM gather may trail its DMA), gpt-oss-mxfp4 (the gpt-oss-20b shape, 24 layers of MXFP4
 # experts, at 0-100% resident under gpu, offload and hybrid), profile-75 (where the decode step's time
 # goes under gpu, offload and hybrid with 75% of the experts resident, qwen3 routing: the offloaded rows'
-# cost beyond the resident step, their copies and the latency around them; RESULTS decode-profile/at-75),
+# cost beyond the resident step, their copies and the latency around them; RESULTS decode-profile/at-75;
+# then hybrid's row with its host kernel on 12 and 8 threads and with OMP_WAIT_POLICY=passive, logs only),
 # gpt-oss-tune (where its resident step's time goes at 1 and 4 requests, MXFP4, and the route GEMV's
 # tiles at its shape), gpt-oss-peer (llama.cpp built from
 # .peer/llamacpp-src.tgz into /tmp/lcbuild, about 4.5 minutes, then llama-bench on the same shape at
@@ -135,6 +136,14 @@ fi
 if has profile-75; then
   run bench-profile-75 python3 -m benchmarks.bench_profile --strategies gpu offload hybrid --share 0.75 --top 40 \
     --results "$RESULTS" "$CURRENT"
+  # hybrid's wait before its copies (57 us a step against offload's 20), with fewer host kernel threads
+  # beside the copy engine's and the mailbox's spinning workers, and with OpenMP's idle team asleep (logs only)
+  for threads in 12 8; do
+    run bench-profile-75-ht$threads python3 -m benchmarks.bench_profile --strategies hybrid --share 0.75 \
+      --host-threads $threads
+  done
+  OMP_WAIT_POLICY=passive run bench-profile-75-passive python3 -m benchmarks.bench_profile --strategies hybrid \
+    --share 0.75
 fi
 if has goals; then
   shares=(--shares 0 0.1 0.25 0.5 0.75 1.0 --batch 1 4 --repeats 1)
