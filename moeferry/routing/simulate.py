@@ -61,7 +61,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_H2D_GBPS = 55.0  # GB/s (1e9 bytes/s): pinned H2D copy_ on the hosts of benchmarks/RESULTS.md
 # us a decode layer call that copies any expert: the wait's latency around its DMA copies on an H100
-# host (RESULTS, decode-profile/at-75: 30 us before the first copy, 4 after the last)
+# host (`bench_profile --share 0.75` at 4383775: 30 us before a wait's first copy, 4 after its last;
+# the run now in RESULTS decode-profile/at-75 gave 13 and 4)
 DEFAULT_COPY_CALL_US = 34.0
 DEFAULT_HOST_GBPS = 116.6  # the host kernel's start-up figure on an H100 host (RESULTS, hybrid/decode/qwen3)
 _GIB = 2**30

@@ -17,10 +17,17 @@ BLOCK = 1024
 
 
 @triton.jit
-def _copy_block(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _copy_from(src_ptr, dst_ptr, start, n, BLOCK: tl.constexpr):
+    """Elements start .. start + BLOCK of a pair (those below n), cast to the destination's dtype."""
+    offs = start + tl.arange(0, BLOCK)
     mask = offs < n
     tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask).to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _copy_block(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    """The program's block of a pair (staged_copy: a program a block)."""
+    _copy_from(src_ptr, dst_ptr, tl.program_id(0).to(tl.int64) * BLOCK, n, BLOCK)
 
 
 @triton.jit
@@ -28,8 +35,7 @@ def copy_pair(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
     """All n elements of a pair in one program, BLOCK a pass (a posting kernel's staging,
     kernels/host_mailbox)."""
     for start in range(0, n, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < n).to(dst_ptr.dtype.element_ty), mask=offs < n)
+        _copy_from(src_ptr, dst_ptr, start, n, BLOCK)
 
 
 def pair_arguments(pairs: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> list:
